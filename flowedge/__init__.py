@@ -1,0 +1,15 @@
+"""flowedge: serve an LLM split across small edge devices with pipelined tree speculation."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "Client"]
+
+
+def __getattr__(name: str):
+    # Lazy so `import flowedge` stays cheap (no torch, no zmq) for the CLI and the client.
+    if name == "Client":
+        from flowedge.daemon.client import Client
+
+        return Client
+    raise AttributeError(name)

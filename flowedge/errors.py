@@ -1,0 +1,39 @@
+"""Typed errors: every failure a user or peer can cause has a class and a one-line message."""
+from __future__ import annotations
+
+
+class FlowedgeError(Exception):
+    """Base class; the CLI prints `error: <message>` and exits non-zero for these."""
+
+
+class ConfigError(FlowedgeError):
+    """Invalid user configuration: flags, config file, sampling values, tree sizes."""
+
+
+class ModelError(FlowedgeError):
+    """A model cannot be found, downloaded, verified or loaded."""
+
+
+class ChecksumError(ModelError):
+    """A file's sha256 differs from the one recorded for it."""
+
+
+class ContextOverflow(FlowedgeError):
+    """Prompt plus requested tokens do not fit the model's context window."""
+
+
+class BackendUnavailable(FlowedgeError):
+    """A quantization backend cannot run here; the message names one that can."""
+
+
+class ProtocolError(FlowedgeError):
+    """A peer sent a malformed frame, an unknown message type or a wrong protocol version."""
+
+
+class StageLost(FlowedgeError):
+    """A pipeline stage stopped answering during a request."""
+
+    def __init__(self, stage: int, last_seen_s: float) -> None:
+        super().__init__(f"stage {stage} lost (last heard {last_seen_s:.1f} s ago)")
+        self.stage = stage
+        self.last_seen_s = last_seen_s
