@@ -1,0 +1,112 @@
+"""The composition root: parses flags, builds objects, wires them. No logic of its own beyond that."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import click
+
+from flowedge.errors import FlowedgeError
+
+log = logging.getLogger("flowedge")
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+class _Root(click.Group):
+    """Turn every FlowedgeError into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FlowedgeError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Root)
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(package_name="flowedge")
+def main(verbose: int) -> None:
+    """flowedge: serve an LLM split across edge devices with pipelined tree speculation."""
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+
+
+sampling_options = [
+    click.option("--max-new-tokens", default=64, show_default=True, type=int),
+    click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
+    click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
+    click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off."),
+    click.option("--seed", default=None, type=int),
+]
+
+
+def with_sampling(f):
+    for opt in reversed(sampling_options):
+        f = opt(f)
+    return f
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Registry name, HF model dir or .gguf file.")
+@click.option("--draft", default=DEFAULT_DRAFT, show_default=True, help="Draft model (same tokenizer).")
+@click.option("--strategy", default="ar", show_default=True,
+              help="ar | tree (one process), or any pipeline strategy (simulated cluster).")
+@with_sampling
+@click.option("--tree-topk", default=None, type=int, help="Draft tree: children per expanded node.")
+@click.option("--tree-depth", default=None, type=int, help="Draft tree depth d0.")
+@click.option("--tree-nodes", default=None, type=int, help="Draft tree size L (nodes kept, root included).")
+@click.option("--nodes", default=5, show_default=True, type=int, help="Simulated cluster size (pipeline strategies).")
+@click.option("--profile", default="orin-nano-8gb", show_default=True, help="Device profile (pipeline strategies).")
+@click.option("--link", default=None, help="Link profile (default: the device profile's).")
+@click.option("--no-chat", is_flag=True, help="Send the prompt raw instead of through the chat template.")
+@click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k, top_p, seed,
+             tree_topk, tree_depth, tree_nodes, nodes, profile, link, no_chat, threads, as_json):
+    """Generate text for PROMPT in this process (reference `ar`, one-node `tree`, or a simulated cluster)."""
+    from flowedge.core.sampling import SamplingParams
+    from flowedge.runner import GenerateRequest, run_generate
+
+    set_threads(threads)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    req = GenerateRequest(prompt=prompt, model=model, draft=draft, strategy=strategy,
+                          max_new_tokens=max_new_tokens, params=params, chat=not no_chat,
+                          tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
+                          nodes=nodes, profile=profile, link=link)
+    stream = None if as_json else (lambda text: click.echo(text, nl=False))
+    out = run_generate(req, on_text=stream)
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo()
+
+
+def _optional_commands() -> None:
+    """Attach command groups that live next to the code they drive."""
+    from flowedge.models.commands import models, split
+
+    main.add_command(models)
+    main.add_command(split)
+    try:
+        from flowedge.transport.commands import keys
+        main.add_command(keys)
+    except ImportError:
+        pass
+
+
+_optional_commands()
+
+if __name__ == "__main__":
+    main()

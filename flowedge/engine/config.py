@@ -1,0 +1,31 @@
+"""Speculation settings, one frozen dataclass; defaults follow FlowSpec's appendix A.1."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flowedge.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    tree_nodes: int = 80        # L: nodes kept in the initial tree (root included)
+    tree_depth: int = 6         # d0
+    topk: int = 10              # children per expanded node, nodes expanded per level
+    l_max: int = 16             # most nodes per segment
+    exp_nodes: int = 64         # context-aware expansion tree size (sent as one segment)
+    exp_depth: int = 6
+    se_depth: int = 1           # score-aware expansion: levels added to the stored base tree
+    se_nodes: int = 16          # ... and nodes taken from it
+    pipedec_width: int = 16     # PipeDec: nodes per tree level
+    prefill_chunk: int = 256    # chunked prefill
+
+    def __post_init__(self) -> None:
+        for name in ("tree_nodes", "tree_depth", "topk", "l_max", "exp_nodes", "exp_depth",
+                     "pipedec_width", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.se_depth < 0 or self.se_nodes < 0:
+            raise ConfigError("score-aware expansion sizes must be >= 0")
+
+    def with_(self, **changes) -> "SpecConfig":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,160 @@
+"""Grow EAGLE-2-style draft trees with a small draft LM, reusing its KV cache across levels and rounds.
+
+The draft cache holds the committed context (prompt + output tokens, root included) followed by the
+entries of the current base tree's expanded nodes. A new build crops back to the committed part, so
+accepted tokens are never re-run and tree entries never leak into the next tree.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flowedge.core.tree import DraftTree
+from flowedge.errors import ConfigError
+from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """How a draft tree grows: `topk` children per expanded node, `width` nodes expanded per level
+    (EAGLE-2 uses width = topk), `depth` levels below the root; `keep_all` keeps every candidate
+    (EAGLE-2's base tree, reranked later) instead of only the expanded ones (PipeDec's levels)."""
+    topk: int = 10
+    depth: int = 6
+    width: int | None = None
+    keep_all: bool = True
+
+    def __post_init__(self) -> None:
+        if self.topk < 1 or self.depth < 1 or (self.width is not None and self.width < 1):
+            raise ConfigError(f"tree topk, width and depth must be >= 1 (got {self.topk}, {self.width}, {self.depth})")
+
+    @property
+    def level_width(self) -> int:
+        return self.width or self.topk
+
+
+class Drafter:
+    def __init__(self, model: StageModel) -> None:
+        self.model = model
+        self.cache = model.new_cache()
+        self.forwards = 0
+        self._calls: list[tuple[int, int, float]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.committed = 0                 # cache entries that are committed context
+        self.context: list[int] = []       # tokens behind those entries
+        self.base: DraftTree | None = None
+        self._slot = torch.empty(0, dtype=torch.long)   # base node -> cache slot, -1 if not run
+        self.frontier = torch.empty(0, dtype=torch.long)
+        self.shape = TreeShape()
+
+    # ---- building ---------------------------------------------------------------------------------
+    def build(self, context: list[int], shape: TreeShape) -> DraftTree:
+        """Base tree rooted at context[-1]; `context` = prompt + every output token so far."""
+        keep = self._sync(context)
+        new = torch.tensor(context[keep:], dtype=torch.long)
+        logp = self._run(new, torch.arange(keep, keep + new.numel()), causal_mask(new.numel(), keep))[-1]
+        self.committed = self.cache.length
+        self.shape = shape
+        tree = DraftTree.root_only(context[-1])
+        top = logp.topk(shape.level_width if not shape.keep_all else shape.topk)
+        kids = tree.append(top.indices, torch.zeros_like(top.indices), top.values.float())
+        self.base = tree
+        self._slot = torch.full((len(tree),), -1, dtype=torch.long)
+        self.frontier = kids[: shape.level_width]
+        self.extend(shape.depth - 1)
+        return tree
+
+    def extend(self, levels: int, alive: torch.Tensor | None = None) -> torch.Tensor:
+        """Grow the stored base tree by up to `levels` levels from its frontier (score-aware expansion,
+        PipeDec's next level). Frontier nodes dead under `alive` are skipped. Returns the new node ids."""
+        if self.base is None:
+            raise RuntimeError("extend() before build()")
+        added = []
+        for _ in range(levels):
+            if alive is not None:
+                f = self.frontier
+                self.frontier = f[alive[f]] if f.numel() else f
+            if self.frontier.numel() == 0:
+                break
+            added.append(self._expand_frontier())
+        return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
+
+    def _expand_frontier(self) -> torch.Tensor:
+        tree, frontier, shape = self.base, self.frontier, self.shape
+        k, past = frontier.numel(), self.cache.length
+        allowed = self._tree_rows(frontier, past)
+        logp = self._run(tree.tokens[frontier], self.committed - 1 + tree.depths[frontier], allowed)
+        self._grow_slots()
+        self._slot[frontier] = torch.arange(past, past + k)
+        top = logp.topk(shape.topk, dim=-1)                                    # [k, topk]
+        scores = (tree.log_scores[frontier].unsqueeze(1) + top.values).flatten()
+        tokens = top.indices.flatten()
+        parents = frontier.unsqueeze(1).expand(k, shape.topk).flatten()
+        best = scores.topk(min(shape.level_width, scores.numel())).indices
+        if shape.keep_all:
+            new = tree.append(tokens, parents, scores.float())
+            self.frontier = new[best]
+        else:
+            new = tree.append(tokens[best], parents[best], scores[best].float())
+            self.frontier = new
+        self._grow_slots()
+        return new
+
+    def _grow_slots(self) -> None:
+        extra = len(self.base) - self._slot.numel()
+        if extra > 0:
+            self._slot = torch.cat([self._slot, torch.full((extra,), -1, dtype=torch.long)])
+
+    def _tree_rows(self, nodes: torch.Tensor, past: int) -> torch.Tensor:
+        # nodes: [k] -> allowed [k, past + k]: committed context, each node's expanded ancestors, itself
+        tree, k = self.base, nodes.numel()
+        allowed = torch.zeros(k, past + k, dtype=torch.bool)
+        allowed[:, : self.committed] = True
+        rows = torch.arange(k)
+        cur = nodes.clone()
+        for _ in range(int(tree.depths[nodes].max())):
+            cur = torch.where(cur >= 0, tree.parents[cur.clamp(min=0)], cur)
+            slot = self._slot[cur.clamp(min=0)]
+            ok = (cur >= 0) & (slot >= 0)
+            allowed[rows[ok], slot[ok]] = True
+        allowed[rows, past + rows] = True
+        return allowed
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """One draft forward; returns log-probs [n, V] and records (tokens, context, seconds)."""
+        t0 = time.perf_counter()
+        past = self.cache.length
+        h = self.model.embed(tokens)
+        h = self.model.forward_layers(h, positions, bool_to_float_mask(allowed, h.dtype), self.cache)
+        logp = torch.log_softmax(self.model.logits(h), dim=-1)
+        self.forwards += 1
+        self._calls.append((int(tokens.numel()), past, time.perf_counter() - t0))
+        return logp
+
+    def drain_calls(self) -> list[tuple[int, int, float]]:
+        """Draft forwards since the last call, as (tokens, context, seconds): the simulator charges them."""
+        calls, self._calls = self._calls, []
+        return calls
+
+    def _sync(self, context: list[int]) -> int:
+        """Crop the cache to the longest committed prefix still valid for `context`; the root (last
+        token) is always re-run so its logits are fresh. Returns the kept length."""
+        keep = 0
+        limit = min(self.committed, len(context) - 1)
+        if self.context[:limit] == context[:limit]:
+            keep = limit
+        else:
+            while keep < limit and self.context[keep] == context[keep]:
+                keep += 1
+        self.cache.truncate(keep)
+        self.committed = keep
+        self.context = list(context)
+        return keep

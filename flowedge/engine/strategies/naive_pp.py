@@ -1,0 +1,23 @@
+"""`naive-pp` (FlowSpec's baseline): the whole tree in near-equal micro-batches, verified once all
+have returned; no pruning in flight, no early exit, no expansion."""
+from __future__ import annotations
+
+import math
+
+from flowedge.core.select import split_segments
+from flowedge.engine.strategies.base import ScoredTreeStrategy
+
+
+class NaivePP(ScoredTreeStrategy):
+    name = "naive-pp"
+    order = "bfs"
+
+    def segment_ranges(self, head) -> list[tuple[int, int]]:
+        n = len(head.tree)
+        return split_segments(n, head.config.l_max, n_segments=math.ceil(n / head.config.l_max))
+
+    def on_output(self, head, live_nodes: int) -> list:
+        if head.in_flight:
+            return []
+        res, cost = head.verify()
+        return cost + head.apply_walk(res, continue_round=False)

@@ -1,0 +1,248 @@
+"""Weight-only 4-bit quantization backends, chosen at run time per device.
+
+- none: keep the weights as loaded.
+- nf4:  bitsandbytes Linear4bit (NF4, blocksize 64), CUDA and CPU.
+- int4: torch's tinygemm int4 kernels, group-wise asymmetric quantization (no extra package).
+Only nn.Linear layers are replaced; embeddings and lm_head stay as they are unless asked.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flowedge.errors import BackendUnavailable, ConfigError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("none", "nf4", "int4")
+DEFAULT_GROUP_SIZE = 32
+GROUP_SIZES = (32, 64, 128, 256)
+NF4_OUT_MULTIPLE = 32  # bnb's packed CPU layout (AVX512-BF16 path) needs out_features % 32 == 0
+INT4_CPU_N_MULTIPLE = 16
+INT4_CUDA_N_MULTIPLE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class QuantReport:
+    backend: str
+    quantized: int
+    skipped: list[str] = field(default_factory=list)  # "name: reason"
+    bytes_before: int = 0  # all targeted Linear layers, skipped ones included
+    bytes_after: int = 0
+
+
+def _module_bytes(module: nn.Module) -> int:
+    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    if state is not None:  # bnb keeps absmax (and nested stats) outside the parameters
+        total += sum(v.numel() * v.element_size() for v in state.as_dict(packed=False).values()
+                     if isinstance(v, torch.Tensor))
+    return total
+
+
+# ---------------------------------------------------------------- int4 (torch tinygemm)
+
+def quantize_int4_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per-group 4-bit codes and the kernel's scales-and-zeros table.
+
+    weight: [N, K] -> codes: [N, K] int32 in 0..15, scales_zeros: [K / group_size, N, 2] float32.
+    The kernel dequantises as (code - 8) * scale + zero, so zero = min + 8 * scale.
+    """
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    low = groups.amin(-1, keepdim=True)
+    high = groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = low + 8 * scale
+    scales_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return codes, scales_zeros
+
+
+def int4_skip_reason(linear: nn.Linear, group_size: int) -> str | None:
+    n, k = linear.out_features, linear.in_features
+    if linear.weight.device.type == "cuda":
+        if n % INT4_CUDA_N_MULTIPLE:
+            return f"out_features {n} not a multiple of {INT4_CUDA_N_MULTIPLE}"
+        if _inner_k_tiles(k) is None:
+            return f"in_features {k} not a multiple of 32"
+    elif n % INT4_CPU_N_MULTIPLE:
+        return f"out_features {n} not a multiple of {INT4_CPU_N_MULTIPLE}"
+    if k % group_size:
+        return f"in_features {k} not a multiple of group size {group_size}"
+    return None
+
+
+def _inner_k_tiles(k: int) -> int | None:
+    return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+
+
+class Int4Linear(nn.Module):
+    """Linear with 4-bit group-quantized weights run by torch's int4pack matmul."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Linear:
+        reason = int4_skip_reason(linear, group_size)
+        if reason is not None:
+            raise ConfigError(f"cannot int4-quantize this Linear: {reason}")
+        weight = linear.weight.detach()
+        codes, scales_zeros = quantize_int4_weight(weight, group_size)
+        if weight.device.type == "cuda":
+            # The CUDA kernel takes two codes per byte (high nibble first) and bf16 tables.
+            as_bytes = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(as_bytes, _inner_k_tiles(weight.shape[1]))
+            scales_zeros = scales_zeros.to(torch.bfloat16)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scales_zeros.to(weight.device), bias,
+                   linear.in_features, linear.out_features, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(
+                flat.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scales_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat.to(self.scales_zeros.dtype).contiguous(), self.packed, self.group_size,
+                self.scales_zeros)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+# ---------------------------------------------------------------- nf4 (bitsandbytes)
+
+def nf4_skip_reason(linear: nn.Linear) -> str | None:
+    if linear.out_features % NF4_OUT_MULTIPLE:
+        return f"out_features {linear.out_features} not a multiple of {NF4_OUT_MULTIPLE}"
+    return None
+
+
+def nf4_linear(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    device = linear.weight.device
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                          compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+    q.weight = bnb.nn.Params4bit(linear.weight.detach().to("cpu", torch.float32).clone(),
+                                 requires_grad=False, quant_type="nf4")
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.detach().to(torch.float32).clone(), requires_grad=False)
+    # Params4bit quantizes when moved to its device (CPU included).
+    return q.to(device)
+
+
+# ---------------------------------------------------------------- availability and the entry point
+
+@functools.lru_cache(maxsize=None)
+def _probe(backend: str, device: str) -> str | None:
+    """None when a tiny layer quantizes and runs correctly on `device`, else the reason."""
+    if backend == "none":
+        return None
+    if backend == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            return f"bitsandbytes is not installed ({exc})"
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(128, 64).to(torch_device)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 128, generator=generator) * 0.05)
+        x = torch.randn(2, 128, generator=generator).to(torch_device)
+        try:
+            q = nf4_linear(linear, torch.float32) if backend == "nf4" else Int4Linear.from_linear(linear)
+            err = ((q(x).float() - linear(x)).norm() / linear(x).norm()).item()
+        except Exception as exc:  # noqa: BLE001 - any kernel failure means "not usable here"
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    return None if err < 0.25 else f"kernel gives wrong results here (relative error {err:.2f})"
+
+
+def available_backends(device: str = "cpu") -> dict[str, str | None]:
+    """Backend -> None when usable on `device`, else the reason it is not."""
+    return {b: _probe(b, str(torch.device(device))) for b in BACKENDS}
+
+
+def _require(backend: str, device: str) -> None:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown quantization backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    reason = _probe(backend, device)
+    if reason is None:
+        return
+    other = "int4" if backend == "nf4" else "nf4" if _probe("nf4", device) is None else "none"
+    needs = "bitsandbytes with a working kernel" if backend == "nf4" else "torch int4pack kernels"
+    raise BackendUnavailable(f"{backend} needs {needs} on {device} ({reason}); use --quant {other}")
+
+
+def default_backend(device: str = "cpu") -> str:
+    """The fastest usable backend at decode batch sizes, measured (see tools/bench_quant.py)."""
+    order = ("nf4", "int4") if torch.device(device).type == "cuda" else ("int4", "nf4")
+    for backend in order:
+        if _probe(backend, str(torch.device(device))) is None:
+            return backend
+    return "none"
+
+
+def quantize_module(
+    module: nn.Module,
+    backend: str,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    skip_names: Iterable[str] = ("lm_head",),
+) -> QuantReport:
+    """Replace every nn.Linear under `module` in place; unsupported shapes are kept and reported."""
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+    if isinstance(module, nn.Linear):
+        raise ConfigError("quantize_module needs a container of Linear layers, not a bare Linear")
+    targets = [(name, m) for name, m in module.named_modules()
+               if isinstance(m, nn.Linear) and not _skipped_name(name, skip_names)]
+    if backend == "none":
+        size = sum(_module_bytes(m) for _, m in targets)
+        return QuantReport("none", 0, [], size, size)
+    device = str(targets[0][1].weight.device) if targets else "cpu"
+    _require(backend, device)
+    quantized, skipped, before, after = 0, [], 0, 0
+    for name, linear in targets:
+        before += _module_bytes(linear)
+        reason = nf4_skip_reason(linear) if backend == "nf4" else int4_skip_reason(linear, group_size)
+        if reason is not None:
+            skipped.append(f"{name}: {reason}")
+            after += _module_bytes(linear)
+            continue
+        with torch.no_grad():
+            new = nf4_linear(linear, compute_dtype) if backend == "nf4" else Int4Linear.from_linear(linear, group_size)
+        after += _module_bytes(new)
+        module.set_submodule(name, new)
+        quantized += 1
+    if skipped:
+        log.info("%s: left %d Linear layers unquantized: %s", backend, len(skipped), "; ".join(skipped))
+    return QuantReport(backend, quantized, skipped, before, after)
+
+
+def _skipped_name(name: str, skip_names: Iterable[str]) -> bool:
+    return any(part in skip_names for part in name.split("."))

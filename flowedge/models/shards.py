@@ -1,0 +1,385 @@
+"""Stage shard format: one safetensors file per pipeline stage plus a head file and a manifest.
+
+A stage process loads only its own file, so a device never holds more than its layer range.
+Layout of a shard directory (format 1):
+    config.json, tokenizer files       copied from the source model
+    head.safetensors                   embed_tokens, final norm, lm_head (absent when tied)
+    stage-<i>.safetensors              model.layers.<j>.* for j in the stage's [start, end)
+    manifest.json                      written last; sizes and sha256 of every file
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from flowedge.errors import ChecksumError, ConfigError, ModelError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+HEAD_FILE = "head.safetensors"
+HEAD_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# Files other than weights that travel with a model directory (tokenizer, generation settings).
+COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+SKIP_COPY = {"model.safetensors.index.json", MANIFEST, "flowedge.json"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_CHUNK = 1 << 22
+
+_DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor to write, described before it is loaded so the header can be written first."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+def write_safetensors(
+    path: Path, entries: list[TensorEntry], metadata: dict[str, str] | None = None
+) -> tuple[str, int]:
+    """Stream tensors into a safetensors file one at a time; return (sha256, bytes).
+
+    safetensors' own save_file serialises every tensor to bytes first, doubling peak memory on
+    a 6 GB model; this writer holds one tensor at a time and hashes while it writes.
+    """
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        if entry.dtype not in _DTYPE_CODES:
+            raise ModelError(f"cannot store tensor {entry.name} of dtype {entry.dtype}")
+        header[entry.name] = {"dtype": _DTYPE_CODES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            f.write(chunk)
+            digest.update(chunk)
+        for entry in entries:
+            _write_tensor(f, digest, entry)
+        size = f.tell()
+    return digest.hexdigest(), size
+
+
+def _write_tensor(f, digest, entry: TensorEntry) -> None:
+    tensor = entry.load().detach()
+    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise ModelError(f"tensor {entry.name} changed while writing")
+    data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    view = memoryview(data)
+    f.write(view)
+    digest.update(view)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    index: int
+    start: int
+    end: int
+    file: str
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FileSpec:
+    file: str
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    model: str
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    tied: bool
+    head: FileSpec
+    stages: tuple[StageSpec, ...]
+    format: int = FORMAT
+
+    def to_json(self) -> dict:
+        return {
+            "format": self.format, "model": self.model, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "dtype": self.dtype, "tied": self.tied,
+            "head": {"file": self.head.file, "sha256": self.head.sha256, "bytes": self.head.bytes},
+            "stages": [{"index": s.index, "layers": [s.start, s.end], "file": s.file,
+                        "sha256": s.sha256, "bytes": s.bytes} for s in self.stages],
+        }
+
+    @classmethod
+    def load(cls, shard_dir: Path) -> Manifest:
+        path = Path(shard_dir) / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+            manifest = cls._from_json(data)
+        except FileNotFoundError:
+            raise ModelError(f"{shard_dir} is not a shard directory (no {MANIFEST})") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"invalid {path}: {exc}") from None
+        manifest._check()
+        return manifest
+
+    @classmethod
+    def _from_json(cls, data: dict) -> Manifest:
+        if data["format"] != FORMAT:
+            raise ValueError(f"format {data['format']} unsupported (expected {FORMAT})")
+        stages = tuple(
+            StageSpec(int(s["index"]), int(s["layers"][0]), int(s["layers"][1]), str(s["file"]),
+                      str(s["sha256"]), int(s["bytes"]))
+            for s in data["stages"]
+        )
+        head = data["head"]
+        return cls(model=str(data["model"]), num_layers=int(data["num_layers"]),
+                   hidden_size=int(data["hidden_size"]), dtype=str(data["dtype"]),
+                   tied=bool(data["tied"]),
+                   head=FileSpec(str(head["file"]), str(head["sha256"]), int(head["bytes"])),
+                   stages=stages)
+
+    def _check(self) -> None:
+        expected = 0
+        for i, stage in enumerate(self.stages):
+            if stage.index != i or stage.start != expected or stage.end <= stage.start:
+                raise ModelError(f"manifest stage {i} has bad layers [{stage.start}, {stage.end})")
+            expected = stage.end
+        if expected != self.num_layers:
+            raise ModelError(f"manifest stages cover {expected} of {self.num_layers} layers")
+
+
+def balanced_layers(num_layers: int, stages: int) -> list[int]:
+    """Layer counts per stage differing by at most one; earlier stages take the extra layers."""
+    if stages < 1 or stages > num_layers:
+        raise ConfigError(f"cannot split {num_layers} layers into {stages} stages")
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def _layer_counts(num_layers: int, stages: int, layers: list[int] | None) -> list[int]:
+    if layers is None:
+        return balanced_layers(num_layers, stages)
+    if len(layers) != stages or any(n < 1 for n in layers) or sum(layers) != num_layers:
+        raise ConfigError(
+            f"--layers {','.join(map(str, layers))} must be {stages} positive counts "
+            f"summing to {num_layers}"
+        )
+    return list(layers)
+
+
+class _TensorSource:
+    """Tensor names -> file in a Hugging Face directory (single file or index-sharded)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        single = model_dir / "model.safetensors"
+        index = model_dir / "model.safetensors.index.json"
+        if single.is_file():
+            with safe_open(str(single), "pt") as f:
+                self.files = {name: single for name in f.keys()}
+        elif index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: model_dir / fname for name, fname in weight_map.items()}
+        else:
+            raise ModelError(f"{model_dir} has no model.safetensors (other weight formats unsupported)")
+
+    def entries(self, names: Iterable[str]) -> list[TensorEntry]:
+        out = []
+        for name in names:
+            path = self.files[name]
+            with safe_open(str(path), "pt") as f:
+                sl = f.get_slice(name)
+                dtype, shape = _CODE_DTYPES[sl.get_dtype()], tuple(sl.get_shape())
+            out.append(TensorEntry(name, dtype, shape, _loader(path, name)))
+        return out
+
+
+def _loader(path: Path, name: str) -> Callable[[], torch.Tensor]:
+    def load() -> torch.Tensor:
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor(name)
+    return load
+
+
+def _group_names(names: Iterable[str], ranges: list[tuple[int, int]], num_layers: int):
+    head: list[str] = []
+    stages: list[list[str]] = [[] for _ in ranges]
+    for name in sorted(names, key=_natural_key):
+        match = _LAYER_RE.match(name)
+        if match is None:
+            head.append(name)
+            continue
+        layer = int(match.group(1))
+        if layer >= num_layers:
+            raise ModelError(f"tensor {name} beyond num_hidden_layers={num_layers}")
+        stages[next(i for i, (a, b) in enumerate(ranges) if a <= layer < b)].append(name)
+    return head, stages
+
+
+def _natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
+def split_model(
+    model_dir: Path,
+    stages: int,
+    out: Path,
+    layers: list[int] | None = None,
+    progress: Progress | None = None,
+    *,
+    model_name: str | None = None,
+) -> Manifest:
+    """Cut a Hugging Face model directory into per-stage safetensors files under `out`.
+
+    Files are written into a temporary sibling directory that is renamed into place at the
+    end, so `out` is either absent, the previous complete split, or the new complete split.
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    config = _read_config(model_dir)
+    num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    counts = _layer_counts(num_layers, stages, layers)
+    bounds = [sum(counts[:i]) for i in range(stages + 1)]
+    ranges = list(zip(bounds[:-1], bounds[1:]))
+    source = _TensorSource(model_dir)
+    tied = bool(config.get("tie_word_embeddings", False))
+    head_names, stage_names = _group_names(source.files, ranges, num_layers)
+    if tied:
+        head_names = [n for n in head_names if n != "lm_head.weight"]
+    elif "lm_head.weight" not in head_names:
+        raise ModelError(f"{model_dir}: lm_head.weight missing and tie_word_embeddings is false")
+    report = progress or (lambda msg: log.info("%s", msg))
+    tmp = _fresh_tmp(out)
+    try:
+        _copy_side_files(model_dir, tmp)
+        head_sha, head_bytes = write_safetensors(tmp / HEAD_FILE, source.entries(head_names))
+        report(f"wrote {HEAD_FILE} ({head_bytes / 1e6:.1f} MB)")
+        specs = []
+        for i, ((start, end), names) in enumerate(zip(ranges, stage_names)):
+            fname = f"stage-{i}.safetensors"
+            sha, size = write_safetensors(tmp / fname, source.entries(names))
+            specs.append(StageSpec(i, start, end, fname, sha, size))
+            report(f"wrote {fname}: layers [{start}, {end}) ({size / 1e6:.1f} MB)")
+        manifest = Manifest(
+            model=model_name or str(model_dir), num_layers=num_layers, hidden_size=hidden,
+            dtype=_dtype_name(source, head_names), tied=tied,
+            head=FileSpec(HEAD_FILE, head_sha, head_bytes), stages=tuple(specs),
+        )
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+        _swap_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _read_config(model_dir: Path) -> dict:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{model_dir} has no config.json") from None
+    except ValueError as exc:
+        raise ModelError(f"{model_dir}/config.json is invalid: {exc}") from None
+    if "num_hidden_layers" not in config or "hidden_size" not in config:
+        raise ModelError(f"{model_dir}/config.json lacks num_hidden_layers/hidden_size")
+    return config
+
+
+def _dtype_name(source: _TensorSource, head_names: list[str]) -> str:
+    entry = source.entries([n for n in head_names if n.endswith("embed_tokens.weight")][:1] or
+                           list(source.files)[:1])[0]
+    return str(entry.dtype).removeprefix("torch.")
+
+
+def _copy_side_files(model_dir: Path, dest: Path) -> None:
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix in COPY_SUFFIXES and path.name not in SKIP_COPY:
+            shutil.copy2(path, dest / path.name)
+
+
+def _fresh_tmp(out: Path) -> Path:
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise ConfigError(f"{out} exists and is not a shard directory; refusing to overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an old split is moved aside first and removed after."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_shard(
+    shard_dir: Path, which: Literal["head"] | int, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """Load the head or one stage's tensors (original names), checking sha256 first."""
+    shard_dir = Path(shard_dir)
+    manifest = Manifest.load(shard_dir)
+    spec = _file_spec(manifest, which)
+    path = shard_dir / spec.file
+    if not path.is_file():
+        raise ModelError(f"shard {spec.file} missing from {shard_dir}")
+    if verify:
+        size = path.stat().st_size
+        if size != spec.bytes:
+            raise ChecksumError(f"shard {spec.file} is corrupt: {size} bytes != manifest {spec.bytes}")
+        actual = file_sha256(path)
+        if actual != spec.sha256:
+            raise ChecksumError(
+                f"shard {spec.file} is corrupt: sha256 {actual} != manifest {spec.sha256}"
+            )
+    return load_file(str(path))
+
+
+def _file_spec(manifest: Manifest, which: Literal["head"] | int) -> FileSpec | StageSpec:
+    if which == "head":
+        return manifest.head
+    if isinstance(which, int) and not isinstance(which, bool) and 0 <= which < len(manifest.stages):
+        return manifest.stages[which]
+    raise ConfigError(f"no shard {which!r}: expected 'head' or 0..{len(manifest.stages) - 1}")
+

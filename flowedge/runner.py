@@ -1,0 +1,131 @@
+"""What `flowedge generate` does, as a function: resolve models, tokenize, run a strategy, detokenize."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCAL_STRATEGIES = ("ar", "tree")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    model: str
+    draft: str
+    strategy: str = "ar"
+    max_new_tokens: int = 64
+    params: SamplingParams = SamplingParams()
+    chat: bool = True
+    tree_topk: int | None = None
+    tree_depth: int | None = None
+    tree_nodes: int | None = None
+    nodes: int = 5
+    profile: str = "orin-nano-8gb"
+    link: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+
+
+class TextStream:
+    """Turns token ids into printable text pieces as they arrive (holds back split UTF-8 characters)."""
+
+    def __init__(self, tokenizer, sink: Callable[[str], None]) -> None:
+        self.tokenizer, self.sink = tokenizer, sink
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.shown:
+            self.sink(text[self.shown:])
+            self.shown = len(text)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = None) -> dict:
+    from flowedge.models.resolve import resolve_model
+
+    base_dir = resolve_model(req.model)
+    tok = load_tokenizer(base_dir)
+    prompt_ids = encode_prompt(tok, req.prompt, req.chat)
+    stream = TextStream(tok, on_text) if on_text else None
+    t0 = time.monotonic()
+    if req.strategy == "ar":
+        from flowedge.engine.local import generate_ar
+
+        res = generate_ar(base_dir, prompt_ids, req.max_new_tokens, req.params, on_tokens=stream)
+        extra: dict = {}
+    elif req.strategy == "tree":
+        res, extra = _run_tree(req, base_dir, prompt_ids, stream)
+    else:
+        from flowedge.sim.run import run_simulated
+
+        res, extra = run_simulated(req, base_dir, prompt_ids, stream)
+    out = {
+        "strategy": req.strategy,
+        "text": tok.decode(res.token_ids, skip_special_tokens=True),
+        "token_ids": res.token_ids,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(res.token_ids),
+        "wall_s": round(res.wall_s, 4),
+        "total_s": round(time.monotonic() - t0, 4),
+        "tokens_per_s": round(len(res.token_ids) / res.wall_s, 3) if res.wall_s > 0 else None,
+    }
+    if res.accept_lens:
+        out["mean_accept_len"] = round(res.mean_accept_len, 4)
+        out["verifications"] = len(res.accept_lens)
+    out.update(extra)
+    return out
+
+
+def tree_settings(req: GenerateRequest, topk: int, depth: int, nodes: int):
+    from flowedge.engine.drafter import TreeShape
+
+    shape = TreeShape(topk=req.tree_topk or topk, depth=req.tree_depth or depth)
+    total = req.tree_nodes or nodes
+    if total < 1:
+        raise ConfigError(f"--tree-nodes must be >= 1 (got {total})")
+    return shape, total
+
+
+def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
+    from flowedge.engine.drafter import Drafter
+    from flowedge.engine.local import generate_tree
+    from flowedge.models.resolve import resolve_model
+    from flowedge.models.stage import StageModel
+
+    # One-node defaults sized for a CPU: a small tree verifies in about the time of 2-3 tokens.
+    shape, total = tree_settings(req, topk=4, depth=5, nodes=16)
+    base = StageModel.load(base_dir)
+    drafter = Drafter(StageModel.load(resolve_model(req.draft)))
+    res = generate_tree(base, drafter, prompt_ids, req.max_new_tokens, req.params, shape, total,
+                        on_tokens=stream)
+    return res, {"rounds": res.rounds, "draft_forwards": res.draft_forwards,
+                 "tree": {"topk": shape.topk, "depth": shape.depth, "nodes": total}}

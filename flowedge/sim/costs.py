@@ -1,0 +1,169 @@
+"""Roofline cost model: how long one forward or one transfer takes on a profiled device or link.
+
+A forward either streams its weights (and the KV cache) through memory or is bound by arithmetic,
+whichever is slower, plus fixed per-call and per-layer overheads that dominate small models on
+Python runtimes. Calibration and sources: `device_profiles/README.md`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowedge.errors import ConfigError
+from flowedge.sim.profiles import ComputePath, DeviceProfile, LinkProfile
+
+SMALL_TOKENS = 128  # at or below: eta_flops_small (GEMV-like, tensor cores half idle)
+LARGE_TOKENS = 512  # at or above: eta_flops_large
+LOGIT_BYTES = 4  # logits come out of the lm_head as fp32
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the cost model needs to know about a model or a layer range of one."""
+
+    params: int  # weights touched by one forward (layer range, or lm_head)
+    layers: int
+    hidden: int
+    flops_per_token: float  # 2 * params; attention over the context is added per forward
+    kv_bytes_per_token: float  # K+V bytes per context token over these layers, at 16-bit
+
+    def __post_init__(self) -> None:
+        if self.params < 0 or self.layers < 0 or self.hidden <= 0:
+            raise ConfigError(f"invalid model shape {self}")
+
+
+def _attr(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        raise ConfigError(f"model config has no {name}; cannot estimate its cost")
+    return int(value)
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    return _attr(config, "hidden_size") // _attr(config, "num_attention_heads")
+
+
+def _layer_params(config: Any) -> int:
+    """Parameters of one dense decoder layer (attention + gated MLP + 2 norms; biases ignored)."""
+    hidden = _attr(config, "hidden_size")
+    q_dim = _attr(config, "num_attention_heads") * _head_dim(config)
+    kv_dim = _attr(config, "num_key_value_heads") * _head_dim(config)
+    attention = hidden * q_dim * 2 + hidden * kv_dim * 2  # q, o, k, v projections
+    mlp = 3 * hidden * _attr(config, "intermediate_size")  # gate, up, down
+    return attention + mlp + 2 * hidden
+
+
+def shape_of_layers(config: Any, start: int, end: int) -> ModelShape:
+    """Decoder layers [start, end) of a Qwen2/Llama-style config."""
+    total = _attr(config, "num_hidden_layers")
+    if not 0 <= start <= end <= total:
+        raise ConfigError(f"layer range [{start}, {end}) outside 0..{total}")
+    layers = end - start
+    params = layers * _layer_params(config)
+    kv_dim = _attr(config, "num_key_value_heads") * _head_dim(config)
+    return ModelShape(
+        params=params,
+        layers=layers,
+        hidden=_attr(config, "hidden_size"),
+        flops_per_token=2.0 * params,
+        kv_bytes_per_token=float(layers * 2 * kv_dim * 2),
+    )
+
+
+def shape_of_head(config: Any) -> ModelShape:
+    """lm_head plus final norm; the embedding lookup reads one row per token, so it is free."""
+    hidden = _attr(config, "hidden_size")
+    params = _attr(config, "vocab_size") * hidden + hidden
+    return ModelShape(
+        params=params, layers=0, hidden=hidden, flops_per_token=2.0 * params, kv_bytes_per_token=0.0
+    )
+
+
+def shape_of_model(config: Any) -> ModelShape:
+    """The whole model, as the draft model on node 0 runs it."""
+    body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
+    head = shape_of_head(config)
+    return ModelShape(
+        params=body.params + head.params,
+        layers=body.layers,
+        hidden=body.hidden,
+        flops_per_token=body.flops_per_token + head.flops_per_token,
+        kv_bytes_per_token=body.kv_bytes_per_token,
+    )
+
+
+def resolve_path(device: DeviceProfile, path: str | None, tokens: int) -> ComputePath:
+    """Pick the concrete path; a family (`hf-bnb4`) picks its single-token kernel for 1 token."""
+    name = path or device.default_path
+    if name in device.paths:
+        return device.paths[name]
+    if device.has_path(name):
+        return device.paths[f"{name}-single" if tokens == 1 else f"{name}-multi"]
+    raise ConfigError(f"device {device.name} has no path {name!r}; known: {sorted(device.paths)}")
+
+
+def _eta_flops(path: ComputePath, tokens: int) -> float:
+    if tokens <= SMALL_TOKENS:
+        return path.eta_flops_small
+    if tokens >= LARGE_TOKENS:
+        return path.eta_flops_large
+    frac = (tokens - SMALL_TOKENS) / (LARGE_TOKENS - SMALL_TOKENS)
+    return path.eta_flops_small + frac * (path.eta_flops_large - path.eta_flops_small)
+
+
+def forward_time_s(
+    device: DeviceProfile, shape: ModelShape, tokens: int, context: int, path: str | None = None
+) -> float:
+    """Seconds for one forward of `tokens` new tokens attending to `context` cached ones."""
+    if tokens < 0 or context < 0:
+        raise ConfigError(f"tokens and context must be >= 0, got {tokens}, {context}")
+    if tokens == 0:
+        return 0.0
+    p = resolve_path(device, path, tokens)
+    overhead_s = p.overhead_fwd_s + p.overhead_layer_s * shape.layers
+    return overhead_s + _roofline_s(device, p, shape, tokens, context)
+
+
+def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens: int, context: int) -> float:
+    """max(memory time, compute time) of one forward, without the fixed overheads."""
+    bandwidth_Bps = p.eta_bw * device.bandwidth_Bps
+    kv_bytes = context * shape.kv_bytes_per_token * (p.act_bytes / 2.0)
+    memory_s = (shape.params * p.bytes_per_param + kv_bytes) / bandwidth_Bps
+    # attention: QK^T and AV, 2 FLOPs per multiply-add, over the context plus half the new tokens
+    attention_flops = 4.0 * shape.layers * shape.hidden * (context + tokens / 2.0)
+    flops_s = _eta_flops(p, tokens) * device.flops
+    compute_s = tokens * (shape.flops_per_token + attention_flops) / flops_s
+    return max(memory_s, compute_s)
+
+
+def lm_head_time_s(device: DeviceProfile, config: Any, tokens: int, path: str | None = None) -> float:
+    """lm_head over `tokens` hidden states, writing fp32 logits, then sampling on the host.
+
+    A 152K vocabulary makes the copy-out and sampling a visible cost on small ARM CPUs.
+    """
+    if tokens <= 0:
+        return 0.0
+    chosen = resolve_path(device, path, tokens)
+    head_path = chosen.head_path or chosen.name
+    p = device.paths[head_path]
+    vocab = _attr(config, "vocab_size")
+    logits_s = tokens * vocab * LOGIT_BYTES / (p.eta_bw * device.bandwidth_Bps)
+    sample_s = p.sample_s_per_mvocab * vocab / 1e6
+    # the lm_head is one matmul appended to the node's work: no per-call overhead of its own
+    return _roofline_s(device, p, shape_of_head(config), tokens, 0) + logits_s + sample_s
+
+
+def decode_time_s(device: DeviceProfile, config: Any, context: int, path: str | None = None) -> float:
+    """One plain autoregressive step of the whole model on one device (what benchmarks report)."""
+    body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
+    return forward_time_s(device, body, 1, context, path) + lm_head_time_s(device, config, 1, path)
+
+
+def transfer_time_s(link: LinkProfile, nbytes: int) -> float:
+    """One message over the link: latency plus serialisation at the link's goodput."""
+    if nbytes < 0:
+        raise ConfigError(f"nbytes must be >= 0, got {nbytes}")
+    return link.latency_s + 8.0 * nbytes / link.bandwidth_bps

@@ -1,0 +1,112 @@
+"""Build a simulated cluster for a model pair and a device profile, and run one request on it."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from flowedge.engine.config import SpecConfig
+from flowedge.engine.drafter import Drafter
+from flowedge.engine.head import Head
+from flowedge.engine.local import GenerationResult, check_context, stop_ids
+from flowedge.engine.stage_worker import StageWorker
+from flowedge.engine.strategies import make_strategy
+from flowedge.errors import ConfigError
+from flowedge.models.stage import StageModel, StageParts, load_config
+from flowedge.sim.cluster import CostModel, SimCluster
+
+log = logging.getLogger(__name__)
+
+
+def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Half-open layer ranges of near-equal size, earlier stages taking the extra layers."""
+    if not 1 <= stages <= num_layers:
+        raise ConfigError(f"cannot split {num_layers} layers into {stages} stages")
+    q, r = divmod(num_layers, stages)
+    bounds, a = [], 0
+    for i in range(stages):
+        b = a + q + (1 if i < r else 0)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def profile_costs(base_config, draft_config, ranges, device: str, link: str | None) -> CostModel:
+    from flowedge.sim.costs import (forward_time_s, lm_head_time_s, shape_of_layers, shape_of_model,
+                                    transfer_time_s)
+    from flowedge.sim.profiles import load_device, load_link
+
+    dev = load_device(device)
+    lnk = load_link(link or dev.default_link)
+    stage_shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
+    draft_shape = shape_of_model(draft_config) if draft_config is not None else None
+
+    def compute_s(node: int, c) -> float:
+        if node == 0:
+            if c.what == "draft":
+                return forward_time_s(dev, draft_shape, c.tokens, c.context)
+            if c.what == "lm_head":
+                return lm_head_time_s(dev, base_config, c.tokens)
+            return 0.0
+        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context)
+
+    return CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
+
+
+class Cluster:
+    """Head + stage workers for one model pair, reusable across requests and strategies."""
+
+    def __init__(self, base_dir: Path, draft_dir: Path | None, nodes: int, spec: SpecConfig) -> None:
+        if nodes < 2:
+            raise ConfigError(f"a pipeline needs at least 2 nodes (head + 1 stage), got {nodes}")
+        self.config = load_config(base_dir)
+        self.ranges = balanced(self.config.num_hidden_layers, nodes - 1)
+        self.head_model = StageModel.load(base_dir, StageParts(0, 0, embed=True, head=True))
+        self.stage_models = [StageModel.load(base_dir, StageParts(a, b)) for a, b in self.ranges]
+        self.draft_model = StageModel.load(draft_dir) if draft_dir is not None else None
+        self.spec = spec
+
+    def build(self, strategy_name: str) -> tuple[Head, list[StageWorker]]:
+        strategy = make_strategy(strategy_name)
+        drafter = Drafter(self.draft_model) if strategy.needs_draft else None
+        if strategy.needs_draft and self.draft_model is None:
+            raise ConfigError(f"strategy {strategy_name} needs a draft model")
+        n = len(self.stage_models)
+        head = Head(self.head_model, drafter, strategy, n, self.spec, stop_ids(self.config))
+        return head, [StageWorker(i + 1, m, n) for i, m in enumerate(self.stage_models)]
+
+    def costs(self, device: str | None, link: str | None) -> CostModel:
+        if device is None:
+            return CostModel.free()
+        draft_cfg = self.draft_model.config if self.draft_model is not None else None
+        return profile_costs(self.config, draft_cfg, self.ranges, device, link)
+
+    def generate(self, strategy: str, prompt_ids: list[int], max_new_tokens: int, params,
+                 device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1):
+        check_context(len(prompt_ids), max_new_tokens, self.config.max_position_embeddings)
+        head, stages = self.build(strategy)
+        sim = SimCluster(head, stages, self.costs(device, link))
+        return sim.run(request_id, prompt_ids, max_new_tokens, params, on_tokens), head, stages
+
+
+def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[GenerationResult, dict]:
+    from flowedge.models.resolve import resolve_model
+
+    spec = SpecConfig().with_(tree_nodes=req.tree_nodes, tree_depth=req.tree_depth, topk=req.tree_topk)
+    draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft)
+    cluster = Cluster(base_dir, draft_dir, req.nodes, spec)
+    res, head, _ = cluster.generate(req.strategy, prompt_ids, req.max_new_tokens, req.params,
+                                    req.profile, req.link, stream)
+    stats = res.done.stats
+    out = GenerationResult(res.done.token_ids, res.sim_time_s, stats.accept_lens, stats.rounds,
+                           stats.draft_forwards)
+    busy = res.trace.busy_fraction()
+    extra = {
+        "sim_tokens_per_s": round(len(out.token_ids) / res.sim_time_s, 3) if res.sim_time_s else None,
+        "sim_time_s": round(res.sim_time_s, 4),
+        "steps": stats.steps,
+        "round_restarts": max(0, stats.rounds - 1),
+        "busy_fraction": {k: round(v, 3) for k, v in busy.items() if not k.startswith("link")},
+        "head_overhead_ms_per_step": round(1000 * sum(stats.overhead_s) / max(1, len(stats.overhead_s)), 3),
+        "nodes": req.nodes, "profile": req.profile,
+    }
+    return out, extra
