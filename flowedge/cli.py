@@ -93,12 +93,63 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
         click.echo()
 
 
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--draft", default=DEFAULT_DRAFT, show_default=True)
+@click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec", show_default=True)
+@click.option("--prompts", "prompt_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help='A .jsonl file with one {"prompt": ...} per line.')
+@click.option("--dataset", "datasets", multiple=True, help="mt-bench | humaneval (repeatable).")
+@click.option("--samples", default=10, show_default=True, type=int, help="Prompts per dataset.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--nodes", default=5, show_default=True, type=int)
+@click.option("--profile", default="orin-nano-8gb", show_default=True)
+@click.option("--link", default=None)
+@click.option("--driver", default="sim", show_default=True, type=click.Choice(["sim"]))
+@click.option("--tree-nodes", default=None, type=int)
+@click.option("--tree-depth", default=None, type=int)
+@click.option("--tree-topk", default=None, type=int)
+@click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
+@click.option("--threads", default=None, type=int)
+def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
+          nodes, profile, link, driver, tree_nodes, tree_depth, tree_topk, out_dir, threads):
+    """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
+    from pathlib import Path
+
+    from flowedge.bench.datasets import load_prompt_file, load_prompts
+    from flowedge.bench.runner import BenchConfig, run_bench
+    from flowedge.engine.config import SpecConfig
+    from flowedge.engine.strategies import make_strategy
+    from flowedge.errors import ConfigError
+
+    set_threads(threads)
+    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    for name in names:
+        make_strategy(name)
+    prompts = list(load_prompt_file(prompt_file)) if prompt_file else []
+    for ds in datasets:
+        prompts += load_prompts(ds, samples)
+    if not prompts:
+        raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
+    spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk)
+    cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
+                      temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link, spec=spec)
+    results = run_bench(cfg, prompts, Path(out_dir), say=lambda s: click.echo(s, err=True))
+    click.echo((Path(out_dir) / "table.md").read_text())
+    click.echo(f"results: {out_dir}/results.json, timeline: {out_dir}/timeline.png", err=True)
+
+
 def _optional_commands() -> None:
     """Attach command groups that live next to the code they drive."""
-    from flowedge.models.commands import models, split
+    try:
+        from flowedge.models.commands import models, split
 
-    main.add_command(models)
-    main.add_command(split)
+        main.add_command(models)
+        main.add_command(split)
+    except ImportError:
+        pass
     try:
         from flowedge.transport.commands import keys
         main.add_command(keys)

@@ -21,8 +21,8 @@ VARIANTS = (  # (label, backend, compute dtype, activation dtype, group size)
     ("bf16", "none", torch.bfloat16, torch.bfloat16, 32),
     ("nf4 fp32", "nf4", torch.float32, torch.float32, 32),
     ("nf4 bf16", "nf4", torch.bfloat16, torch.bfloat16, 32),
-    ("int4 g32 fp32", "int4", torch.float32, torch.float32, 32),
-    ("int4 g128 fp32", "int4", torch.float32, torch.float32, 128),
+    ("int4 g32", "int4", torch.float32, torch.float32, 32),
+    ("int4 g128", "int4", torch.float32, torch.float32, 128),
 )
 
 

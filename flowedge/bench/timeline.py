@@ -5,11 +5,13 @@ keeps every stage busy and which leaves bubbles.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
+import click
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -53,7 +55,8 @@ def plot_timeline(
     bottom.set_xlabel("time (s, simulated clock)")
     fig.suptitle(title, fontsize=12)
     handles = [Patch(color=c, label=p) for p, c in colors.items()]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 9), frameon=False)
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 9), frameon=False)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
@@ -90,9 +93,9 @@ def _draw_panel(ax: Axes, name: str, trace: Trace, colors: dict[str, str]) -> No
         _draw_event(ax, ev, centers[ev.lane], colors[ev.phase])
     ax.set_yticks([centers[l] for l in lanes])
     ax.set_yticklabels([f"{l}  {busy.get(l, 0.0):4.0%}" for l in lanes], fontsize=8)
-    for lane in lanes:
+    for lane, tick in zip(lanes, ax.get_yticklabels()):
         if lane.startswith("link"):
-            ax.get_yticklabels()[lanes.index(lane)].set_color("#555555")
+            tick.set_color("#555555")
     ax.set_ylim(0, max(y, 1.0))
     ax.grid(axis="x", alpha=0.3)
     label = f"{name}: " if name else ""
@@ -123,3 +126,19 @@ def _lanes_height(trace: Trace) -> float:
 
 def _natural_key(lane: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", lane)]
+
+
+@click.command("plot-trace")
+@click.argument("trace_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("out_png", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--title", default="", help="Figure title (default: the file name).")
+@click.option("--max-s", type=float, default=None, help="Clip the time axis at this many seconds.")
+def plot_trace_command(trace_json: Path, out_png: Path, title: str, max_s: float | None) -> None:
+    """Plot a saved trace: a JSON list of events, or {strategy: [events]} for stacked panels."""
+    data = json.loads(trace_json.read_text(encoding="utf-8"))
+    if isinstance(data, dict):
+        trace: Trace | dict[str, Trace] = {name: Trace.from_json(events) for name, events in data.items()}
+    else:
+        trace = Trace.from_json(data)
+    plot_timeline(trace, out_png, title=title or trace_json.name, max_s=max_s)
+    click.echo(str(out_png))

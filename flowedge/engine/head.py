@@ -50,6 +50,7 @@ class Head:
         self.prefix_len = 0
         self.finished = False
         self._model_s = 0.0
+        self.prefix_at_version: dict[int, int] = {}   # committed context length after each prune
         self.tree: DraftTree | None = None
         if self.drafter is not None:
             self.drafter.reset()
@@ -169,8 +170,8 @@ class Head:
         actions = self._accept_tokens(res.tokens)
         prune = prune_after_walk(self.tree, self.alive, res)
         end = self.finished or not (continue_round and res.continues)
-        actions += self._broadcast_prune(prune, end)
         self.prefix_len += len(res.committed)
+        actions += self._broadcast_prune(prune, end)
         self.round_ended = end
         if self.finished:
             return actions
@@ -185,6 +186,7 @@ class Head:
 
     def _broadcast_prune(self, prune: PruneSet, end_round: bool) -> list:
         self.version += 1
+        self.prefix_at_version[self.version] = self.prefix_len
         msg = Prune(self.request_id, self.round_id, self.version, prune, end_round)
         if end_round:
             self.round_id += 1

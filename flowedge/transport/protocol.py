@@ -187,7 +187,7 @@ class Message:
         for (name, meta), frame in zip(metas.items(), frames):
             if name not in cls.WIRE:
                 raise ProtocolError(f"{cls.TYPE}: unknown tensor field {name!r}")
-            kwargs[name] = _decode_tensor(cls, cls.WIRE[name], meta, frame, header)
+            kwargs[name] = _decode_tensor(cls.TYPE, cls.WIRE[name], meta, frame, header)
         for f in fields(cls):  # type: ignore[arg-type]
             if f.name in cls.WIRE and f.name in kwargs:
                 continue
@@ -203,7 +203,8 @@ class Message:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))  # type: ignore[arg-type]
+        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+        return all(_same(getattr(self, n), getattr(other, n)) for n in names)
 
     __hash__ = None  # type: ignore[assignment]  # tensors inside: equal by value, not hashable
 
@@ -229,16 +230,16 @@ def _encode_tensor(msg: Message, kind: str, value: Any) -> tuple[dict[str, Any],
     return {"dtype": "uint8", "shape": [len(view)]}, view
 
 
-def _decode_tensor(cls: type, kind: str, meta: Any, frame: Any, header: dict[str, Any]) -> Any:
+def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict[str, Any]) -> Any:
     if not isinstance(meta, dict):
-        raise ProtocolError(f"{cls.TYPE}: tensor meta must be a map")  # type: ignore[attr-defined]
+        raise ProtocolError(f"{msg_type}: tensor meta must be a map")
     dtype = meta.get("dtype")
     allowed = {INDEX: ("int16", "int32"), HIDDEN: (header.get("hidden_wire"),), BYTES: ("uint8",)}[kind]
     if dtype not in allowed:
-        raise ProtocolError(f"{cls.TYPE}: {kind} tensor sent as {dtype!r}, expected one of {allowed}")  # type: ignore[attr-defined]
+        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {dtype!r}, expected one of {allowed}")
     if kind == BYTES:
         if meta.get("shape") != [len(frame_buffer(frame))]:
-            raise ProtocolError(f"{cls.TYPE}: byte frame length does not match its shape")  # type: ignore[attr-defined]
+            raise ProtocolError(f"{msg_type}: byte frame length does not match its shape")
         return frame_buffer(frame)
     t = frame_to_tensor(meta, frame)
     return t.long() if kind == INDEX else t

@@ -105,7 +105,9 @@ def load_keys(directory: Path | str | None = None) -> ClusterKeys:
     """Load the cluster keys; ConfigError telling the user what to do when they are missing or bad."""
     paths = key_paths(directory)
     if not paths.secret.is_file():
-        raise ConfigError(f"no cluster keys in {paths.secret.parent}: {_HOW_TO} (or pass --insecure in a lab)")
+        raise ConfigError(
+            f"no cluster keys in {paths.secret.parent}: {_HOW_TO} (or pass --insecure in a lab)"
+        )
     try:
         public, secret = zmq.auth.load_certificate(paths.secret)
     except (OSError, ValueError) as err:

@@ -1,0 +1,33 @@
+# Newcomer entry points. `make demo` and `make test` each set up everything they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+FLOWEDGE := $(VENV)/bin/flowedge
+PROMPT ?= Write a Python function that checks whether a number is prime.
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU build first so that pip never resolves a CUDA build for a bare `torch`.
+$(VENV)/.installed: setup.cfg setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not real_model"
+
+bench: setup
+	$(FLOWEDGE) bench --dataset mt-bench --dataset humaneval --samples 10 --max-new-tokens 128 \
+		--nodes 5 --profile orin-nano-8gb --out bench-out
+
+clean:
+	rm -rf $(VENV) bench-out

@@ -1,0 +1,92 @@
+"""`flowedge bench`: every strategy on the same prompts and the same (simulated) cluster, side by side.
+
+Results are written after every run, so a long benchmark can be watched and survives an interrupt.
+At temperature 0 every strategy's tokens are checked against plain greedy decoding (`ar`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from flowedge.bench.datasets import Prompt
+from flowedge.core.sampling import SamplingParams
+from flowedge.engine.config import SpecConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    draft: str
+    strategies: tuple[str, ...]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    nodes: int = 5
+    profile: str = "orin-nano-8gb"
+    link: str | None = None
+    chat: bool = True
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+
+def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
+              say: Callable[[str], None] = lambda s: None) -> dict:
+    from flowedge.bench.report import markdown_table, summarize
+    from flowedge.bench.timeline import plot_timeline
+    from flowedge.engine.local import generate_ar
+    from flowedge.models.resolve import resolve_model
+    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.sim.run import Cluster
+
+    out.mkdir(parents=True, exist_ok=True)
+    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
+    tok = load_tokenizer(base_dir)
+    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec)
+    config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {"spec": asdict(cfg.spec),
+                                                                        "driver": "sim"}
+    results: dict = {"config": config, "runs": [], "summary": {}}
+    traces: dict = {}
+    total = len(prompts) * len(cfg.strategies)
+    for i, prompt in enumerate(prompts):
+        ids = encode_prompt(tok, prompt.text, cfg.chat)
+        params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + i)
+        ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params).token_ids if params.greedy else None
+        for j, name in enumerate(cfg.strategies):
+            t0 = time.monotonic()
+            res, head, _ = cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link)
+            stats = res.done.stats
+            run = {
+                "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
+                "token_ids": res.done.token_ids,
+                "tokens_per_s": len(res.done.token_ids) / res.sim_time_s,
+                "sim_time_s": res.sim_time_s,
+                "mean_accept_len": sum(stats.accept_lens) / max(1, len(stats.accept_lens)),
+                "restarts": max(0, stats.rounds - 1),
+                "steps": stats.steps,
+                "draft_forwards": stats.draft_forwards,
+                "head_overhead_ms": 1000 * sum(stats.overhead_s) / max(1, len(stats.overhead_s)),
+                "busy_fraction": res.trace.busy_fraction(),
+                "matches_ar": (res.done.token_ids == ref) if ref is not None else None,
+                "wall_s": time.monotonic() - t0,
+            }
+            results["runs"].append(run)
+            if i == 0:
+                traces[name] = res.trace
+            say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
+                f"{run['tokens_per_s']:.2f} tok/s (sim), accept {run['mean_accept_len']:.2f}, "
+                f"restarts {run['restarts']}" + ("" if ref is None else
+                                                 f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar")
+                + f" [{run['wall_s']:.0f} s wall]")
+            results["summary"] = summarize(results["runs"])
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+        if i == 0 and traces:
+            plot_timeline(traces, out / "timeline.png",
+                          title=f"{prompt.dataset}/{prompt.prompt_id} on {cfg.nodes}x {cfg.profile}")
+    table = markdown_table(results)
+    (out / "table.md").write_text(table)
+    return results

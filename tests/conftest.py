@@ -1,0 +1,17 @@
+"""Shared fixtures: tiny generated model pairs (seconds to build, cached per session)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    from flowedge.models.tiny import make_tiny_pair
+
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))

@@ -1,0 +1,119 @@
+"""The roofline cost model: shapes from configs, monotonicity, and the calibration checks."""
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+
+from flowedge.errors import ConfigError
+from flowedge.sim.costs import (
+    decode_time_s,
+    forward_time_s,
+    lm_head_time_s,
+    resolve_path,
+    shape_of_head,
+    shape_of_layers,
+    shape_of_model,
+    transfer_time_s,
+)
+from flowedge.sim.profiles import list_devices, load_device, load_link
+
+
+def _llama(h: int, i: int, n: int, heads: int, kv: int, vocab: int, tie: bool = False) -> LlamaConfig:
+    return LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tie)
+
+
+def _qwen(h: int, i: int, n: int, heads: int, kv: int) -> Qwen2Config:
+    return Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
+                       num_key_value_heads=kv, vocab_size=151936, tie_word_embeddings=True)
+
+
+LLAMA2_7B = _llama(4096, 11008, 32, 32, 32, 32000)
+LLAMA2_13B = _llama(5120, 13824, 40, 40, 40, 32000)
+LLAMA32_3B = _llama(3072, 8192, 28, 24, 8, 128256, tie=True)
+QWEN_1P5B = _qwen(1536, 8960, 28, 12, 2)
+QWEN_0P5B = _qwen(896, 4864, 24, 14, 2)
+CTX = 64
+
+
+def test_shapes_match_published_parameter_counts() -> None:
+    # Qwen2.5-Coder-1.5B: 1.54B total (tied embeddings), Llama-2-7B: 6.74B incl. a 131M embedding
+    assert shape_of_model(QWEN_1P5B).params == pytest.approx(1.54e9, rel=0.01)
+    assert shape_of_model(LLAMA2_7B).params + 32000 * 4096 == pytest.approx(6.74e9, rel=0.01)
+    layers = shape_of_layers(QWEN_1P5B, 0, 7)
+    assert layers.layers == 7 and layers.flops_per_token == 2 * layers.params
+    # K+V per token: 7 layers * 2 * (2 kv heads * 128) * 2 bytes
+    assert layers.kv_bytes_per_token == 7 * 2 * 256 * 2
+    assert shape_of_head(QWEN_1P5B).params == 151936 * 1536 + 1536
+    halves = shape_of_layers(QWEN_1P5B, 0, 14).params + shape_of_layers(QWEN_1P5B, 14, 28).params
+    assert halves == shape_of_layers(QWEN_1P5B, 0, 28).params
+    with pytest.raises(ConfigError):
+        shape_of_layers(QWEN_1P5B, 20, 29)
+
+
+@pytest.mark.parametrize("name", list_devices())
+def test_forward_is_monotone_in_tokens_and_context(name: str) -> None:
+    dev = load_device(name)
+    shape = shape_of_layers(QWEN_1P5B, 0, 7)
+    for path in dev.paths:
+        by_tokens = [forward_time_s(dev, shape, t, CTX, path) for t in (1, 2, 16, 64, 200, 600, 2048)]
+        assert by_tokens == sorted(by_tokens), path
+        by_ctx = [forward_time_s(dev, shape, 16, c, path) for c in (0, 256, 4096, 32768)]
+        assert by_ctx == sorted(by_ctx) and by_ctx[-1] > by_ctx[0], path
+    assert forward_time_s(dev, shape, 0, CTX) == 0.0
+
+
+def test_bnb_family_uses_gemv_for_one_token_only() -> None:
+    dev = load_device("orin-nano-8gb")
+    assert resolve_path(dev, "hf-bnb4", 1).name == "hf-bnb4-single"
+    assert resolve_path(dev, None, 2).name == "hf-bnb4-multi"
+    shape = shape_of_layers(LLAMA2_13B, 0, 10)
+    one, two = forward_time_s(dev, shape, 1, CTX), forward_time_s(dev, shape, 2, CTX)
+    assert two > 4 * one  # dequantize-then-matmul moves ~8x the bytes of gemv_4bit
+    with pytest.raises(ConfigError, match="no path"):
+        forward_time_s(dev, shape, 1, CTX, "tensorrt")
+
+
+@pytest.mark.parametrize(
+    ("device", "path", "config", "measured_tok_s"),
+    [
+        ("orin-nano-8gb", "mlc", LLAMA2_7B, 16.0),
+        ("orin-nano-8gb", "mlc", LLAMA32_3B, 27.7),
+        ("orin-nano-super", "mlc", LLAMA32_3B, 43.1),
+        ("agx-orin-64gb", "mlc", LLAMA2_7B, 46.9),
+        ("agx-orin-64gb", "llamacpp", LLAMA2_13B, 13.3),
+        ("rpi5-8gb", "llamacpp", LLAMA32_3B, 4.61),
+        ("orin-nano-super", "llamacpp", QWEN_1P5B, 32.1),
+    ],
+)
+def test_decode_speed_within_10_percent_of_measured(device: str, path: str, config, measured_tok_s: float) -> None:
+    predicted_tok_s = 1.0 / decode_time_s(load_device(device), config, CTX, path)
+    assert predicted_tok_s == pytest.approx(measured_tok_s, rel=0.10)
+
+
+def test_x86_profile_reproduces_dev_machine_measurements() -> None:
+    dev = load_device("x86-cpu")
+    assert decode_time_s(dev, QWEN_1P5B, CTX) == pytest.approx(0.353, rel=0.15)
+    assert decode_time_s(dev, QWEN_0P5B, CTX) == pytest.approx(0.141, rel=0.15)
+    body = shape_of_layers(QWEN_1P5B, 0, 28)
+    one_s = forward_time_s(dev, body, 1, CTX) + lm_head_time_s(dev, QWEN_1P5B, 1)
+    tree_s = forward_time_s(dev, body, 16, CTX) + lm_head_time_s(dev, QWEN_1P5B, 16)
+    assert tree_s / one_s == pytest.approx(2.2, rel=0.15)
+
+
+def test_lm_head_includes_large_vocab_sampling() -> None:
+    dev = load_device("orin-nano-8gb")
+    small = _llama(1536, 8960, 28, 12, 2, 32000)
+    assert lm_head_time_s(dev, QWEN_1P5B, 1) > 4 * lm_head_time_s(dev, small, 1)
+    # 5-15 ms of host-side sampling per step for a 152K vocabulary on a Jetson CPU
+    assert 5e-3 < lm_head_time_s(dev, QWEN_1P5B, 1) < 40e-3
+    assert lm_head_time_s(dev, QWEN_1P5B, 0) == 0.0
+
+
+def test_transfer_time_is_latency_plus_serialisation() -> None:
+    link = load_link("1gbe")
+    assert transfer_time_s(link, 0) == pytest.approx(0.25e-3)
+    assert transfer_time_s(link, 1_000_000) == pytest.approx(0.25e-3 + 8e6 / 940e6)
+    assert transfer_time_s(load_link("wifi5"), 10**6) > transfer_time_s(link, 10**6)
+    with pytest.raises(ConfigError):
+        transfer_time_s(link, -1)
