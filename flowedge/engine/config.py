@@ -13,7 +13,8 @@ class SpecConfig:
     topk: int = 10              # children per expanded node, nodes expanded per level
     l_max: int = 16             # most nodes per segment
     exp_nodes: int = 64         # context-aware expansion tree size (sent as one segment)
-    exp_depth: int = 6
+    exp_depth: int = 6          # depth of a fresh expansion tree (when the stored one cannot be re-rooted)
+    exp_forwards: int = 1       # draft calls per expansion when re-rooting the stored base tree
     se_depth: int = 1           # score-aware expansion: levels added to the stored base tree
     se_nodes: int = 16          # ... and nodes taken from it
     pipedec_width: int = 16     # PipeDec: nodes per tree level
@@ -21,7 +22,7 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         for name in ("tree_nodes", "tree_depth", "topk", "l_max", "exp_nodes", "exp_depth",
-                     "pipedec_width", "prefill_chunk"):
+                     "exp_forwards", "pipedec_width", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.se_depth < 0 or self.se_nodes < 0:

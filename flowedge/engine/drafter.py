@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowedge.core.tree import DraftTree
+from flowedge.core.tree import DraftTree, find_path, subtree
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
 
@@ -87,7 +87,72 @@ class Drafter:
             added.append(self._expand_frontier())
         return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
 
-    def _expand_frontier(self) -> torch.Tensor:
+    def advance(self, context: list[int], forwards: int, width: int) -> DraftTree | None:
+        """Re-root the stored base tree at context[-1] and grow it best-first by `forwards` draft calls.
+
+        A standalone draft LM's logits for a node depend only on the node's token path, so the subtree
+        under the accepted path already holds exactly what a fresh tree from the new root would compute:
+        re-rooting keeps it and spends draft calls only on new depth (FlowSpec's context-aware expansion
+        at a fraction of the cost). Returns None when the context left the stored tree (caller rebuilds)."""
+        if self.base is None or len(context) < len(self.context) or context[: len(self.context)] != self.context:
+            return None
+        if len(context) > len(self.context):
+            node = find_path(self.base, context[len(self.context) - 1:])
+            if node is None:
+                return None
+            self._reroot(node, context)
+        for _ in range(forwards):
+            self._grow_slots()
+            open_nodes = (self._slot < 0).nonzero().reshape(-1)
+            open_nodes = open_nodes[open_nodes > 0]
+            if open_nodes.numel() == 0:
+                break
+            best = self.base.log_scores[open_nodes].topk(min(width, open_nodes.numel())).indices
+            self.frontier = open_nodes[best]
+            self._expand_frontier(best_first=True)
+        return self.base
+
+    def _reroot(self, node: int, context: list[int]) -> None:
+        """Make `node` the root: its ancestors' cache entries join the committed context, entries
+        outside its subtree are dropped, and the node itself is run if it never was."""
+        self._grow_slots()
+        path = self.base.path(node)[1:]                      # below the old root, ending at `node`
+        slots = self._slot[torch.tensor(path)]
+        anc = slots[:-1]
+        sub_tree, ids = subtree(self.base, node)
+        sub_slots = self._slot[ids[1:]]
+        inner = sub_slots[sub_slots >= 0]
+        head = torch.arange(self.committed)
+        own = slots[-1:] if int(slots[-1]) >= 0 else slots[:0]
+        self.cache.keep(torch.cat([head, anc, own, inner]))
+        new_slot = torch.full((len(sub_tree),), -1, dtype=torch.long)
+        base_len = self.committed + anc.numel() + own.numel()
+        new_slot[1:][sub_slots >= 0] = torch.arange(base_len, base_len + inner.numel())
+        self.committed = self.committed + anc.numel() + own.numel()
+        self.context = list(context)
+        self.base, self._slot = sub_tree, new_slot
+        if own.numel() == 0:   # the new root was never run: run it now, as committed context
+            self._run_new_root()
+
+    def _run_new_root(self) -> None:
+        """Append the root's entry to the committed context and give it its top-k children."""
+        past = self.cache.length
+        allowed = torch.zeros(1, past + 1, dtype=torch.bool)
+        allowed[:, : self.committed] = True
+        allowed[0, past] = True
+        # The root entry lands after the tree entries; committed context must stay a prefix, so the
+        # root's entry is moved in front of them right after the call.
+        logp = self._run(self.base.tokens[:1], torch.tensor([len(self.context) - 1]), allowed)[0]
+        order = torch.cat([torch.arange(self.committed), torch.tensor([past]),
+                           torch.arange(self.committed, past)])
+        self.cache.keep(order)
+        self._slot = torch.where(self._slot >= 0, self._slot + 1, self._slot)
+        self.committed += 1
+        top = logp.topk(self.shape.topk)
+        self.base.append(top.indices, torch.zeros_like(top.indices), top.values.float())
+        self._grow_slots()
+
+    def _expand_frontier(self, best_first: bool = False) -> torch.Tensor:
         tree, frontier, shape = self.base, self.frontier, self.shape
         k, past = frontier.numel(), self.cache.length
         allowed = self._tree_rows(frontier, past)
@@ -99,6 +164,8 @@ class Drafter:
         tokens = top.indices.flatten()
         parents = frontier.unsqueeze(1).expand(k, shape.topk).flatten()
         best = scores.topk(min(shape.level_width, scores.numel())).indices
+        if best_first:
+            return tree.append(tokens, parents, scores.float())
         if shape.keep_all:
             new = tree.append(tokens, parents, scores.float())
             self.frontier = new[best]

@@ -260,11 +260,11 @@ class StderrProgress:
     def __init__(self, label: str, interval_s: float = 0.25) -> None:
         self.label = label
         self.interval_s = interval_s
-        self._last_s = -1.0
+        self._last_s: float | None = None
 
     def __call__(self, done: int, total: int, elapsed_s: float) -> None:
         finished = done >= total
-        if not finished and elapsed_s - self._last_s < self.interval_s:
+        if not finished and self._last_s is not None and elapsed_s - self._last_s < self.interval_s:
             return
         self._last_s = elapsed_s
         rate = done / 1e6 / elapsed_s if elapsed_s > 0 else 0.0

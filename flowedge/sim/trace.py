@@ -69,7 +69,7 @@ class Trace:
         return max(ev.end_s for ev in self._events) - min(ev.start_s for ev in self._events)
 
     def busy_fraction(self) -> dict[str, float]:
-        """Per lane: time covered by at least one event / makespan (overlaps counted once)."""
+        """Per lane: time covered by its events / makespan; overlaps count once, idle-wait not at all."""
         span_s = self.makespan_s()
         by_lane: dict[str, list[tuple[float, float]]] = {}
         for ev in self._events:

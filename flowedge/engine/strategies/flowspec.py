@@ -16,16 +16,15 @@ class FlowSpec(PrunedPP):
 
     def expand(self, head, accepted: bool) -> list:
         cfg = head.config
-        if accepted:
+        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.topk)
+        if base is None:   # the accepted path left the stored tree: grow a fresh one
             base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth))
+        if accepted:
             new, _ = select_top(base, cfg.exp_nodes, self.order)
+        elif cfg.se_nodes:
+            new = score_aware_pick(base, head.tree, head.alive, head.cur, cfg.se_nodes)
         else:
-            if cfg.se_nodes == 0 or cfg.se_depth == 0 or head.drafter.base is None:
-                return []
-            if int(head.drafter.base.tokens[0]) != int(head.tree.tokens[head.cur]):
-                return []   # the stored base tree belongs to an older root
-            head.drafter.extend(cfg.se_depth)
-            new = score_aware_pick(head.drafter.base, head.tree, head.alive, head.cur, cfg.se_nodes)
+            return []
         appended = merge_by_path(head.tree, head.alive, head.cur, new)
         head.grow_alive()
         return head.send_nodes(appended, "expansion")

@@ -1,0 +1,129 @@
+"""resolve_model: registry names, HF directories and .gguf files to one cached HF directory."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from flowedge.errors import ModelError
+from flowedge.models import registry, resolve
+from flowedge.models.resolve import resolve_model
+from flowedge.models.tiny import make_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=2)
+
+
+@pytest.fixture
+def fake_gguf_loader(monkeypatch, tiny):
+    """Stand in for transformers' GGUF loading (tested upstream): load the tiny model instead,
+    with the GGUF quantization_config transformers attaches, and count the loads."""
+    loads = []
+    real_tokenizer = transformers.AutoTokenizer.from_pretrained
+
+    def load_model(folder, gguf_file, dtype):
+        loads.append(Path(folder) / gguf_file)
+        if Path(folder, gguf_file).read_bytes().startswith(b"BAD"):
+            raise ValueError("not a GGUF file")
+        model = transformers.Qwen2ForCausalLM.from_pretrained(tiny, dtype=dtype)
+        model.config.quantization_config = {"quant_method": "gguf", "gguf_file": gguf_file}
+        return model
+
+    def load_tokenizer(folder, gguf_file):
+        return real_tokenizer(tiny)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load_tokenizer)
+    return loads
+
+
+def logits(model_dir: Path) -> torch.Tensor:
+    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([[72, 101, 108, 108, 111]])).logits
+
+
+def test_hf_directory_is_returned_as_is(tiny, tmp_path):
+    assert resolve_model(str(tiny), home=tmp_path) == tiny
+    assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("spec", ["no-such-model", "/nonexistent/x.gguf", "README.md"])
+def test_unresolvable_spec_explains_what_is_accepted(tmp_path, spec):
+    with pytest.raises(ModelError) as info:
+        resolve_model(spec, home=tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "qwen2.5-coder-1.5b" in message
+    assert "Hugging Face directory" in message and ".gguf" in message
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ModelError):
+        resolve_model(str(tmp_path), home=tmp_path)
+
+
+def test_gguf_file_is_converted_once(fake_gguf_loader, tiny, tmp_path):
+    gguf = tmp_path / "some.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    home = tmp_path / "home"
+    out = resolve_model(str(gguf), home=home)
+    assert out.parent == home / "models" and out.name.startswith("gguf-") and len(out.name) == 21
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["Qwen2ForCausalLM"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied: stored once
+        assert "model.embed_tokens.weight" in f.keys()
+    marker = json.loads((out / "flowedge.json").read_text())
+    assert marker["source"] == str(gguf.resolve()) and marker["dtype"] == "float32"
+    assert marker["sha256"] == resolve.file_sha256(gguf)
+    assert torch.allclose(logits(out), logits(tiny))
+    assert (out / "tokenizer.json").is_file()
+    assert resolve_model(str(gguf), home=home) == out and len(fake_gguf_loader) == 1
+    os.utime(gguf, ns=(0, 10**9))  # a changed file gets a new cache entry
+    assert resolve_model(str(gguf), home=home) != out and len(fake_gguf_loader) == 2
+
+
+def test_registry_name_pulls_and_converts(monkeypatch, fake_gguf_loader, tmp_path):
+    gguf = tmp_path / "pulled.gguf"
+    gguf.write_bytes(b"GGUF")
+    pulls = []
+    monkeypatch.setattr(registry, "pull", lambda name, home: pulls.append(name) or gguf)
+    home = tmp_path / "home"
+    out = resolve_model("qwen2.5-coder-0.5b", home=home)
+    assert out == home / "models" / "qwen2.5-coder-0.5b"
+    marker = json.loads((out / "flowedge.json").read_text())
+    assert marker["sha256"] == registry.MODELS["qwen2.5-coder-0.5b"].sha256
+    assert resolve_model("qwen2.5-coder-0.5b", home=home) == out
+    assert pulls == ["qwen2.5-coder-0.5b"] and len(fake_gguf_loader) == 1
+
+
+def test_failed_conversion_leaves_no_cache_entry(fake_gguf_loader, tmp_path):
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"BAD")
+    home = tmp_path / "home"
+    with pytest.raises(ModelError, match="cannot load GGUF"):
+        resolve_model(str(gguf), home=home)
+    assert list((home / "models").iterdir()) == []
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not os.environ.get("FLOWEDGE_REAL_MODEL"), reason="set FLOWEDGE_REAL_MODEL=1")
+def test_real_draft_model_resolves_and_generates():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = resolve_model("qwen2.5-coder-0.5b")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        text = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0])
+    assert text.startswith("def fibonacci(n):") and len(text) > len("def fibonacci(n):")
