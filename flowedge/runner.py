@@ -77,11 +77,16 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
     prompt_ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, on_text) if on_text else None
     t0 = time.monotonic()
-    if req.strategy == "ar":
+    extra: dict = {}
+    if req.strategy == "ar" and (base_dir / "manifest.json").is_file():
+        from flowedge.engine.local import generate_ar_staged
+        from flowedge.models.stage import StageModel
+
+        res = generate_ar_staged(StageModel.load(base_dir), prompt_ids, req.max_new_tokens, req.params, stream)
+    elif req.strategy == "ar":
         from flowedge.engine.local import generate_ar
 
         res = generate_ar(base_dir, prompt_ids, req.max_new_tokens, req.params, on_tokens=stream)
-        extra: dict = {}
     elif req.strategy == "tree":
         res, extra = _run_tree(req, base_dir, prompt_ids, stream)
     else:

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowedge.errors import ConfigError, ModelError
-from flowedge.models.commands import models, parse_layers, split_cmd
+from flowedge.models.commands import models, parse_layers, split
 from flowedge.models.tiny import make_tiny_model
 
 
@@ -31,7 +31,7 @@ def test_models_pull_unknown_propagates_model_error(monkeypatch, tmp_path):
 def test_split_command(tmp_path):
     tiny = make_tiny_model(tmp_path / "m", num_layers=4)
     out = tmp_path / "shards"
-    result = CliRunner().invoke(split_cmd, [str(tiny), "--stages", "2", "--out", str(out), "--layers", "1,3"])
+    result = CliRunner().invoke(split, [str(tiny), "--stages", "2", "--out", str(out), "--layers", "1,3"])
     assert result.exit_code == 0, result.output
     assert "stage 1  layers [ 1,  4)" in result.output
     manifest = json.loads((out / "manifest.json").read_text())

@@ -64,7 +64,9 @@ def generate_ar(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                 params: SamplingParams, model=None, on_tokens: TokenSink | None = None) -> GenerationResult:
     """Plain autoregressive decoding with transformers' own model: the reference every strategy must match."""
     from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     check_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings)
     gen, stops = make_generator(params), stop_ids(model.config)
@@ -81,6 +83,30 @@ def generate_ar(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
         if y in stops:
             break
         ids = torch.tensor([[y]])
+    return GenerationResult(out, time.monotonic() - t0)
+
+
+@torch.inference_mode()
+def generate_ar_staged(model: StageModel, prompt_ids: list[int], max_new_tokens: int,
+                       params: SamplingParams, on_tokens: TokenSink | None = None) -> GenerationResult:
+    """Plain autoregressive decoding through a StageModel (for shard directories, which transformers
+    cannot load): same sampler, same stop rule as `generate_ar`."""
+    check_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings)
+    gen, stops = make_generator(params), stop_ids(model.config)
+    t0 = time.monotonic()
+    cache = model.new_cache()
+    ids, out = torch.tensor(prompt_ids), []
+    while len(out) < max_new_tokens:
+        past = cache.length
+        h = model.forward_layers(model.embed(ids), torch.arange(past, past + ids.numel()),
+                                 bool_to_float_mask(causal_mask(ids.numel(), past)), cache)
+        y = choose_token(model.logits(h[-1:])[0], params, gen)
+        out.append(y)
+        if on_tokens:
+            on_tokens([y])
+        if y in stops:
+            break
+        ids = torch.tensor([y])
     return GenerationResult(out, time.monotonic() - t0)
 
 

@@ -56,7 +56,7 @@ def parse_layers(text: str | None) -> list[int] | None:
               help="Shard directory to write (replaced if it holds an older split).")
 @click.option("--layers", default=None, metavar="N,N,...",
               help="Layers per stage, e.g. 7,7,7,7 (default: balanced).")
-def split_cmd(model: str, stages: int, out: Path, layers: str | None) -> None:
+def split(model: str, stages: int, out: Path, layers: str | None) -> None:
     """Cut MODEL (registry name, HF directory or .gguf file) into per-stage shard files."""
     from flowedge.models.resolve import resolve_model
     from flowedge.models.shards import split_model

@@ -48,6 +48,26 @@ def _tensor_index(model_dir: Path) -> dict[str, Path]:
     return index
 
 
+def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
+    """In a flowedge shard directory, check the sha256 of every file these parts will read."""
+    from flowedge.errors import ChecksumError
+    from flowedge.models.shards import MANIFEST, Manifest, file_sha256
+
+    if not (Path(model_dir) / MANIFEST).is_file():
+        return
+    manifest = Manifest.load(model_dir)
+    files = [manifest.head] if parts.embed or parts.head else []
+    files += [s for s in manifest.stages if s.start < parts.end and parts.start < s.end]
+    for spec in files:
+        path = Path(model_dir) / spec.file
+        if not path.is_file():
+            raise ModelError(f"shard {spec.file} is missing from {model_dir}")
+        actual = file_sha256(path)
+        if actual != spec.sha256:
+            raise ChecksumError(f"shard {spec.file} is corrupt: sha256 {actual[:16]}… != manifest "
+                                f"{spec.sha256[:16]}…")
+
+
 def _read(index: dict[str, Path], names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     by_file: dict[Path, list[str]] = {}
     for n in names:
@@ -95,6 +115,7 @@ class StageModel(nn.Module):
         parts = parts or StageParts(0, n_layers, embed=True, head=True)
         if not 0 <= parts.start <= parts.end <= n_layers:
             raise ModelError(f"layer range [{parts.start}, {parts.end}) outside the model's {n_layers} layers")
+        verify_shard_files(model_dir, parts)
         index = _tensor_index(model_dir)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -40,10 +40,14 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
     stage_shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
     draft_shape = shape_of_model(draft_config) if draft_config is not None else None
 
+    # Node 0 keeps the small draft model unquantized (fp16: 1 GB for 0.5B) where the device has that
+    # path: 4-bit weights only pay off for single-token decoding, and drafting runs k tokens a call.
+    draft_path = "hf-fp16" if dev.has_path("hf-fp16") else None
+
     def compute_s(node: int, c) -> float:
         if node == 0:
             if c.what == "draft":
-                return forward_time_s(dev, draft_shape, c.tokens, c.context)
+                return forward_time_s(dev, draft_shape, c.tokens, c.context, draft_path)
             if c.what == "lm_head":
                 return lm_head_time_s(dev, base_config, c.tokens)
             return 0.0

@@ -1,0 +1,4 @@
+"""`python -m flowedge` = the `flowedge` command."""
+from flowedge.cli import main
+
+main()
