@@ -70,11 +70,14 @@ def with_sampling(f):
 @click.option("--nodes", default=5, show_default=True, type=int, help="Simulated cluster size (pipeline strategies).")
 @click.option("--profile", default="orin-nano-8gb", show_default=True, help="Device profile (pipeline strategies).")
 @click.option("--link", default=None, help="Link profile (default: the device profile's).")
+@click.option("--quant", default="none", show_default=True,
+              type=click.Choice(["none", "int4", "nf4", "auto"]),
+              help="W4A16 backend for the base model's layers (tree strategy); auto = fastest here.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw instead of through the chat template.")
 @click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k, top_p, seed,
-             tree_topk, tree_depth, tree_nodes, nodes, profile, link, no_chat, threads, as_json):
+             tree_topk, tree_depth, tree_nodes, nodes, profile, link, quant, no_chat, threads, as_json):
     """Generate text for PROMPT in this process (reference `ar`, one-node `tree`, or a simulated cluster)."""
     from flowedge.core.sampling import SamplingParams
     from flowedge.runner import GenerateRequest, run_generate
@@ -84,7 +87,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
     req = GenerateRequest(prompt=prompt, model=model, draft=draft, strategy=strategy,
                           max_new_tokens=max_new_tokens, params=params, chat=not no_chat,
                           tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
-                          nodes=nodes, profile=profile, link=link)
+                          nodes=nodes, profile=profile, link=link, quant=quant)
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
     out = run_generate(req, on_text=stream)
     if as_json:

@@ -29,6 +29,7 @@ class GenerateRequest:
     nodes: int = 5
     profile: str = "orin-nano-8gb"
     link: str | None = None
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -106,6 +107,8 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
     if res.accept_lens:
         out["mean_accept_len"] = round(res.mean_accept_len, 4)
         out["verifications"] = len(res.accept_lens)
+    if req.quant != "none":
+        out["quant"] = req.quant
     out.update(extra)
     return out
 
@@ -128,7 +131,7 @@ def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
 
     # One-node defaults sized for a CPU: a small tree verifies in about the time of 2-3 tokens.
     shape, total = tree_settings(req, topk=4, depth=5, nodes=16)
-    base = StageModel.load(base_dir)
+    base = StageModel.load(base_dir, quant=req.quant)
     drafter = Drafter(StageModel.load(resolve_model(req.draft)))
     res = generate_tree(base, drafter, prompt_ids, req.max_new_tokens, req.params, shape, total,
                         on_tokens=stream)
