@@ -144,23 +144,17 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     click.echo(f"results: {out_dir}/results.json, timeline: {out_dir}/timeline.png", err=True)
 
 
-def _optional_commands() -> None:
-    """Attach command groups that live next to the code they drive."""
-    try:
-        from flowedge.models.commands import models, split
+def _attach_commands() -> None:
+    """Attach the commands that live next to the code they drive."""
+    from flowedge.daemon.commands import COMMANDS
+    from flowedge.models.commands import models, split
+    from flowedge.transport.commands import keys
 
-        main.add_command(models)
-        main.add_command(split)
-    except ImportError:
-        pass
-    try:
-        from flowedge.transport.commands import keys
-        main.add_command(keys)
-    except ImportError:
-        pass
+    for command in (models, split, keys, *COMMANDS):
+        main.add_command(command)
 
 
-_optional_commands()
+_attach_commands()
 
 if __name__ == "__main__":
     main()

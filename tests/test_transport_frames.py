@@ -57,8 +57,8 @@ def test_integer_tensors_are_not_cast_by_the_hidden_dtype() -> None:
 
 
 def test_bad_hidden_wire_dtype_is_refused() -> None:
-    with pytest.raises(ProtocolError, match="float16 or bfloat16"):
-        tensor_to_frame(torch.zeros(2), torch.float32)
+    with pytest.raises(ProtocolError, match="float16, bfloat16 or float32"):
+        tensor_to_frame(torch.zeros(2), torch.float64)
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 1536), (3, 0, 2), ()])

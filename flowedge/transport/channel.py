@@ -98,7 +98,8 @@ def answer_hello(
         send_routed(sock, identity, Refuse(reason=reason))
         return None
     send_routed(sock, identity, welcome)
-    log.info("welcomed %s %s (%s)", hello.role, hello.node_id, hello.device)
+    (log.debug if hello.role == "client" else log.info)("welcomed %s %s (%s)", hello.role, hello.node_id,
+                                                         hello.device)
     return hello
 
 

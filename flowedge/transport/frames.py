@@ -49,7 +49,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
-HIDDEN_WIRE_DTYPES = (torch.float16, torch.bfloat16)
+HIDDEN_WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT16 = (-(1 << 15), (1 << 15) - 1)
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 
@@ -80,7 +80,7 @@ def tensor_to_frame(
     if not isinstance(t, torch.Tensor):
         raise ProtocolError(f"expected a tensor, got {type(t).__name__}")
     if hidden_wire_dtype is not None and hidden_wire_dtype not in HIDDEN_WIRE_DTYPES:
-        raise ProtocolError(f"hidden states travel as float16 or bfloat16, not {hidden_wire_dtype}")
+        raise ProtocolError(f"hidden states travel as float16, bfloat16 or float32, not {hidden_wire_dtype}")
     t = t.detach()
     if hidden_wire_dtype is not None and t.is_floating_point():
         t = t.to(hidden_wire_dtype)

@@ -1,4 +1,4 @@
-"""Wire messages: protocol constants and one frozen, self-validating dataclass per message type.
+"""Wire messages: one frozen, self-validating dataclass per message type (codec in codec.py).
 
 Frame layout of every message (see frames.py for the tensor rules):
 
@@ -27,257 +27,40 @@ without a copy; cast them to the compute dtype. Never modify a tensor in place a
 from __future__ import annotations
 
 import hashlib
-import math
-import re
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-import msgpack
 import torch
 
 from flowedge.errors import ChecksumError, ProtocolError
-from flowedge.transport.frames import (
+from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol's public surface)
+    BYTES,
+    HIDDEN,
+    HIDDEN_WIRE_NAMES,
+    INDEX,
+    MAX_HEADER_BYTES,
+    MAX_LIST_ITEMS,
+    MAX_SHARD_CHUNK_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    ROLES,
+    SEGMENT_KINDS,
+    SHARD_CHUNK_BYTES,
     WIRE_DTYPES,
-    frame_buffer,
-    frame_to_tensor,
-    index_to_frame,
-    tensor_to_frame,
+    Message,
+    _fail,
+    _float,
+    _index,
+    _ints,
+    _map,
+    _sha256,
+    _str,
+    _version,
+    check_version,
+    decode,
+    encode,
+    version_text,
 )
-
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
-MAX_HEADER_BYTES = 1 << 20
-SHARD_CHUNK_BYTES = 4 << 20
-MAX_SHARD_CHUNK_BYTES = 64 << 20
-MAX_LIST_ITEMS = 4096
-ROLES = ("head", "stage", "client")
-SEGMENT_KINDS = ("prefill", "draft", "expansion")
-HIDDEN_WIRE_NAMES = ("float16", "bfloat16")
-_U64 = (1 << 64) - 1
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-# Tensor field kinds: INDEX -> int16/int32 index set, HIDDEN -> fp16/bf16 states, BYTES -> raw bytes.
-INDEX, HIDDEN, BYTES = "index", "hidden", "bytes"
-
-
-def version_text(version: Sequence[int]) -> str:
-    return f"{version[0]}.{version[1]}"
-
-
-def check_version(peer: Sequence[int]) -> None:
-    """ProtocolError unless `peer` has our major version (minor differences are fine)."""
-    if peer[0] != PROTOCOL_VERSION[0]:
-        raise ProtocolError(
-            f"peer speaks flowedge protocol {version_text(peer)}, "
-            f"this node speaks {version_text(PROTOCOL_VERSION)}"
-        )
-
-
-# ---------------------------------------------------------------- validators (raise ProtocolError)
-def _fail(msg: Message, name: str, want: str) -> ProtocolError:
-    value = repr(getattr(msg, name))
-    return ProtocolError(f"{msg.TYPE}.{name} must be {want}, got {value[:60]}")
-
-
-def _ints(msg: Message, *names: str, lo: int = 0, hi: int = _U64, optional: bool = False) -> None:
-    for name in names:
-        v = getattr(msg, name)
-        if optional and v is None:
-            continue
-        if type(v) is not int or not lo <= v <= hi:
-            raise _fail(msg, name, f"an int in [{lo}, {hi}]")
-
-
-def _float(msg: Message, name: str, lo: float, hi: float, optional: bool = False) -> None:
-    v = getattr(msg, name)
-    if optional and v is None:
-        return
-    if type(v) not in (int, float) or not (math.isfinite(v) and lo <= v <= hi):
-        raise _fail(msg, name, f"a number in [{lo}, {hi}]")
-    object.__setattr__(msg, name, float(v))
-
-
-def _str(msg: Message, name: str, choices: Sequence[str] = (), max_len: int = 4096) -> None:
-    v = getattr(msg, name)
-    if not isinstance(v, str) or len(v) > max_len or (choices and v not in choices):
-        raise _fail(msg, name, f"one of {list(choices)}" if choices else "a string")
-
-
-def _map(msg: Message, name: str, optional: bool = False) -> None:
-    v = getattr(msg, name)
-    if optional and v is None:
-        return
-    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-        raise _fail(msg, name, "a map with string keys")
-
-
-def _sha256(msg: Message, name: str) -> None:
-    v = getattr(msg, name)
-    if not isinstance(v, str) or not _SHA256.fullmatch(v):
-        raise _fail(msg, name, "a lowercase hex sha256")
-
-
-def _index(msg: Message, name: str, n: int | None = None, optional: bool = False) -> int:
-    """Validate a 1-D non-negative integer tensor; returns its length."""
-    t = getattr(msg, name)
-    if optional and t is None:
-        return 0
-    if (
-        not isinstance(t, torch.Tensor)
-        or t.is_floating_point()
-        or t.is_complex()
-        or t.dtype == torch.bool
-        or t.dim() != 1
-    ):
-        raise _fail(msg, name, "a 1-D integer tensor")
-    if n is not None and t.numel() != n:
-        raise _fail(msg, name, f"a tensor of length {n}")
-    if t.numel() and not 0 <= int(t.min()) <= int(t.max()) < (1 << 31):
-        raise _fail(msg, name, "ids in [0, 2**31)")
-    return t.numel()
-
-
-def _version(msg: Message) -> None:
-    v = msg.version
-    if not isinstance(v, (tuple, list)) or len(v) != 2 or any(type(x) is not int or x < 0 for x in v):
-        raise _fail(msg, "version", "a (major, minor) pair")
-    object.__setattr__(msg, "version", tuple(v))
-
-
-# ---------------------------------------------------------------- base class and codec
-class Message:
-    """Base of every wire message: generic header/tensor codec driven by the dataclass fields."""
-
-    __slots__ = ()
-    TYPE: ClassVar[str] = ""
-    WIRE: ClassVar[dict[str, str]] = {}  # tensor field name -> INDEX | HIDDEN | BYTES
-
-    def to_frames(self) -> list[bytes | memoryview]:
-        header: dict[str, Any] = {"v": list(PROTOCOL_VERSION), "type": self.TYPE}
-        metas: dict[str, dict[str, Any]] = {}
-        buffers: list[bytes | memoryview] = []
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            kind = self.WIRE.get(f.name)
-            if kind is None:
-                header[f.name] = list(value) if isinstance(value, tuple) else value
-            elif value is not None:
-                metas[f.name], buf = _encode_tensor(self, kind, value)
-                buffers.append(buf)
-        header["tensors"] = metas
-        try:
-            packed = msgpack.packb(header, use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as err:
-            raise ProtocolError(f"{self.TYPE}: header cannot be packed: {err}") from err
-        return [packed, *buffers]
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[Any]) -> Message:
-        msg = decode(frames)
-        if not isinstance(msg, cls):
-            raise ProtocolError(f"expected a {cls.TYPE} message, got {msg.TYPE}")
-        return msg
-
-    @classmethod
-    def _from_header(cls, header: dict[str, Any], frames: Sequence[Any]) -> Message:
-        metas = header.get("tensors")
-        if not isinstance(metas, dict) or len(metas) != len(frames):
-            n = len(metas) if isinstance(metas, dict) else "no"
-            raise ProtocolError(f"{cls.TYPE}: header describes {n} tensors, message has {len(frames)}")
-        kwargs: dict[str, Any] = {}
-        for (name, meta), frame in zip(metas.items(), frames):
-            if name not in cls.WIRE:
-                raise ProtocolError(f"{cls.TYPE}: unknown tensor field {name!r}")
-            kwargs[name] = _decode_tensor(cls.TYPE, cls.WIRE[name], meta, frame, header)
-        for f in fields(cls):  # type: ignore[arg-type]
-            if f.name in cls.WIRE and f.name in kwargs:
-                continue
-            if f.name in header and f.name not in cls.WIRE:
-                kwargs[f.name] = header[f.name]
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{cls.TYPE}: missing field {f.name!r}")
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError, OverflowError) as err:  # safety net: peer input never crashes
-            raise ProtocolError(f"{cls.TYPE}: {err}") from err
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
-        return all(_same(getattr(self, n), getattr(other, n)) for n in names)
-
-    __hash__ = None  # type: ignore[assignment]  # tensors inside: equal by value, not hashable
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return bool(a == b)
-
-
-def _encode_tensor(msg: Message, kind: str, value: Any) -> tuple[dict[str, Any], Any]:
-    if kind == INDEX:
-        return index_to_frame(value)
-    if kind == HIDDEN:
-        return tensor_to_frame(value, WIRE_DTYPES[msg.hidden_wire])  # type: ignore[attr-defined]
-    view = memoryview(value).cast("B")
-    return {"dtype": "uint8", "shape": [len(view)]}, view
-
-
-def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict[str, Any]) -> Any:
-    if not isinstance(meta, dict):
-        raise ProtocolError(f"{msg_type}: tensor meta must be a map")
-    dtype = meta.get("dtype")
-    allowed = {INDEX: ("int16", "int32"), HIDDEN: (header.get("hidden_wire"),), BYTES: ("uint8",)}[kind]
-    if dtype not in allowed:
-        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {dtype!r}, expected one of {allowed}")
-    if kind == BYTES:
-        if meta.get("shape") != [len(frame_buffer(frame))]:
-            raise ProtocolError(f"{msg_type}: byte frame length does not match its shape")
-        return frame_buffer(frame)
-    t = frame_to_tensor(meta, frame)
-    return t.long() if kind == INDEX else t
-
-
-def _read_header(frames: Sequence[Any]) -> dict[str, Any]:
-    if not isinstance(frames, (list, tuple)) or not frames:
-        raise ProtocolError("empty message")
-    raw = frame_buffer(frames[0])
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as err:
-        raise ProtocolError(f"header is not valid msgpack: {err}") from err
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a map")
-    v = header.get("v")
-    if not isinstance(v, list) or len(v) != 2 or any(type(x) is not int or x < 0 for x in v):
-        raise ProtocolError("header carries no valid protocol version 'v'")
-    if header.get("type") != Refuse.TYPE:  # a REFUSE is readable across major versions
-        check_version(v)
-    return header
-
-
-def decode(frames: Sequence[Any]) -> Message:
-    """The message in a received frame list (zmq.Frame, bytes or memoryview); ProtocolError if malformed."""
-    header = _read_header(frames)
-    kind = header.get("type")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
-    return cls._from_header(header, frames[1:])
-
-
-def encode(msg: Message) -> list[bytes | memoryview]:
-    """The frame list for `msg` (send with copy=False)."""
-    return msg.to_frames()
 
 
 _MSG = dict(frozen=True, slots=True, kw_only=True, eq=False)
@@ -343,6 +126,10 @@ class Assign(Message):
     shard_bytes: int
     next_addr: str
     model: str
+    hidden_wire: str = "float16"
+    quant: str = "none"
+    side_files: dict[str, str] = field(default_factory=dict)  # small text files: config.json, manifest
+    source_dir: str = ""  # the head's split directory: a stage on the same host may read it directly
 
     def __post_init__(self) -> None:
         _ints(self, "stage_index", lo=1)
@@ -351,6 +138,13 @@ class Assign(Message):
         _sha256(self, "shard_sha256")
         _str(self, "next_addr", max_len=512)
         _str(self, "model", max_len=512)
+        _str(self, "hidden_wire", HIDDEN_WIRE_NAMES)
+        _str(self, "quant", ("none", "int4", "nf4", "auto"))
+        _map(self, "side_files")
+        _str(self, "source_dir", max_len=4096)
+        if not all(isinstance(v, str) and "/" not in k and not k.startswith(".")
+                   for k, v in self.side_files.items()):
+            raise _fail(self, "side_files", "plain file names mapped to text")
 
 
 @dataclass(**_MSG)
@@ -415,11 +209,13 @@ class Heartbeat(Message):
     node_id: str
     load: float
     rss_bytes: int
+    stats: dict[str, Any] = field(default_factory=dict)  # e.g. steps, step_ms_median
 
     def __post_init__(self) -> None:
         _str(self, "node_id", max_len=256)
         _float(self, "load", 0.0, 1e6)
         _ints(self, "rss_bytes")
+        _map(self, "stats")
 
 
 @dataclass(**_MSG)
@@ -497,11 +293,14 @@ class Prune(Message):
     horizon: int
     commit_ids: torch.Tensor  # [c]
     keep_ids: torch.Tensor  # [k]
+    end_round: bool = False  # every draft entry dies after the commit
 
     def __post_init__(self) -> None:
         _ints(self, "request_id", "round_id", "version", "horizon")
         _index(self, "commit_ids")
         _index(self, "keep_ids")
+        if type(self.end_round) is not bool:
+            raise _fail(self, "end_round", "a bool")
 
 
 @dataclass(**_MSG)
@@ -604,12 +403,3 @@ class StatusReply(Message):
             isinstance(n, dict) and all(isinstance(k, str) for k in n) for n in nodes
         ):
             raise _fail(self, "nodes", "a list of maps with string keys")
-
-
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (
-        Hello, Welcome, Refuse, Assign, ShardRequest, ShardChunk, Ready, Heartbeat, Shutdown,
-        Segment, Prune, Reset, PromptRequest, TokenChunk, ErrorReply, StatusRequest, StatusReply,
-    )
-}

@@ -1,0 +1,173 @@
+"""The client side: stream an answer from a running head, ask for status, or stop the cluster.
+
+Embedding in a gateway app:
+
+    from flowedge import Client
+    client = Client("127.0.0.1:5555")
+    for piece in client.stream("Write a haiku about routers"):
+        print(piece, end="", flush=True)
+    print(client.last_result["tokens_per_s"])
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import zmq
+
+from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
+from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.transport import protocol as proto
+from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
+from flowedge.transport.security import Security
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(FlowedgeError):
+    """The head answered a request with an error (bad input, cluster not ready, a stage died...)."""
+
+
+class Client:
+    """A connection to a head. Not thread-safe: one per thread."""
+
+    def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
+                 insecure: bool = False, timeout_s: float = 300.0) -> None:
+        self.addr = addr
+        self.timeout_ms = int(timeout_s * 1000)
+        host, port = split_addr(addr)
+        self.ctx = zmq.Context()
+        self.security = Security.start(self.ctx, keys_dir or flowedge_home() / "keys", insecure)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.security.client(self.sock)
+        self.sock.connect(tcp(host, port))
+        self._ids = itertools.count(1)
+        self._welcomed = False
+        self.last_result: dict | None = None
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.security.stop()
+        self.ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _hello(self) -> None:
+        if not self._welcomed:
+            hello = proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
+                                free_memory_bytes=0)
+            try:
+                hello_exchange(self.sock, hello, min(self.timeout_ms, 10_000))
+            except ProtocolError as err:
+                raise FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}") from None
+            self._welcomed = True
+
+    def _recv(self) -> proto.Message:
+        msg = recv_msg(self.sock, self.timeout_ms)
+        if msg is None:
+            raise FlowedgeError(f"the head at {self.addr} went silent for {self.timeout_ms / 1000:.0f} s")
+        return msg
+
+    # ---- requests -------------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               strategy: str = "") -> Iterator[str]:
+        """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the totals."""
+        self._hello()
+        rid = next(self._ids)
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, _tensor(prompt))
+        send_msg(self.sock, proto.PromptRequest(
+            request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, temperature=temperature,
+            top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy))
+        t0 = time.monotonic()
+        tokens: list[int] = []
+        pieces: list[str] = []
+        first_token_s = None
+        while True:
+            msg = self._recv()
+            if getattr(msg, "request_id", rid) != rid:
+                continue   # a late reply to an earlier, abandoned request
+            if isinstance(msg, proto.ErrorReply):
+                raise RequestFailed(msg.message)
+            if not isinstance(msg, proto.TokenChunk):
+                continue
+            tokens += msg.token_ids.tolist()
+            if msg.token_ids.numel() and first_token_s is None:
+                first_token_s = time.monotonic() - t0
+            if msg.text:
+                pieces.append(msg.text)
+                yield msg.text
+            if msg.done:
+                wall = time.monotonic() - t0
+                self.last_result = {
+                    **(msg.stats or {}), "text": "".join(pieces), "token_ids": tokens,
+                    "client_wall_s": round(wall, 4),
+                    "wall_tokens_per_s": round(len(tokens) / wall, 3) if wall > 0 else None,
+                    "first_token_s": round(first_token_s, 4) if first_token_s is not None else None,
+                }
+                return
+
+    def generate(self, prompt: str | list[int], **kwargs) -> dict:
+        """The whole answer at once (same keys as `flowedge generate --json`, plus wall-clock figures)."""
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        return dict(self.last_result)
+
+    def status(self) -> list[dict]:
+        self._hello()
+        send_msg(self.sock, proto.StatusRequest())
+        while True:
+            msg = self._recv()
+            if isinstance(msg, proto.StatusReply):
+                return msg.nodes
+
+    def shutdown(self, reason: str = "") -> None:
+        """Ask the head to stop itself and every stage."""
+        self._hello()
+        send_msg(self.sock, proto.Shutdown(reason=reason))
+        time.sleep(0.1)
+
+
+def _tensor(ids: list[int]):
+    import torch
+
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,
+               progress=None, alive=lambda: True) -> list[dict]:
+    """Poll a head's status until every stage is ready; FlowedgeError on timeout or if `alive()` fails.
+
+    Each try uses a fresh connection, so replies queued behind a head that is still loading its
+    models can never be mistaken for the answer to a later try."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if not alive():
+            raise FlowedgeError("a cluster process exited before the cluster became ready (see its log)")
+        client = Client(addr, keys_dir=keys_dir, insecure=insecure, timeout_s=5.0)  # bad keys raise here
+        try:
+            nodes = client.status()
+        except FlowedgeError:
+            line = "waiting for the head (loading models)"
+        else:
+            if nodes and nodes[0].get("ready"):
+                return nodes
+            ready = sum(1 for n in nodes[1:] if n.get("ready"))
+            line = f"{ready}/{len(nodes) - 1} stages ready"
+        finally:
+            client.close()
+        if progress and line != last:
+            progress(line)
+            last = line
+        time.sleep(0.5)
+    raise FlowedgeError(f"the cluster at {addr} was not ready within {timeout_s:.0f} s")

@@ -1,0 +1,230 @@
+"""`flowedge serve | join | up | down | prompt | status` (wired into the CLI by flowedge/cli.py)."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+
+import click
+
+from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, load_node_config
+from flowedge.errors import ConfigError, FlowedgeError
+
+log = logging.getLogger("flowedge")
+
+HEAD_OPTION = click.option("--head", "head", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True,
+                           help="The head's HOST:PORT.")
+KEYS_OPTION = click.option("--keys", "keys_dir", default=None, help="Cluster keys directory "
+                           "(default $FLOWEDGE_HOME/keys).")
+INSECURE_OPTION = click.option("--insecure", is_flag=True, help="No CurveZMQ (lab use only; logs a warning).")
+
+
+def _daemon_logging() -> None:
+    """Daemons log at INFO unless -v/-vv asked for more."""
+    root = logging.getLogger()
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _run_node(cfg) -> None:
+    from flowedge.cli import set_threads
+
+    set_threads(cfg.threads or None)
+    stop = _stop_on_signals()
+    if cfg.role == "head":
+        from flowedge.daemon.head_node import HeadNode
+
+        HeadNode(cfg, stop).run()
+    else:
+        from flowedge.daemon.stage_node import StageNode
+
+        StageNode(cfg, stop).run()
+
+
+@click.command()
+@click.option("--config", "config_path", default=str(DEFAULT_CONFIG_PATH), show_default=True,
+              help="TOML node configuration (see systemd/flowedge.toml.example).")
+@click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
+@click.option("--threads", type=int, default=None, help="Torch threads for this process.")
+def serve(config_path, role, threads) -> None:
+    """Run one node (head or stage) as a long-lived daemon."""
+    _daemon_logging()
+    _run_node(load_node_config(config_path, role=role, threads=threads))
+
+
+@click.command()
+@click.argument("head_addr")
+@click.option("--config", "config_path", default=None, help="Optional TOML file for the other settings.")
+@click.option("--node-id", default=None, help="Stable name of this node (default hostname-pid).")
+@click.option("--device", default=None, help="Device profile name to report (e.g. orin-nano-8gb).")
+@click.option("--threads", type=int, default=None)
+@click.option("--data-port", type=int, default=None, help="Port for segments from the previous hop (default: any).")
+@click.option("--advertise", default=None, help="Host other nodes reach this one at (default: guessed).")
+@click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
+@click.option("--stage-timeout", type=float, default=None, help="Seconds of head silence before re-joining.")
+@KEYS_OPTION
+@INSECURE_OPTION
+def join(head_addr, config_path, node_id, device, threads, data_port, advertise, same_host, stage_timeout,
+         keys_dir, insecure) -> None:
+    """Start a stage node that joins the head at HEAD_ADDR, fetches its shard and serves its layers."""
+    _daemon_logging()
+    cfg = load_node_config(config_path, role="stage", head=head_addr, node_id=node_id, device=device,
+                           threads=threads, data_port=data_port, advertise=advertise, same_host=same_host,
+                           stage_timeout_s=stage_timeout, keys_dir=keys_dir, insecure=insecure or None)
+    _run_node(cfg)
+
+
+@click.command()
+@click.option("--nodes", default=3, show_default=True, help="Head + stages.")
+@click.option("--model", default="qwen2.5-coder-1.5b", show_default=True)
+@click.option("--draft", default="qwen2.5-coder-0.5b", show_default=True)
+@click.option("--strategy", default="flowspec", show_default=True)
+@click.option("--port", default=DEFAULT_PORT, show_default=True)
+@click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
+@click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Hidden states on the wire (float32: bit-exact to one process).")
+@click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="none", show_default=True,
+              help="Stage weights (int4/nf4 = W4A16).")
+@click.option("--layers", default=None, help="Layers per stage, e.g. 14,14.")
+@click.option("--prompt", default=None, help="Answer this prompt (streaming), then stop the cluster.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--detach", is_flag=True, help="Start in the background and return once ready (`flowedge down`).")
+@click.option("--ready-timeout", default=1800.0, show_default=True, help="Seconds to wait for the cluster.")
+@INSECURE_OPTION
+def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, layers, prompt, max_new_tokens, detach,
+       ready_timeout, insecure) -> None:
+    """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
+    from flowedge.daemon import local_cluster
+    from flowedge.daemon.client import Client, wait_ready
+
+    spec = local_cluster.LocalClusterSpec(
+        nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
+        wire_dtype=wire_dtype, quant=quant, layers=_int_list(layers))
+    cluster = local_cluster.start(spec, detach=detach)
+    click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)
+    try:
+        t0 = time.monotonic()
+        wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive,
+                   progress=lambda line: click.echo(f"  {line}", err=True))
+        click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT` or "
+                   f"`flowedge status`", err=True)
+        if detach:
+            click.echo("detached; stop it with `flowedge down`", err=True)
+            return
+        if prompt is not None:
+            with Client(spec.addr, insecure=insecure) as client:
+                for piece in client.stream(prompt, max_new_tokens=max_new_tokens):
+                    click.echo(piece, nl=False)
+                res = client.last_result
+            click.echo()
+            click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s, "
+                       f"{res['wall_tokens_per_s']:.2f} tok/s, strategy {res['strategy']}, {nodes} nodes]", err=True)
+            return
+        click.echo("serving; Ctrl-C stops every node", err=True)
+        while cluster.alive():
+            time.sleep(0.5)
+        raise FlowedgeError("a node exited: " + "; ".join(cluster.dead()))
+    except KeyboardInterrupt:
+        click.echo("\nstopping", err=True)
+    except FlowedgeError:
+        detach = False
+        raise
+    finally:
+        if not detach:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not orphan children
+            cluster.stop()
+            dead = [d for d in cluster.dead() if "exit 0" not in d and "exit -15" not in d]
+            if dead:
+                click.echo("nodes that did not stop cleanly: " + "; ".join(dead), err=True)
+
+
+@click.command()
+@click.option("--port", default=DEFAULT_PORT, show_default=True)
+def down(port) -> None:
+    """Stop a cluster started with `flowedge up --detach`."""
+    from flowedge.daemon import local_cluster
+
+    click.echo(local_cluster.down(port))
+
+
+@click.command()
+@click.argument("text")
+@HEAD_OPTION
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-k", default=0, type=int, help="0 = off.")
+@click.option("--top-p", default=1.0, type=float, help="1 = off.")
+@click.option("--seed", default=None, type=int)
+@click.option("--strategy", default="", help="Default: the head's configured strategy.")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds of silence before giving up.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (as `generate --json`, plus wall-clock tok/s).")
+@KEYS_OPTION
+@INSECURE_OPTION
+def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy, timeout, as_json, keys_dir,
+           insecure) -> None:
+    """Send TEXT to a running cluster and stream the answer."""
+    from flowedge.daemon.client import Client
+
+    with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=timeout) as client:
+        kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seed=seed, strategy=strategy)
+        if as_json:
+            click.echo(json.dumps(client.generate(text, **kwargs)))
+            return
+        for piece in client.stream(text, **kwargs):
+            click.echo(piece, nl=False)
+        click.echo()
+        res = client.last_result
+        click.echo(f"[{res['new_tokens']} tokens, {res['wall_tokens_per_s']:.2f} tok/s]", err=True)
+
+
+@click.command()
+@HEAD_OPTION
+@click.option("--json", "as_json", is_flag=True)
+@KEYS_OPTION
+@INSECURE_OPTION
+def status(head, as_json, keys_dir, insecure) -> None:
+    """Show every node: address, role, layer range, model, memory, load, last heartbeat."""
+    from flowedge.daemon.client import Client
+
+    with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=10.0) as client:
+        nodes = client.status()
+    if as_json:
+        click.echo(json.dumps(nodes))
+        return
+    click.echo(f"{'node':<18} {'role':<6} {'layers':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
+               f"{'seen s':>6} {'step ms':>8}  state")
+    for n in nodes:
+        layers = n.get("layers")
+        layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
+        step = n.get("step_ms_median")
+        state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
+        click.echo(f"{n.get('node_id') or '-':<18} {n['role']:<6} {layers[:12]:<12} {n.get('address', ''):<22} "
+                   f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
+                   f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
+
+
+def _int_list(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
+
+
+COMMANDS = [serve, join, up, down, prompt, status]

@@ -1,0 +1,110 @@
+"""Node configuration: one dataclass, read from TOML (`/etc/flowedge/flowedge.toml` by default).
+
+Every key is optional except what the role needs; unknown keys are an error (a typo must not
+silently fall back to a default). See `systemd/flowedge.toml.example` for a commented file.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from flowedge.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
+DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
+ROLES = ("head", "stage")
+WIRE_DTYPES = ("float16", "bfloat16", "float32")
+QUANTS = ("none", "int4", "nf4", "auto")
+
+
+def flowedge_home() -> Path:
+    return Path(os.environ.get("FLOWEDGE_HOME") or "~/.cache/flowedge").expanduser()
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str = "head"
+    head: str = f"127.0.0.1:{DEFAULT_PORT}"   # head: where to bind (host:port); stage: where to join
+    node_id: str = ""                         # default: hostname-pid
+    device: str = "x86-cpu"                   # device profile name (reported in status)
+    threads: int = 0                          # torch threads; 0 = all cores
+    keys_dir: str = ""                        # default: $FLOWEDGE_HOME/keys
+    insecure: bool = False
+    heartbeat_ms: int = 1000
+    stage_timeout_s: float = 15.0             # a ready stage silent this long is declared dead
+    # head only
+    model: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    stages: int = 2                           # stage nodes in the plan (the head is node 0)
+    layers: list[int] = field(default_factory=list)   # layers per stage; empty = balanced
+    strategy: str = "flowspec"                # default for prompts that name none
+    wire_dtype: str = "float16"               # hidden states on the wire
+    quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
+    tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
+    # stage only
+    data_port: int = 0                        # 0 = any free port
+    advertise: str = ""                       # host others reach this stage at; default: guessed
+    same_host: bool = False                   # read the head's shard files directly (flowedge up)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"wire_dtype must be one of {list(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.quant not in QUANTS:
+            raise ConfigError(f"quant must be one of {list(QUANTS)}, got {self.quant!r}")
+        if self.stages < 1:
+            raise ConfigError(f"stages must be >= 1, got {self.stages}")
+        if self.layers and len(self.layers) != self.stages:
+            raise ConfigError(f"layers lists {len(self.layers)} stages but stages = {self.stages}")
+        if self.heartbeat_ms < 10 or self.stage_timeout_s * 1000 < 2 * self.heartbeat_ms:
+            raise ConfigError("heartbeat_ms must be >= 10 and stage_timeout_s at least two heartbeats")
+        split_addr(self.head)
+
+    def with_(self, **changes) -> "NodeConfig":
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @property
+    def name(self) -> str:
+        return self.node_id or f"{os.uname().nodename}-{os.getpid()}"
+
+    @property
+    def keys_path(self) -> Path:
+        return Path(self.keys_dir).expanduser() if self.keys_dir else flowedge_home() / "keys"
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """'host:port' (or 'tcp://host:port', or ':port') -> (host, port)."""
+    rest = addr.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ConfigError(f"address {addr!r} is not HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def tcp(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def load_node_config(path: Path | str | None, **overrides) -> NodeConfig:
+    """Read a TOML file (keys at top level or under [flowedge]) and apply CLI overrides."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist (see systemd/flowedge.toml.example)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        values = data.get("flowedge", data)
+        known = {f.name for f in fields(NodeConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
+    try:
+        return NodeConfig(**values).with_(**overrides)
+    except TypeError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None

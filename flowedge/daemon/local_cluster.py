@@ -1,0 +1,182 @@
+"""`flowedge up` / `down`: a head and N-1 stage processes on this machine, real sockets between them.
+
+Each node is its own `python -m flowedge` process (spawned, not forked: no torch state is shared), with
+its own torch thread count, its log in `$FLOWEDGE_HOME/run/up-PORT/`, and the cluster keys from
+`$FLOWEDGE_HOME/keys` (created on first use). A detached cluster records its pids in `cluster.json`
+so `flowedge down` can stop it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flowedge.daemon.config import DEFAULT_PORT, flowedge_home
+from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.transport import security
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "cluster.json"
+
+
+@dataclass
+class LocalClusterSpec:
+    nodes: int = 3
+    model: str = "qwen2.5-coder-1.5b"
+    draft: str = "qwen2.5-coder-0.5b"
+    strategy: str = "flowspec"
+    port: int = DEFAULT_PORT
+    threads: int = 0                 # per process; 0 = cores / nodes
+    insecure: bool = False
+    wire_dtype: str = "float16"
+    quant: str = "none"
+    layers: list[int] = field(default_factory=list)
+    tree_nodes: int = 0
+    stage_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ConfigError(f"a cluster needs at least 2 nodes (head + 1 stage), got {self.nodes}")
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def per_process_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.nodes)
+
+
+@dataclass
+class LocalCluster:
+    spec: LocalClusterSpec
+    run_dir: Path
+    procs: list[subprocess.Popen]
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def dead(self) -> list[str]:
+        names = ["head"] + [f"stage-{k}" for k in range(1, len(self.procs))]
+        return [f"{n} (exit {p.returncode}, log {self.run_dir / (n + '.log')})"
+                for n, p in zip(names, self.procs) if p.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Ask the head to stop everything, then make sure every child is gone."""
+        from flowedge.daemon.client import Client
+
+        if self.procs and self.procs[0].poll() is None:
+            try:
+                with Client(self.spec.addr, keys_dir=self._keys(), insecure=self.spec.insecure,
+                            timeout_s=3.0) as c:
+                    c.shutdown("flowedge up is stopping")
+            except FlowedgeError:
+                pass
+        _reap([p.pid for p in self.procs], grace_s, self.procs)
+        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def _keys(self) -> Path:
+        return flowedge_home() / "keys"
+
+
+def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
+    home = flowedge_home()
+    run_dir = home / "run" / f"up-{spec.port}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / STATE_FILE).is_file() and _any_alive(json.loads((run_dir / STATE_FILE).read_text())["pids"]):
+        raise ConfigError(f"a local cluster already runs on port {spec.port}; `flowedge down` first")
+    if not spec.insecure and not security.key_paths(home / "keys").secret.is_file():
+        security.init_keys(home / "keys")
+        log.info("created cluster keys in %s", home / "keys")
+    threads = spec.per_process_threads()
+    head_cfg = run_dir / "head.toml"
+    head_cfg.write_text("\n".join([
+        'role = "head"', f'head = "{spec.addr}"', 'node_id = "head"', f"threads = {threads}",
+        f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
+        f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
+        f'quant = "{spec.quant}"', f"tree_nodes = {spec.tree_nodes}", f"insecure = {str(spec.insecure).lower()}",
+        f"stage_timeout_s = {spec.stage_timeout_s}",
+    ]) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    base = [sys.executable, "-m", "flowedge", "-v"]
+    commands = [base + ["serve", "--config", str(head_cfg)]]
+    for k in range(1, spec.nodes):
+        commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--threads", str(threads),
+                                "--same-host", f"--stage-timeout={spec.stage_timeout_s}"]
+                        + (["--insecure"] if spec.insecure else []))
+    names = ["head"] + [f"stage-{k}" for k in range(1, spec.nodes)]
+    procs = []
+    for name, cmd in zip(names, commands):
+        logf = open(run_dir / f"{name}.log", "ab")
+        procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=detach, stdin=subprocess.DEVNULL))
+        logf.close()
+    (run_dir / STATE_FILE).write_text(json.dumps({"addr": spec.addr, "pids": [p.pid for p in procs],
+                                                  "insecure": spec.insecure}) + "\n")
+    log.info("started %d processes (%d torch threads each); logs in %s", len(procs), threads, run_dir)
+    return LocalCluster(spec, run_dir, procs)
+
+
+def down(port: int = DEFAULT_PORT, grace_s: float = 10.0) -> str:
+    """Stop a detached local cluster; returns a one-line report."""
+    from flowedge.daemon.client import Client
+
+    state_file = flowedge_home() / "run" / f"up-{port}" / STATE_FILE
+    if not state_file.is_file():
+        raise ConfigError(f"no local cluster recorded on port {port} ({state_file} missing)")
+    state = json.loads(state_file.read_text())
+    try:
+        with Client(state["addr"], insecure=state.get("insecure", False), timeout_s=3.0) as c:
+            c.shutdown("flowedge down")
+    except FlowedgeError as err:
+        log.warning("head did not take the shutdown request (%s); signalling the processes", err)
+    left = _reap(state["pids"], grace_s)
+    state_file.unlink(missing_ok=True)
+    return f"stopped the cluster at {state['addr']} ({len(state['pids'])} processes" + \
+        (f", {left} killed)" if left else ")")
+
+
+def _any_alive(pids: list[int]) -> bool:
+    return any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int, procs: dict | None = None) -> bool:
+    if procs and pid in procs:
+        return procs[pid].poll() is None
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:   # a zombie child of ours counts as gone
+        return not os.waitpid(pid, os.WNOHANG)[0]
+    except ChildProcessError:
+        return True
+
+
+def _reap(pids: list[int], grace_s: float, popens: list[subprocess.Popen] | None = None) -> int:
+    """Wait for pids to exit; SIGTERM then SIGKILL the stragglers. Returns how many had to be killed."""
+    procs = {p.pid: p for p in popens or []}
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p, procs) for p in pids):
+        time.sleep(0.1)
+    killed = 0
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        stragglers = [p for p in pids if _alive(p, procs)]
+        for pid in stragglers:
+            killed += sig == signal.SIGKILL
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        t = time.monotonic() + 3.0
+        while time.monotonic() < t and any(_alive(p, procs) for p in stragglers):
+            time.sleep(0.1)
+    for p in procs.values():
+        p.poll()
+    return killed

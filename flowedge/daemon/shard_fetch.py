@@ -1,0 +1,142 @@
+"""Stage shards over the wire: the head serves byte ranges, a joining stage fetches, checks and caches.
+
+Cache layout on a stage: `$FLOWEDGE_HOME/stage-cache/<sha256 of the stage file>/` holding the side
+files (config.json, manifest.json, tokenizer files) and the stage's safetensors file. It is written
+under a temporary name and renamed into place only after the whole file hashed to the expected
+sha256, so an interrupted fetch never leaves a half-written entry and a restart re-fetches nothing
+that was complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from flowedge.errors import ChecksumError, ProtocolError
+from flowedge.models.shards import MANIFEST, Manifest
+from flowedge.transport import protocol as proto
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = proto.SHARD_CHUNK_BYTES
+SIDE_FILES = ("config.json", "generation_config.json", MANIFEST)   # what a stage needs besides weights
+IN_FLIGHT = 4            # chunk requests outstanding at once (keeps a high-latency link busy)
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """What the head serves for one stage: the file, its digest and the small side files."""
+    path: Path
+    sha256: str
+    size: int
+    side_files: dict[str, str]
+
+
+def stage_files(split_dir: Path, stage: int) -> ShardFile:
+    """The shard file of stage `stage` (1-based) in a split directory, with the config and manifest text."""
+    manifest = Manifest.load(split_dir)
+    spec = manifest.stages[stage - 1]
+    side = {name: (split_dir / name).read_text() for name in SIDE_FILES if (split_dir / name).is_file()}
+    return ShardFile(split_dir / spec.file, spec.sha256, spec.bytes, side)
+
+
+def read_chunk(shard: ShardFile, req: proto.ShardRequest) -> proto.ShardChunk:
+    """Head side: the requested byte range (clipped to the file) as a checksummed chunk."""
+    if req.offset >= shard.size:
+        raise ProtocolError(f"shard request at offset {req.offset} beyond the file's {shard.size} bytes")
+    with open(shard.path, "rb") as f:
+        f.seek(req.offset)
+        data = f.read(min(req.length, shard.size - req.offset))
+    return proto.ShardChunk.of(req.offset, data, shard.size)
+
+
+def cache_root(home: Path) -> Path:
+    return home / "stage-cache"
+
+
+def cached_dir(home: Path, sha256: str) -> Path | None:
+    d = cache_root(home) / sha256
+    return d if (d / MANIFEST).is_file() else None
+
+
+def cached_shas(home: Path) -> list[str]:
+    root = cache_root(home)
+    return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
+
+
+def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardRequest], None],
+          receive: Callable[[float], proto.ShardChunk | None], timeout_s: float = 60.0) -> Path:
+    """Stage side: fetch the assigned shard through `request`/`receive`, verify, and cache it.
+
+    `receive(timeout)` returns the next ShardChunk (None on timeout); chunks may come back in any
+    order. Returns the cache directory holding a loadable split for this stage."""
+    final = cache_root(home) / assign.shard_sha256
+    tmp = final.parent / f".{assign.shard_sha256}.part-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, text in assign.side_files.items():
+            (tmp / name).write_text(text)
+        stage_file = _stage_file_name(tmp, assign)
+        _download(assign, tmp / stage_file, request, receive, timeout_s)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _stage_file_name(split_dir: Path, assign: proto.Assign) -> str:
+    if not (split_dir / MANIFEST).is_file():
+        raise ProtocolError("assignment carries no manifest.json: cannot place the shard")
+    manifest = Manifest.load(split_dir)
+    for spec in manifest.stages:
+        if spec.sha256 == assign.shard_sha256:
+            return spec.file
+    raise ProtocolError("assigned shard sha256 is not in the head's manifest")
+
+
+def _download(assign: proto.Assign, path: Path, request, receive, timeout_s: float) -> None:
+    total = assign.shard_bytes
+    offsets = deque(range(0, total, CHUNK_BYTES))
+    pending: set[int] = set()
+    done_bytes, t0, last_report = 0, time.monotonic(), 0.0
+    with open(path, "wb") as f:
+        f.truncate(total)
+        while offsets or pending:
+            while offsets and len(pending) < IN_FLIGHT:
+                off = offsets.popleft()
+                request(proto.ShardRequest(offset=off, length=CHUNK_BYTES))
+                pending.add(off)
+            chunk = receive(timeout_s)
+            if chunk is None:
+                raise ProtocolError(f"shard fetch stalled: no chunk for {timeout_s:.0f} s "
+                                    f"({done_bytes}/{total} bytes)")
+            if chunk.offset not in pending or chunk.total != total:
+                log.warning("ignoring unexpected shard chunk at offset %d", chunk.offset)
+                continue
+            chunk.verify()
+            f.seek(chunk.offset)
+            f.write(chunk.data)
+            pending.discard(chunk.offset)
+            done_bytes += len(chunk.data)
+            now = time.monotonic()
+            if now - last_report > 2.0 or done_bytes == total:
+                last_report = now
+                rate = done_bytes / max(now - t0, 1e-6) / 1e6
+                log.info("fetching shard: %5.1f%% (%d/%d MB, %.0f MB/s)", 100 * done_bytes / max(total, 1),
+                         done_bytes >> 20, total >> 20, rate)
+    digest = hashlib.sha256()   # whole-file digest once every chunk has landed
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    if digest.hexdigest() != assign.shard_sha256:
+        raise ChecksumError(f"fetched shard hashes to {digest.hexdigest()[:16]}…, "
+                            f"head announced {assign.shard_sha256[:16]}…")

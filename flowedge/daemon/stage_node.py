@@ -1,0 +1,263 @@
+"""A stage node: joins the head, gets its layer range and shard, then runs the stage worker on sockets.
+
+Sockets: `ctrl` (DEALER -> head ROUTER: handshake, assignment, shard chunks, prune sets, resets,
+heartbeats), `data_in` (PULL, bound here: segments from the previous hop), `data_out` (PUSH to the
+next stage's data_in, or to the head's return port for the last stage). The stage worker state
+machine (flowedge.engine.stage_worker) keeps prune sets and segments in order whatever socket they
+came in on, so the two inbound sockets need no coordination.
+
+Lifecycle: JOIN (HELLO until WELCOME) -> wait ASSIGN -> shard (local, cache or fetch) -> load -> READY
+-> serve. If the head goes silent for `stage_timeout_s` the node goes back to JOIN (the head may have
+restarted); a SHUTDOWN ends it.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import zmq
+
+from flowedge.daemon import shard_fetch, wire
+from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
+from flowedge.engine.events import Compute, Send
+from flowedge.engine.stage_worker import StageWorker
+from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.models.shards import Manifest
+from flowedge.models.stage import StageModel, StageParts
+from flowedge.transport import protocol as proto
+from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
+from flowedge.transport.security import Security
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_MS = 5000
+
+
+class Rejoin(Exception):
+    """The head went away or re-planned: start the join sequence again."""
+
+
+class StageNode:
+    def __init__(self, config: NodeConfig, stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        self.node_id = config.name
+        self.home = flowedge_home()
+        self.head_host, self.head_port = split_addr(config.head)
+        self.ctx = zmq.Context()
+        self.security = Security.start(self.ctx, config.keys_path, config.insecure)
+        self.data_in = self.ctx.socket(zmq.PULL)
+        self.data_in.linger = 0
+        self.security.server(self.data_in)
+        host = config.advertise or _reachable_ip(self.head_host)
+        if config.data_port:
+            self.data_in.bind(f"tcp://*:{config.data_port}")
+            port = config.data_port
+        else:
+            port = self.data_in.bind_to_random_port("tcp://*")
+        self.data_addr = tcp(host, port)
+        self.ctrl: zmq.Socket | None = None
+        self.data_out: zmq.Socket | None = None
+        self.assign: proto.Assign | None = None
+        self.worker: StageWorker | None = None
+        self.model_dir: Path | None = None
+        self.step_s: list[float] = []
+        self.busy_s = 0.0
+        self.last_beat = time.monotonic()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    self._join()
+                    self._serve()
+                except Rejoin as why:
+                    log.warning("rejoining: %s", why)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in (self.ctrl, self.data_out, self.data_in):
+            if sock is not None:
+                sock.close(0)
+        self.security.stop()
+        self.ctx.term()
+
+    def _connect_ctrl(self) -> None:
+        if self.ctrl is not None:
+            self.ctrl.close(0)
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.linger = 0
+        self.security.client(self.ctrl)
+        self.ctrl.connect(tcp(self.head_host, self.head_port))
+
+    def _join(self) -> None:
+        """HELLO until the head answers, then wait for the assignment and get ready."""
+        hello = proto.Hello(node_id=self.node_id, role="stage", device=self.config.device,
+                            free_memory_bytes=int(psutil.virtual_memory().available),
+                            capabilities={"data_addr": self.data_addr,
+                                          "cached_shards": shard_fetch.cached_shas(self.home)})
+        while not self.stop.is_set():
+            self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
+            try:
+                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS)
+                break
+            except ProtocolError as err:
+                log.warning("joining %s: %s", self.config.head, err)
+                if "refused" in str(err) or "protocol" in str(err):
+                    time.sleep(2.0)
+        else:
+            return
+        self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
+        log.info("joined head %s at %s; data port %s", welcome.node_id, self.config.head, self.data_addr)
+        self.last_head = time.monotonic()
+        while not self.stop.is_set():
+            msg = self._recv_ctrl(200)
+            if isinstance(msg, proto.Assign):
+                self._take(msg)
+                return
+            self._beat()
+
+    def _take(self, assign: proto.Assign) -> None:
+        """Apply an assignment: (re)load the layers if the shard changed, (re)connect the next hop."""
+        if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
+                assign.quant != self.assign.quant:
+            self.worker = None
+            self.model_dir = self._shard_dir(assign)
+            t0 = time.monotonic()
+            model = StageModel.load(self.model_dir, StageParts(assign.layer_start, assign.layer_end),
+                                    quant=assign.quant)
+            self.worker = StageWorker(assign.stage_index, model, 0)
+            log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,
+                     assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
+                     psutil.Process().memory_info().rss / 1e6)
+        self.assign = assign
+        self.worker.index = assign.stage_index
+        if self.data_out is not None:
+            self.data_out.close(0)
+        self.data_out = self.ctx.socket(zmq.PUSH)
+        self.data_out.linger = 0
+        self.security.client(self.data_out)
+        self.data_out.connect(assign.next_addr or tcp(self.head_host, self.head_port + 1))
+        send_msg(self.ctrl, proto.Ready(stage_index=assign.stage_index))
+        log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
+
+    def _shard_dir(self, assign: proto.Assign) -> Path:
+        """A directory holding this stage's verified shard: the head's own files, the cache, or a fetch."""
+        local = Path(assign.source_dir) if self.config.same_host and assign.source_dir else None
+        if local is not None and (local / "manifest.json").is_file() and any(
+                s.sha256 == assign.shard_sha256 for s in Manifest.load(local).stages):
+            log.info("using the head's shard files in %s (same host)", local)
+            return local
+        cached = shard_fetch.cached_dir(self.home, assign.shard_sha256)
+        if cached is not None:
+            log.info("shard %s… found in the cache (%s); not fetching", assign.shard_sha256[:12], cached)
+            return cached
+        log.info("fetching shard %s… (%d MB) from the head", assign.shard_sha256[:12], assign.shard_bytes >> 20)
+        return shard_fetch.fetch(assign, self.home, lambda r: send_msg(self.ctrl, r), self._next_chunk)
+
+    def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            msg = self._recv_ctrl(200)
+            self._beat()
+            if isinstance(msg, proto.ShardChunk):
+                return msg
+            if isinstance(msg, proto.Shutdown):
+                raise FlowedgeError(f"head shut down during the shard fetch: {msg.reason}")
+        return None
+
+    # ---- serving --------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ctrl, zmq.POLLIN)
+        poller.register(self.data_in, zmq.POLLIN)
+        while not self.stop.is_set():
+            ready = dict(poller.poll(100))
+            if self.ctrl in ready:
+                self._on_ctrl(self._recv_ctrl(0))
+            if self.data_in in ready:
+                self._on_data()
+            self._beat()
+            if time.monotonic() - self.last_head > self.config.stage_timeout_s:
+                raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:.0f} s")
+
+    def _recv_ctrl(self, timeout_ms: int) -> proto.Message | None:
+        try:
+            msg = recv_msg(self.ctrl, timeout_ms)
+        except ProtocolError as err:
+            log.warning("dropped a malformed message from the head: %s", err)
+            return None
+        if msg is not None:
+            self.last_head = time.monotonic()
+        if isinstance(msg, proto.Shutdown):
+            log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
+            self.stop.set()
+        return msg
+
+    def _on_ctrl(self, msg: proto.Message | None) -> None:
+        if msg is None or isinstance(msg, (proto.Heartbeat, proto.Shutdown, proto.Welcome)):
+            return
+        if isinstance(msg, proto.Assign):
+            self._take(msg)
+        elif isinstance(msg, proto.Refuse):
+            raise Rejoin(f"the head dropped this node: {msg.reason}")
+        elif isinstance(msg, (proto.Prune, proto.Reset, proto.Segment)):
+            self._handle(wire.from_wire(msg, self.worker.model.dtype))
+        else:
+            log.warning("ignoring unexpected %s from the head", msg.TYPE)
+
+    def _on_data(self) -> None:
+        try:
+            msg = recv_msg(self.data_in, 0)
+        except ProtocolError as err:
+            log.warning("dropped a malformed data message: %s", err)
+            return
+        if not isinstance(msg, (proto.Segment, proto.Prune, proto.Reset)):
+            log.warning("ignoring %s on the data port", getattr(msg, "TYPE", msg))
+            return
+        self._handle(wire.from_wire(msg, self.worker.model.dtype))
+
+    def _handle(self, event) -> None:
+        t0 = time.perf_counter()
+        actions = self.worker.receive(event)
+        for a in actions:
+            if isinstance(a, Send):
+                send_msg(self.data_out, wire.to_wire(a.message, self.assign.hidden_wire))
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        if any(isinstance(a, Compute) for a in actions):
+            self.step_s.append(dt)
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        period = getattr(self, "heartbeat_s", 1.0)
+        if now - self.last_beat < period or self.ctrl is None:
+            return
+        load = self.busy_s / max(now - self.last_beat, 1e-6)
+        recent = self.step_s[-256:]
+        stats = {"steps": len(self.step_s),
+                 "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
+                 "threads": torch.get_num_threads()}
+        send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
+                                            rss_bytes=psutil.Process().memory_info().rss, stats=stats))
+        self.busy_s, self.last_beat = 0.0, now
+
+
+def _reachable_ip(head_host: str) -> str:
+    """The local address a peer on the head's network reaches us at (no packet is sent)."""
+    if head_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((head_host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

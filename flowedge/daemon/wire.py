@@ -1,0 +1,63 @@
+"""Engine messages <-> wire messages. The only place that knows both vocabularies.
+
+Convention: the engine marks "committed context" with id -1 (prefill rows, parents of first-level
+nodes); the wire carries only non-negative ids, so segment node and parent ids travel shifted by one
+(0 = committed context). Prune sets hold real node ids only and travel unshifted.
+"""
+from __future__ import annotations
+
+import torch
+
+from flowedge.core.prune import PruneSet
+from flowedge.engine import events
+from flowedge.errors import ProtocolError
+from flowedge.transport import protocol as proto
+
+
+def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
+    return proto.Segment(
+        request_id=seg.request_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
+        kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids + 1, parent_ids=seg.parent_ids + 1,
+        positions=seg.positions, hidden=seg.hidden, hidden_wire=hidden_wire)
+
+
+def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
+    if msg.hidden is None:
+        raise ProtocolError("segment without hidden states (token-id segments are not used by this head)")
+    # Hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy.
+    return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
+                          msg.parent_ids - 1, msg.positions, msg.hidden.to(dtype), msg.kind)
+
+
+def prune_to_wire(p: events.Prune) -> proto.Prune:
+    return proto.Prune(request_id=p.request_id, round_id=p.round_id, version=p.version,
+                       horizon=p.prune.horizon, commit_ids=p.prune.commit, keep_ids=p.prune.keep,
+                       end_round=p.end_round)
+
+
+def prune_from_wire(msg: proto.Prune) -> events.Prune:
+    return events.Prune(msg.request_id, msg.round_id, msg.version,
+                        PruneSet(commit=msg.commit_ids, keep=msg.keep_ids, horizon=msg.horizon),
+                        msg.end_round)
+
+
+def to_wire(message, hidden_wire: str) -> proto.Message:
+    """Any engine message a node sends (Segment, Prune, Finish)."""
+    if isinstance(message, events.Segment):
+        return segment_to_wire(message, hidden_wire)
+    if isinstance(message, events.Prune):
+        return prune_to_wire(message)
+    if isinstance(message, events.Finish):
+        return proto.Reset(request_id=message.request_id)
+    raise TypeError(f"no wire form for {type(message).__name__}")
+
+
+def from_wire(msg: proto.Message, dtype: torch.dtype):
+    """The engine event for a data-plane wire message, or None if it is not one."""
+    if isinstance(msg, proto.Segment):
+        return segment_from_wire(msg, dtype)
+    if isinstance(msg, proto.Prune):
+        return prune_from_wire(msg)
+    if isinstance(msg, proto.Reset):
+        return events.Finish(msg.request_id)
+    return None
