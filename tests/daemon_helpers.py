@@ -1,0 +1,85 @@
+"""Helpers for the daemon tests: free ports, a local cluster of real processes, log inspection."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from flowedge.daemon import local_cluster
+from flowedge.daemon.client import wait_ready
+
+READY_TIMEOUT_S = 180.0
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free (the head binds both)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000 and _free(port + 1):
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@contextmanager
+def flowedge_home(path: Path):
+    """Point FLOWEDGE_HOME (read by this process and inherited by children) at `path`."""
+    old = os.environ.get("FLOWEDGE_HOME")
+    os.environ["FLOWEDGE_HOME"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("FLOWEDGE_HOME", None)
+        else:
+            os.environ["FLOWEDGE_HOME"] = old
+
+
+def start_cluster(spec: local_cluster.LocalClusterSpec) -> local_cluster.LocalCluster:
+    cluster = local_cluster.start(spec)
+    try:
+        wait_ready(spec.addr, READY_TIMEOUT_S, insecure=spec.insecure, alive=cluster.alive)
+    except BaseException:
+        cluster.stop(grace_s=2.0)
+        raise AssertionError("cluster did not start:\n" + logs(cluster.run_dir)) from None
+    return cluster
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(run_dir).glob("*.log")))
+
+
+def flowedge_cli(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowedge", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def spawn_join(addr: str, *args: str, log_path: Path, env: dict | None = None) -> subprocess.Popen:
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "flowedge", "-v", "join", addr, "--threads", "1", *args],
+                            stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    logf.close()
+    return proc
+
+
+def wait_for_text(path: Path, text: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text():
+            return True
+        time.sleep(0.2)
+    return False

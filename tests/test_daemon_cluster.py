@@ -1,0 +1,144 @@
+"""End to end over real processes and real sockets (loopback): `flowedge up` + `flowedge prompt`.
+
+Tiny generated models; hidden states travel as float32 so the pipeline is bit-exact to one process
+and the answer must be token-identical to `flowedge generate --strategy ar`.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
+                            wait_for_text)
+from flowedge.daemon.client import Client, RequestFailed, wait_ready
+from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.errors import FlowedgeError
+from flowedge.runner import GenerateRequest, run_generate
+from flowedge.transport import security
+from flowedge.transport.channel import recv_msg, send_msg
+from flowedge.transport.protocol import Hello, Refuse
+
+PROMPTS = ["abc def ghi jkl", "The quick brown fox", "zzzz"]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pair):
+    base, draft = tiny_pair
+    return {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW))["token_ids"] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module", params=[3, 5], ids=["3-nodes", "5-nodes"])
+def cluster(request, tiny_pair, tmp_path_factory):
+    base, draft = tiny_pair
+    with flowedge_home(tmp_path_factory.mktemp("home")):
+        spec = LocalClusterSpec(nodes=request.param, model=str(base), draft=str(draft), port=free_port_pair(),
+                                threads=1, wire_dtype="float32", stage_timeout_s=4.0)
+        c = start_cluster(spec)
+        yield c
+        c.stop()
+
+
+@pytest.mark.parametrize("strategy", ["flowspec", "ar-pp"])
+def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
+    with Client(cluster.spec.addr, timeout_s=60) as client:
+        for prompt in PROMPTS:
+            pieces = list(client.stream(prompt, max_new_tokens=MAX_NEW, strategy=strategy))
+            res = client.last_result
+            assert res["token_ids"] == references[prompt], (prompt, logs(cluster.run_dir))
+            assert "".join(pieces) == res["text"]
+            assert res["strategy"] == strategy and res["wall_tokens_per_s"] > 0
+    assert max(len(r) for r in references.values()) >= 20   # the comparison covers real decoding
+
+
+def test_prompt_cli_json_matches_generate_json(cluster, references):
+    out = flowedge_cli("prompt", PROMPTS[0], "--head", cluster.spec.addr, "--max-new-tokens", str(MAX_NEW),
+                       "--json", "--strategy", "flowspec")
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["token_ids"] == references[PROMPTS[0]]
+    for key in ("text", "token_ids", "new_tokens", "wall_s", "tokens_per_s", "mean_accept_len",
+                "wall_tokens_per_s"):
+        assert key in res
+
+
+def test_status_lists_every_node(cluster):
+    out = flowedge_cli("status", "--head", cluster.spec.addr, "--json")
+    assert out.returncode == 0, out.stderr
+    nodes = json.loads(out.stdout)
+    assert [n["role"] for n in nodes] == ["head"] + ["stage"] * (cluster.spec.nodes - 1)
+    assert all(n["ready"] for n in nodes)
+    ranges = [n["layers"] for n in nodes[1:]]
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    text = flowedge_cli("status", "--head", cluster.spec.addr).stdout
+    assert "stage-1" in text and "ready" in text
+
+
+def test_bad_requests_get_one_line_errors_and_the_cluster_keeps_serving(cluster, references):
+    with Client(cluster.spec.addr, timeout_s=30) as client:
+        with pytest.raises(RequestFailed, match="context"):
+            client.generate("x" * 10, max_new_tokens=10 ** 6)
+        with pytest.raises(RequestFailed, match="unknown strategy|strategy"):
+            client.generate("hi", strategy="warp-drive")
+        with pytest.raises(FlowedgeError, match="temperature"):
+            client.generate("hi", temperature=float("nan"))
+        assert client.generate(PROMPTS[1], max_new_tokens=MAX_NEW)["token_ids"] == references[PROMPTS[1]]
+
+
+def test_foreign_keys_and_wrong_version_are_refused_without_disturbing_a_request(cluster, references,
+                                                                                   tmp_path):
+    if cluster.spec.nodes != 5:
+        pytest.skip("run once")
+    addr = cluster.spec.addr
+    result: dict = {}
+
+    def long_request():
+        with Client(addr, timeout_s=60) as c:
+            result["ids"] = c.generate(PROMPTS[2], max_new_tokens=MAX_NEW)["token_ids"]
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    # 1. A node holding some other cluster's keys cannot even say HELLO.
+    security.init_keys(tmp_path / "other-keys")
+    with pytest.raises(FlowedgeError, match="cannot reach"):
+        with Client(addr, keys_dir=tmp_path / "other-keys", timeout_s=2) as rogue:
+            rogue.status()
+    # 2. A stage joining with those keys is refused too, and the head logs it.
+    join_log = tmp_path / "rogue-join.log"
+    rogue_stage = spawn_join(addr, "--keys", str(tmp_path / "other-keys"), "--node-id", "rogue", log_path=join_log)
+    try:
+        assert wait_for_text(join_log, "no answer to HELLO", 30), join_log.read_text()
+    finally:
+        rogue_stage.send_signal(signal.SIGTERM)
+        rogue_stage.wait(20)
+    assert wait_for_text(cluster.run_dir / "head.log", "handshake failed", 10)
+    # 3. A HELLO from another major protocol version gets a REFUSE naming both versions.
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        security.secure_client(sock, security.load_keys())
+        sock.connect(f"tcp://{addr}")
+        hello = Hello(node_id="future", role="stage", device="x", free_memory_bytes=0)
+        frames = hello.to_frames()
+        header = msgpack.unpackb(frames[0])
+        header["v"] = [2, 0]
+        sock.send_multipart([msgpack.packb(header), *frames[1:]])
+        reply = recv_msg(sock, 10_000)
+        assert isinstance(reply, Refuse) and "protocol 2.0" in reply.reason
+        # 4. Garbage frames are dropped with a log line.
+        sock.send_multipart([b"\xc1not msgpack"])
+        send_msg(sock, Hello(node_id="late", role="client", device="x", free_memory_bytes=0))
+        assert recv_msg(sock, 10_000) is not None
+        sock.close(0)
+    finally:
+        ctx.term()
+    worker.join(60)
+    assert result["ids"] == references[PROMPTS[2]]
+    with Client(addr) as c:
+        assert all(n["ready"] for n in c.status())

@@ -1,0 +1,130 @@
+"""`flowedge serve` + `flowedge join` as separate processes with separate homes: the shard is fetched
+through the head, checked, cached; a stage that dies mid-request aborts only that request."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from daemon_helpers import free_port_pair, logs, spawn_join, wait_for_text
+from flowedge.daemon.client import Client, RequestFailed, wait_ready
+from flowedge.models.shards import Manifest, file_sha256
+from flowedge.runner import GenerateRequest, run_generate
+from flowedge.transport import security
+
+PROMPT = "abc def ghi jkl"
+
+
+def _serve(cfg_path, env, log_path) -> subprocess.Popen:
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "flowedge", "-v", "serve", "--config", str(cfg_path)],
+                            stdout=logf, stderr=subprocess.STDOUT, env=env)
+    logf.close()
+    return proc
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_pair, tmp_path):
+    base, draft = tiny_pair
+    head_home, stage_home = tmp_path / "head-home", tmp_path / "stage-home"
+    security.init_keys(head_home / "keys")
+    port = free_port_pair()
+    addr = f"127.0.0.1:{port}"
+    cfg = tmp_path / "head.toml"
+    cfg.write_text(f'role = "head"\nhead = "{addr}"\nmodel = "{base}"\ndraft = "{draft}"\nstages = 1\n'
+                   f'threads = 1\nwire_dtype = "float32"\nstage_timeout_s = 3.0\nheartbeat_ms = 500\n')
+    head_env = {**os.environ, "FLOWEDGE_HOME": str(head_home)}
+    stage_env = {"FLOWEDGE_HOME": str(stage_home)}
+    keys = ["--keys", str(head_home / "keys"), "--node-id", "edge-1", "--stage-timeout", "3"]
+    head = _serve(cfg, head_env, tmp_path / "head.log")
+    stages: list[subprocess.Popen] = []
+    reference = run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", 30))["token_ids"]
+    try:
+        stages.append(spawn_join(addr, *keys, log_path=tmp_path / "stage-a.log", env=stage_env))
+        os.environ["FLOWEDGE_HOME"] = str(head_home)   # this process acts as a client of that cluster
+        wait_ready(addr, 120, alive=lambda: head.poll() is None and stages[-1].poll() is None)
+
+        # The fetched shard is byte-identical to the head's and sits in the stage's cache.
+        split = next((head_home / "shards").iterdir())
+        spec = Manifest.load(split).stages[0]
+        cached = stage_home / "stage-cache" / spec.sha256 / spec.file
+        assert cached.is_file() and file_sha256(cached) == file_sha256(split / spec.file) == spec.sha256
+        assert (cached.read_bytes() == (split / spec.file).read_bytes())
+        assert "fetching shard" in (tmp_path / "stage-a.log").read_text()
+        with Client(addr, timeout_s=30) as c:
+            assert c.generate(PROMPT, max_new_tokens=30)["token_ids"] == reference
+
+        # A stage that stops answering mid-request: that request fails with a clear error...
+        stages[-1].send_signal(signal.SIGSTOP)
+        with Client(addr, timeout_s=30) as c:
+            with pytest.raises(RequestFailed, match="stage 1 .*edge-1"):
+                c.generate(PROMPT, max_new_tokens=30)
+        stages[-1].kill()
+        # ... and a restarted stage re-joins from its cache (no second fetch) and the head serves again.
+        stages.append(spawn_join(addr, *keys, log_path=tmp_path / "stage-b.log", env=stage_env))
+        wait_ready(addr, 120, alive=lambda: head.poll() is None and stages[-1].poll() is None)
+        text = (tmp_path / "stage-b.log").read_text()
+        assert "found in the cache" in text and "fetching shard" not in text
+        with Client(addr, timeout_s=30) as c:
+            assert c.generate(PROMPT, max_new_tokens=30, strategy="flowspec")["token_ids"] == reference
+    except BaseException:
+        print(logs(tmp_path))
+        raise
+    finally:
+        os.environ.pop("FLOWEDGE_HOME", None)
+        _stop(*stages, head)
+
+
+def test_interrupted_fetch_leaves_no_cache_entry(tmp_path):
+    """A shard fetch that fails half-way (bad chunk) raises and leaves the cache empty."""
+    import hashlib
+
+    from flowedge.daemon import shard_fetch
+    from flowedge.errors import ChecksumError
+    from flowedge.transport import protocol as proto
+
+    data = os.urandom(3 * shard_fetch.CHUNK_BYTES + 123)
+    sha = hashlib.sha256(data).hexdigest()
+    manifest = ('{"format": 1, "model": "m", "num_layers": 1, "hidden_size": 4, "dtype": "float32", '
+                '"tied": true, "head": {"file": "head.safetensors", "sha256": "' + "0" * 64 + '", "bytes": 1}, '
+                '"stages": [{"index": 0, "layers": [0, 1], "file": "stage-0.safetensors", "sha256": "'
+                + sha + f'", "bytes": {len(data)}' + '}]}')
+    assign = proto.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=len(data),
+                          next_addr="", model="m", side_files={"manifest.json": manifest, "config.json": "{}"})
+    asked: list[proto.ShardRequest] = []
+
+    def receive_ok(timeout):
+        req = asked.pop()   # newest first: chunks arrive out of order
+        return proto.ShardChunk.of(req.offset, data[req.offset:req.offset + req.length], len(data))
+
+    out = shard_fetch.fetch(assign, tmp_path / "ok", asked.append, receive_ok)
+    assert (out / "stage-0.safetensors").read_bytes() == data
+    assert shard_fetch.cached_shas(tmp_path / "ok") == [sha]
+
+    def receive_bad(timeout):
+        req = asked.pop()
+        chunk = proto.ShardChunk.of(req.offset, data[req.offset:req.offset + req.length], len(data))
+        if req.offset:
+            object.__setattr__(chunk, "data", b"\0" * len(chunk.data))   # corrupted on the way
+        return chunk
+
+    asked.clear()
+    with pytest.raises(ChecksumError):
+        shard_fetch.fetch(assign, tmp_path / "bad", asked.append, receive_bad)
+    assert shard_fetch.cached_shas(tmp_path / "bad") == []
+    assert [p.name for p in (tmp_path / "bad" / "stage-cache").iterdir()] == []
