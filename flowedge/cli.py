@@ -110,14 +110,17 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--nodes", default=5, show_default=True, type=int)
 @click.option("--profile", default="orin-nano-8gb", show_default=True)
 @click.option("--link", default=None)
-@click.option("--driver", default="sim", show_default=True, type=click.Choice(["sim"]))
+@click.option("--driver", default="sim", show_default=True, type=click.Choice(["sim", "zmq"]),
+              help="sim: virtual clock from --profile; zmq: a local cluster of real processes, wall clock.")
+@click.option("--wire-dtype", default="float16", show_default=True,
+              type=click.Choice(["float16", "bfloat16", "float32"]), help="zmq driver: hidden states on the wire.")
 @click.option("--tree-nodes", default=None, type=int)
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
-          nodes, profile, link, driver, tree_nodes, tree_depth, tree_topk, out_dir, threads):
+          nodes, profile, link, driver, wire_dtype, tree_nodes, tree_depth, tree_topk, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -139,9 +142,16 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link, spec=spec)
-    results = run_bench(cfg, prompts, Path(out_dir), say=lambda s: click.echo(s, err=True))
+    say = lambda s: click.echo(s, err=True)  # noqa: E731
+    if driver == "zmq":
+        from flowedge.bench.zmq_driver import run_bench_zmq
+
+        run_bench_zmq(cfg, prompts, Path(out_dir), say, wire_dtype=wire_dtype, threads=threads or 0)
+    else:
+        run_bench(cfg, prompts, Path(out_dir), say=say)
     click.echo((Path(out_dir) / "table.md").read_text())
-    click.echo(f"results: {out_dir}/results.json, timeline: {out_dir}/timeline.png", err=True)
+    click.echo(f"results: {out_dir}/results.json" + (f", timeline: {out_dir}/timeline.png" if driver == "sim" else ""),
+               err=True)
 
 
 def _attach_commands() -> None:

@@ -72,18 +72,19 @@ def serve(config_path, role, threads) -> None:
 @click.option("--node-id", default=None, help="Stable name of this node (default hostname-pid).")
 @click.option("--device", default=None, help="Device profile name to report (e.g. orin-nano-8gb).")
 @click.option("--threads", type=int, default=None)
+@click.option("--stage", type=int, default=None, help="Preferred stage slot (1..stages); default: first free.")
 @click.option("--data-port", type=int, default=None, help="Port for segments from the previous hop (default: any).")
 @click.option("--advertise", default=None, help="Host other nodes reach this one at (default: guessed).")
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
 @click.option("--stage-timeout", type=float, default=None, help="Seconds of head silence before re-joining.")
 @KEYS_OPTION
 @INSECURE_OPTION
-def join(head_addr, config_path, node_id, device, threads, data_port, advertise, same_host, stage_timeout,
+def join(head_addr, config_path, node_id, device, threads, stage, data_port, advertise, same_host, stage_timeout,
          keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR, fetches its shard and serves its layers."""
     _daemon_logging()
     cfg = load_node_config(config_path, role="stage", head=head_addr, node_id=node_id, device=device,
-                           threads=threads, data_port=data_port, advertise=advertise, same_host=same_host,
+                           threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            stage_timeout_s=stage_timeout, keys_dir=keys_dir, insecure=insecure or None)
     _run_node(cfg)
 

@@ -44,6 +44,7 @@ class NodeConfig:
     quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
     # stage only
+    stage: int = 0                            # preferred slot in the plan (1..stages); 0 = first free
     data_port: int = 0                        # 0 = any free port
     advertise: str = ""                       # host others reach this stage at; default: guessed
     same_host: bool = False                   # read the head's shard files directly (flowedge up)

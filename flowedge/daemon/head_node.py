@@ -207,7 +207,9 @@ class HeadNode:
             old = next((p for p in self.peers.values() if p.stage and p.hello.node_id == hello.node_id), None)
             if old is not None:   # the same node re-joined (restart or reconnect): it keeps its slot
                 self._drop(old, "re-joined", abort=True)
-            peer.stage = self.slots.index(None) + 1
+            want = hello.capabilities.get("want_stage")
+            free = [k for k, i in enumerate(self.slots, 1) if i is None]
+            peer.stage = want if want in free else free[0]
             self.slots[peer.stage - 1] = identity
             log.info("stage %d <- %s (%s, %.1f GB free)", peer.stage, hello.node_id, hello.device,
                      hello.free_memory_bytes / 1e9)

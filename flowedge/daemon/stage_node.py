@@ -102,7 +102,7 @@ class StageNode:
         """HELLO until the head answers, then wait for the assignment and get ready."""
         hello = proto.Hello(node_id=self.node_id, role="stage", device=self.config.device,
                             free_memory_bytes=int(psutil.virtual_memory().available),
-                            capabilities={"data_addr": self.data_addr,
+                            capabilities={"data_addr": self.data_addr, "want_stage": self.config.stage,
                                           "cached_shards": shard_fetch.cached_shas(self.home)})
         while not self.stop.is_set():
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries

@@ -1,0 +1,24 @@
+"""`flowedge bench --driver zmq`: real processes, wall clock, the same report as the simulator."""
+from __future__ import annotations
+
+import json
+
+from daemon_helpers import flowedge_home, free_port_pair
+from flowedge.bench.datasets import Prompt
+from flowedge.bench.runner import BenchConfig
+from flowedge.bench.zmq_driver import run_bench_zmq
+
+
+def test_zmq_bench_runs_strategies_on_real_processes_and_checks_them_against_ar(tiny_pair, tmp_path):
+    base, draft = tiny_pair
+    cfg = BenchConfig(model=str(base), draft=str(draft), strategies=("ar-pp", "flowspec"), max_new_tokens=24,
+                      nodes=3)
+    prompts = [Prompt("p0", "custom", "abc def ghi jkl"), Prompt("p1", "custom", "zzzz")]
+    with flowedge_home(tmp_path / "home"):
+        results = run_bench_zmq(cfg, prompts, tmp_path / "out", wire_dtype="float32", threads=1,
+                                port=free_port_pair())
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["config"]["driver"] == "zmq" and len(saved["runs"]) == 4
+    assert all(run["matches_ar"] is True for run in results["runs"])
+    assert all(run["tokens_per_s"] > 0 and len(run["stage_step_ms_median"]) == 2 for run in results["runs"])
+    assert "flowspec" in (tmp_path / "out" / "table.md").read_text()

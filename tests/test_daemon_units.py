@@ -1,0 +1,78 @@
+"""Daemon pieces without processes: node config files, the engine <-> wire adapter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowedge.core.prune import PruneSet
+from flowedge.daemon import wire
+from flowedge.daemon.config import NodeConfig, load_node_config, split_addr
+from flowedge.engine import events
+from flowedge.errors import ConfigError
+from flowedge.transport import protocol as proto
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "systemd" / "flowedge.toml.example"
+
+
+def test_example_config_parses_and_overrides_apply():
+    cfg = load_node_config(EXAMPLE)
+    assert cfg.role == "head" and cfg.stages == 4 and cfg.quant == "int4"
+    stage = load_node_config(EXAMPLE, role="stage", head="10.0.0.2:6000", threads=2)
+    assert (stage.role, split_addr(stage.head), stage.threads) == ("stage", ("10.0.0.2", 6000), 2)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('rol = "head"\n', "unknown keys \\['rol'\\]"),
+    ('role = "boss"\n', "role must be one of"),
+    ('wire_dtype = "int8"\n', "wire_dtype"),
+    ('head = "nohost"\n', "HOST:PORT"),
+    ('stages = 2\nlayers = [1, 2, 3]\n', "layers lists 3 stages"),
+    ('role = \n', "not valid TOML"),
+])
+def test_bad_config_files_are_one_line_errors(tmp_path, text, match):
+    path = tmp_path / "f.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_node_config(path)
+
+
+def test_missing_config_file_names_the_example(tmp_path):
+    with pytest.raises(ConfigError, match="flowedge.toml.example"):
+        load_node_config(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "float16"])
+def test_segment_survives_the_wire(wire_dtype):
+    seg = events.Segment(3, 2, 7, 5, torch.tensor([4, 5, 9]), torch.tensor([-1, 4, 5]), torch.tensor([30, 31, 32]),
+                         torch.randn(3, 8), "expansion")
+    frames = [bytes(f) for f in wire.to_wire(seg, wire_dtype).to_frames()]
+    back = wire.from_wire(proto.decode(frames), torch.float32)
+    assert (back.request_id, back.round_id, back.seq, back.prune_version, back.phase) == (3, 2, 7, 5, "expansion")
+    for name in ("node_ids", "parent_ids", "positions"):
+        assert torch.equal(getattr(back, name), getattr(seg, name))
+    tol = 0 if wire_dtype == "float32" else 1e-2
+    assert back.hidden.dtype == torch.float32
+    torch.testing.assert_close(back.hidden, seg.hidden, atol=tol, rtol=tol)
+
+
+def test_prefill_segment_ids_travel_shifted_and_prune_keeps_end_round():
+    n = 4
+    seg = events.Segment(1, 0, 0, 0, torch.full((n,), -1), torch.full((n,), -1), torch.arange(n), torch.zeros(n, 2),
+                         "prefill")
+    msg = wire.to_wire(seg, "float32")
+    assert msg.node_ids.tolist() == [0] * n      # no negative ids on the wire
+    prune = events.Prune(1, 0, 3, PruneSet(torch.tensor([2, 5]), torch.tensor([6, 7]), 9), True)
+    frames = wire.to_wire(prune, "float16").to_frames()
+    back = wire.from_wire(proto.decode(frames), torch.float32)
+    assert back.end_round and back.version == 3 and back.prune.horizon == 9
+    assert back.prune.commit.tolist() == [2, 5] and back.prune.keep.tolist() == [6, 7]
+    assert proto.decode(frames).commit_ids.dtype == torch.int64
+    assert isinstance(wire.from_wire(proto.decode(wire.to_wire(events.Finish(4), "float16").to_frames()),
+                                     torch.float32), events.Finish)
+
+
+def test_node_config_defaults_are_valid():
+    cfg = NodeConfig()
+    assert cfg.role == "head" and cfg.wire_dtype == "float16" and cfg.keys_path.name == "keys"
