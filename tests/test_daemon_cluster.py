@@ -15,7 +15,7 @@ import zmq
 
 from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
                             wait_for_text)
-from flowedge.daemon.client import Client, RequestFailed, wait_ready
+from flowedge.daemon.client import Client, RequestFailed
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate

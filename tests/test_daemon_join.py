@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from daemon_helpers import free_port_pair, logs, spawn_join, wait_for_text
+from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.daemon.client import Client, RequestFailed, wait_ready
 from flowedge.models.shards import Manifest, file_sha256
 from flowedge.runner import GenerateRequest, run_generate

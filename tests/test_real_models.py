@@ -66,3 +66,23 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
     assert res.done.token_ids == references[0]
     for st in stages:
         assert all(p == head.prefix_at_version[v] for v, p in st.history)
+
+
+def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, tmp_path):
+    """`flowedge up` on the real pair (3 processes, float32 wire) + a streamed prompt == plain greedy."""
+    from daemon_helpers import free_port_pair, logs, start_cluster
+
+    from flowedge.daemon.client import Client
+    from flowedge.daemon.local_cluster import LocalClusterSpec
+
+    spec = LocalClusterSpec(nodes=3, port=free_port_pair(), wire_dtype="float32", tree_nodes=24,
+                            stage_timeout_s=120.0)
+    cluster = start_cluster(spec)
+    try:
+        with Client(spec.addr, timeout_s=600) as client:
+            pieces = list(client.stream(PROMPTS[0], max_new_tokens=24, strategy="flowspec"))
+            assert client.last_result["token_ids"] == references[0], logs(cluster.run_dir)
+            assert "".join(pieces) == client.last_result["text"]
+            assert client.generate(PROMPTS[2], max_new_tokens=24, strategy="ar-pp")["token_ids"] == references[2]
+    finally:
+        cluster.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable

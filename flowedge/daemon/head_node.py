@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 import torch
@@ -32,7 +31,7 @@ from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Compute, Continue, Done, Emit, Segment, Send
 from flowedge.errors import ConfigError, FlowedgeError, ProtocolError
 from flowedge.transport import protocol as proto
-from flowedge.transport.channel import answer_hello, recv_routed, send_msg, send_routed
+from flowedge.transport.channel import answer_hello, send_routed
 from flowedge.transport.security import Security
 
 log = logging.getLogger(__name__)
@@ -100,6 +99,7 @@ class HeadNode:
         self.last_ping = 0.0
         self.was_ready = False
         self.shutdown_cluster = False
+        self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -286,6 +286,7 @@ class HeadNode:
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,
             "queue": len(self.queue) + (self.active is not None), "strategy": self.config.strategy,
+            "wire": self.wire.snapshot(),
         }]
         for k, identity in enumerate(self.slots, start=1):
             p = self.peers.get(identity) if identity else None
@@ -298,7 +299,7 @@ class HeadNode:
                 "layers": list(self.plan.ranges[k - 1]) if self.plan else [], "model": self.config.model,
                 "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes, "rss_bytes": p.rss,
                 "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3), "ready": p.ready,
-                **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str)) or v is None},
+                **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
         return nodes
 
@@ -389,11 +390,14 @@ class HeadNode:
             if isinstance(a, Send):
                 msg = wire.to_wire(a.message, self.config.wire_dtype)
                 if isinstance(a.message, Segment):
-                    send_msg(self.to_stage1, msg)
+                    self.wire.send(self.to_stage1, msg)
                 else:
                     identity = self.slots[a.to - 1]
                     if identity is not None:
-                        self._send(identity, msg)
+                        try:
+                            self.wire.send(self.ctrl, msg, identity)
+                        except zmq.ZMQError as err:   # that stage just vanished; liveness deals with it
+                            log.debug("prune to stage %d failed: %s", a.to, err)
             elif isinstance(a, Emit):
                 req.token_ids += a.tokens
                 self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,

@@ -70,6 +70,7 @@ class StageNode:
         self.step_s: list[float] = []
         self.busy_s = 0.0
         self.last_beat = time.monotonic()
+        self.wire = wire.WireCounter(curve=not config.insecure)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -230,7 +231,7 @@ class StageNode:
         actions = self.worker.receive(event)
         for a in actions:
             if isinstance(a, Send):
-                send_msg(self.data_out, wire.to_wire(a.message, self.assign.hidden_wire))
+                self.wire.send(self.data_out, wire.to_wire(a.message, self.assign.hidden_wire))
         dt = time.perf_counter() - t0
         self.busy_s += dt
         if any(isinstance(a, Compute) for a in actions):
@@ -245,7 +246,7 @@ class StageNode:
         recent = self.step_s[-256:]
         stats = {"steps": len(self.step_s),
                  "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
-                 "threads": torch.get_num_threads()}
+                 "threads": torch.get_num_threads(), "wire": self.wire.snapshot()}
         send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
                                             rss_bytes=psutil.Process().memory_info().rss, stats=stats))
         self.busy_s, self.last_beat = 0.0, now

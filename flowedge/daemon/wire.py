@@ -61,3 +61,27 @@ def from_wire(msg: proto.Message, dtype: torch.dtype):
     if isinstance(msg, proto.Reset):
         return events.Finish(msg.request_id)
     return None
+
+
+class WireCounter:
+    """Bytes this node put on the wire (ZMTP framing + CurveZMQ included) against the payload inside
+    (tensor frames: hidden states and index sets), per message type — the framing-overhead figure."""
+
+    def __init__(self, curve: bool) -> None:
+        self.curve = curve
+        self.wire: dict[str, int] = {}
+        self.payload: dict[str, int] = {}
+        self.count: dict[str, int] = {}
+
+    def send(self, sock, msg: proto.Message, identity: bytes | None = None) -> None:
+        from flowedge.transport.channel import wire_bytes
+
+        frames = msg.to_frames()
+        self.count[msg.TYPE] = self.count.get(msg.TYPE, 0) + 1
+        self.payload[msg.TYPE] = self.payload.get(msg.TYPE, 0) + sum(memoryview(f).nbytes for f in frames[1:])
+        self.wire[msg.TYPE] = self.wire.get(msg.TYPE, 0) + wire_bytes(frames, self.curve)
+        sock.send_multipart([identity, *frames] if identity is not None else frames, copy=False)
+
+    def snapshot(self) -> dict:
+        return {t: {"messages": self.count[t], "wire_bytes": self.wire[t], "payload_bytes": self.payload[t]}
+                for t in self.count}

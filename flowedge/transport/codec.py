@@ -7,16 +7,15 @@ ProtocolError and never a crash. Concrete messages live in protocol.py and regis
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, fields
 from typing import Any, ClassVar, Sequence
 
 import msgpack
 import torch
 
-from flowedge.errors import ChecksumError, ProtocolError
+from flowedge.errors import ProtocolError
 from flowedge.transport.frames import (
     WIRE_DTYPES,
     frame_buffer,
