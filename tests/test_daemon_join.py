@@ -127,3 +127,27 @@ def test_interrupted_fetch_leaves_no_cache_entry(tmp_path):
         shard_fetch.fetch(assign, tmp_path / "bad", asked.append, receive_bad)
     assert shard_fetch.cached_shas(tmp_path / "bad") == []
     assert [p.name for p in (tmp_path / "bad" / "stage-cache").iterdir()] == []
+
+
+def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path):
+    from daemon_helpers import flowedge_cli
+
+    base, draft = tiny_pair
+    port = str(free_port_pair())
+    env = {"FLOWEDGE_HOME": str(tmp_path / "home")}
+    up = flowedge_cli("up", "--nodes", "2", "--model", str(base), "--draft", str(draft), "--port", port,
+                      "--threads", "1", "--detach", env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "cluster ready" in up.stderr
+        again = flowedge_cli("up", "--nodes", "2", "--model", str(base), "--port", port, "--detach", env=env)
+        assert again.returncode == 1 and "already runs" in again.stderr
+        status = flowedge_cli("status", "--head", f"127.0.0.1:{port}", env=env)
+        assert status.returncode == 0 and "stage-1" in status.stdout and "ready" in status.stdout
+        answer = flowedge_cli("prompt", "zzzz", "--head", f"127.0.0.1:{port}", "--max-new-tokens", "8", env=env)
+        assert answer.returncode == 0 and "8 tokens" in answer.stderr
+    finally:
+        down = flowedge_cli("down", "--port", port, env=env)
+    assert down.returncode == 0 and "stopped the cluster" in down.stdout, down.stderr
+    gone = flowedge_cli("status", "--head", f"127.0.0.1:{port}", env=env)
+    assert gone.returncode == 1 and gone.stderr.startswith("error: cannot reach a flowedge head")

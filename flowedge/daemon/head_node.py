@@ -281,7 +281,7 @@ class HeadNode:
         me = psutil.Process()
         nodes = [{
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
-            "layers": "embedding, lm_head, draft", "model": self.config.model, "draft": self.config.draft,
+            "layers": "embed+head", "model": self.config.model, "draft": self.config.draft,
             "device": self.config.device, "rss_bytes": me.memory_info().rss,
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,
