@@ -219,6 +219,29 @@ def status(head, as_json, keys_dir, insecure) -> None:
                    f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
 
 
+@click.command("http")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT for the HTTP API.")
+@HEAD_OPTION
+@KEYS_OPTION
+@INSECURE_OPTION
+def http(listen, head, keys_dir, insecure) -> None:
+    """Serve the HTTP API (POST /v1/generate, GET /v1/status) in front of a head."""
+    from flowedge.daemon.http_api import serve_http
+
+    _daemon_logging()
+    try:
+        server = serve_http(listen, head, keys_dir, insecure)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot listen on {listen}: {err}") from None
+    log.info("HTTP API on http://%s/v1/generate for the head at %s", listen, head)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
 def _int_list(text: str | None) -> list[int]:
     if not text:
         return []
@@ -228,4 +251,4 @@ def _int_list(text: str | None) -> list[int]:
         raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
 
 
-COMMANDS = [serve, join, up, down, prompt, status]
+COMMANDS = [serve, join, up, down, prompt, status, http]
