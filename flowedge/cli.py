@@ -110,6 +110,8 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--nodes", default=5, show_default=True, type=int)
 @click.option("--profile", default="orin-nano-8gb", show_default=True)
 @click.option("--link", default=None)
+@click.option("--path", "compute_path", default=None,
+              help="Stages' kernel path from the device profile (e.g. hf-bnb4, mlc); default: the profile's.")
 @click.option("--driver", default="sim", show_default=True, type=click.Choice(["sim", "zmq"]),
               help="sim: virtual clock from --profile; zmq: a local cluster of real processes, wall clock.")
 @click.option("--wire-dtype", default="float16", show_default=True,
@@ -120,7 +122,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
-          nodes, profile, link, driver, wire_dtype, tree_nodes, tree_depth, tree_topk, out_dir, threads):
+          nodes, profile, link, compute_path, driver, wire_dtype, tree_nodes, tree_depth, tree_topk, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -141,7 +143,8 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link, spec=spec)
+                      temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
+                      path=compute_path, spec=spec)
     say = lambda s: click.echo(s, err=True)  # noqa: E731
     if driver == "zmq":
         from flowedge.bench.zmq_driver import run_bench_zmq

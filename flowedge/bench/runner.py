@@ -30,6 +30,7 @@ class BenchConfig:
     nodes: int = 5
     profile: str = "orin-nano-8gb"
     link: str | None = None
+    path: str | None = None          # stages' compute path in the profile (None: its default)
     chat: bool = True
     spec: SpecConfig = field(default_factory=SpecConfig)
 
@@ -58,7 +59,8 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
         ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params).token_ids if params.greedy else None
         for j, name in enumerate(cfg.strategies):
             t0 = time.monotonic()
-            res, head, _ = cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link)
+            res, head, _ = cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link,
+                                            path=cfg.path)
             stats = res.done.stats
             run = {
                 "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,

@@ -30,7 +30,10 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def profile_costs(base_config, draft_config, ranges, device: str, link: str | None) -> CostModel:
+def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
+                  stage_path: str | None = None) -> CostModel:
+    """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
+    default_path, e.g. HF + bitsandbytes 4-bit on the Jetsons, FlowSpec's own testbed)."""
     from flowedge.sim.costs import (forward_time_s, lm_head_time_s, shape_of_layers, shape_of_model,
                                     transfer_time_s)
     from flowedge.sim.profiles import load_device, load_link
@@ -51,7 +54,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
             if c.what == "lm_head":
                 return lm_head_time_s(dev, base_config, c.tokens)
             return 0.0
-        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context)
+        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
     return CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
 
@@ -78,17 +81,18 @@ class Cluster:
         head = Head(self.head_model, drafter, strategy, n, self.spec, stop_ids(self.config))
         return head, [StageWorker(i + 1, m, n) for i, m in enumerate(self.stage_models)]
 
-    def costs(self, device: str | None, link: str | None) -> CostModel:
+    def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:
             return CostModel.free()
         draft_cfg = self.draft_model.config if self.draft_model is not None else None
-        return profile_costs(self.config, draft_cfg, self.ranges, device, link)
+        return profile_costs(self.config, draft_cfg, self.ranges, device, link, path)
 
     def generate(self, strategy: str, prompt_ids: list[int], max_new_tokens: int, params,
-                 device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1):
+                 device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1,
+                 path: str | None = None):
         check_context(len(prompt_ids), max_new_tokens, self.config.max_position_embeddings)
         head, stages = self.build(strategy)
-        sim = SimCluster(head, stages, self.costs(device, link))
+        sim = SimCluster(head, stages, self.costs(device, link, path))
         return sim.run(request_id, prompt_ids, max_new_tokens, params, on_tokens), head, stages
 
 
