@@ -48,8 +48,12 @@ class KVCache:
         self._len[layer_idx] = n0 + n
         return self._k[layer_idx][:, :, :n0 + n], self._v[layer_idx][:, :, :n0 + n]
 
+    @torch.inference_mode()
     def keep(self, idx: torch.Tensor) -> None:
-        """Keep entries `idx` (cache positions, in the order given) and drop the rest."""
+        """Keep entries `idx` (cache positions, in the order given) and drop the rest.
+
+        Runs in inference mode: buffers regrown during a forward are inference tensors, and only
+        inference mode may update those in place (prune sets arrive outside any forward)."""
         idx = idx.to(torch.long)
         m = idx.numel()
         for i in self.layer_ids:
