@@ -119,10 +119,12 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--tree-nodes", default=None, type=int)
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
+@click.option("--segment-size", default=None, type=int, help="l_max: most nodes per segment (default 16).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
-          nodes, profile, link, compute_path, driver, wire_dtype, tree_nodes, tree_depth, tree_topk, out_dir, threads):
+          nodes, profile, link, compute_path, driver, wire_dtype, tree_nodes, tree_depth, tree_topk,
+          segment_size, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -141,7 +143,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
         prompts += load_prompts(ds, samples)
     if not prompts:
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
-    spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk)
+    spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, spec=spec)
