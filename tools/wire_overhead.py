@@ -70,7 +70,8 @@ def summarize(res: dict, nodes: list[dict]) -> dict:
     for row in by_type.values():
         row["overhead_pct"] = round(100 * (row["wire_bytes"] - row["payload_bytes"]) / max(1, row["payload_bytes"]), 3)
     total = {k: sum(r[k] for r in by_type.values()) for k in ("messages", "payload_bytes", "wire_bytes")}
-    total["overhead_pct"] = round(100 * (total["wire_bytes"] - total["payload_bytes"]) / max(1, total["payload_bytes"]), 3)
+    framing = total["wire_bytes"] - total["payload_bytes"]
+    total["overhead_pct"] = round(100 * framing / max(1, total["payload_bytes"]), 3)
     steps = max(1, res.get("steps") or 1)
     return {"result": {k: v for k, v in res.items() if k not in ("token_ids", "text")}, "by_type": by_type,
             "total": total, "per_step_wire_bytes": total["wire_bytes"] / steps,

@@ -432,7 +432,8 @@ class HeadNode:
         if st.accept_lens:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)
             stats["verifications"] = len(st.accept_lens)
-        self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id, token_ids=torch.zeros(0, dtype=torch.long),
+        self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
+                                                token_ids=torch.zeros(0, dtype=torch.long),
                                                 text=self._text(req, final=True), done=True, stats=stats))
         log.info("request %d done: %d tokens in %.2f s (%.2f tok/s)", req.engine_id, n, wall,
                  n / wall if wall else 0.0)

@@ -107,7 +107,8 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     base = [sys.executable, "-m", "flowedge", "-v"]
     commands = [base + ["serve", "--config", str(head_cfg)]]
     for k in range(1, spec.nodes):
-        commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k), "--threads", str(threads),
+        commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
+                                "--threads", str(threads),
                                 "--same-host", f"--stage-timeout={spec.stage_timeout_s}"]
                         + (["--insecure"] if spec.insecure else []))
     names = ["head"] + [f"stage-{k}" for k in range(1, spec.nodes)]
