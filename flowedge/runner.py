@@ -46,8 +46,15 @@ class TextStream:
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
+        self._emit(final=False)
+
+    def flush(self) -> None:
+        """Show whatever is held back (the answer ended inside a character)."""
+        self._emit(final=True)
+
+    def _emit(self, final: bool) -> None:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and not final:
             return
         if len(text) > self.shown:
             self.sink(text[self.shown:])

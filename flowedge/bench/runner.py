@@ -35,9 +35,23 @@ class BenchConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
 
+def record_run(results: dict, run: dict, out: Path) -> None:
+    """Add one run, refresh the summary and rewrite results.json (a long bench can be watched)."""
+    from flowedge.bench.report import summarize
+
+    results["runs"].append(run)
+    results["summary"] = summarize(results["runs"])
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def write_table(results: dict, out: Path) -> None:
+    from flowedge.bench.report import markdown_table
+
+    (out / "table.md").write_text(markdown_table(results))
+
+
 def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
               say: Callable[[str], None] = lambda s: None) -> dict:
-    from flowedge.bench.report import markdown_table, summarize
     from flowedge.bench.timeline import plot_timeline
     from flowedge.engine.local import generate_ar
     from flowedge.models.resolve import resolve_model
@@ -76,7 +90,6 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                 "matches_ar": (res.done.token_ids == ref) if ref is not None else None,
                 "wall_s": time.monotonic() - t0,
             }
-            results["runs"].append(run)
             if i == 0:
                 traces[name] = res.trace
             say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
@@ -84,11 +97,9 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                 f"restarts {run['restarts']}" + ("" if ref is None else
                                                  f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar")
                 + f" [{run['wall_s']:.0f} s wall]")
-            results["summary"] = summarize(results["runs"])
-            (out / "results.json").write_text(json.dumps(results, indent=1))
+            record_run(results, run, out)
         if i == 0 and traces:
             plot_timeline(traces, out / "timeline.png",
                           title=f"{prompt.dataset}/{prompt.prompt_id} on {cfg.nodes}x {cfg.profile}")
-    table = markdown_table(results)
-    (out / "table.md").write_text(table)
+    write_table(results, out)
     return results

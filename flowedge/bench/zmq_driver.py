@@ -2,14 +2,13 @@
 (a local cluster started for the run), timed by the wall clock — the check on the simulator."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 from flowedge.bench.datasets import Prompt
-from flowedge.bench.runner import BenchConfig
+from flowedge.bench.runner import BenchConfig, record_run, write_table
 from flowedge.core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -17,7 +16,6 @@ log = logging.getLogger(__name__)
 
 def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Callable[[str], None] = lambda s: None,
                   *, wire_dtype: str = "float16", threads: int = 0, port: int = 5575) -> dict:
-    from flowedge.bench.report import markdown_table, summarize
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
     from flowedge.engine.local import generate_ar
@@ -58,13 +56,11 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                         "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:]],
                         "matches_ar": (res["token_ids"] == ref) if ref is not None else None,
                     }
-                    results["runs"].append(run)
                     say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
                         f"{run['tokens_per_s']:.2f} tok/s (wall), accept {run['mean_accept_len']:.2f}"
                         + ("" if ref is None else f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar"))
-                    results["summary"] = summarize(results["runs"])
-                    (out / "results.json").write_text(json.dumps(results, indent=1))
+                    record_run(results, run, out)
     finally:
         cluster.stop()
-    (out / "table.md").write_text(markdown_table(results))
+    write_table(results, out)
     return results

@@ -11,16 +11,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from flowedge.errors import ConfigError
+from flowedge.models.registry import flowedge_home  # noqa: F401  (the one $FLOWEDGE_HOME resolver)
 
 DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 QUANTS = ("none", "int4", "nf4", "auto")
-
-
-def flowedge_home() -> Path:
-    return Path(os.environ.get("FLOWEDGE_HOME") or "~/.cache/flowedge").expanduser()
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ CLIENT_IDLE_S = 3600.0
 class Peer:
     identity: bytes
     hello: proto.Hello
-    joined: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     stage: int = 0              # 1..S once it holds a slot of the plan
     ready: bool = False
@@ -65,8 +64,8 @@ class Request:
     strategy: str = ""
     engine: object = None
     prompt_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    shown: int = 0
+    text: object = None        # runner.TextStream: token ids -> printable pieces
+    pieces: list[str] = field(default_factory=list)
     started: float = 0.0
     last_progress: float = 0.0
 
@@ -335,7 +334,7 @@ class HeadNode:
 
     def _start(self, req: Request) -> None:
         from flowedge.engine.local import check_context
-        from flowedge.runner import encode_prompt
+        from flowedge.runner import TextStream, encode_prompt
 
         m, plan = req.msg, self.plan
         params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
@@ -346,6 +345,7 @@ class HeadNode:
         self.engine_ids += 1
         req.engine_id = self.engine_ids
         req.prompt_tokens = len(ids)
+        req.text = TextStream(plan.tokenizer, req.pieces.append)
         req.started = req.last_progress = time.monotonic()
         self.active = req
         log.info("request %d: %d prompt tokens, strategy %s, max %d new", req.engine_id, len(ids),
@@ -394,14 +394,11 @@ class HeadNode:
                 else:
                     identity = self.slots[a.to - 1]
                     if identity is not None:
-                        try:
-                            self.wire.send(self.ctrl, msg, identity)
-                        except zmq.ZMQError as err:   # that stage just vanished; liveness deals with it
-                            log.debug("prune to stage %d failed: %s", a.to, err)
+                        self._send(identity, msg, counted=True)
             elif isinstance(a, Emit):
-                req.token_ids += a.tokens
+                req.text(a.tokens)
                 self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
-                                                        token_ids=torch.tensor(a.tokens), text=self._text(req),
+                                                        token_ids=torch.tensor(a.tokens), text=self._pieces(req),
                                                         done=False))
             elif isinstance(a, Continue):
                 self._execute(req.engine.receive(a.event))
@@ -410,13 +407,16 @@ class HeadNode:
             elif not isinstance(a, Compute):
                 log.warning("unhandled engine action %r", a)
 
-    def _text(self, req: Request, final: bool = False) -> str:
-        """Text of tokens not yet shown; holds back a split UTF-8 character until it completes."""
-        text = self.plan.tokenizer.decode(req.token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        piece, req.shown = text[req.shown:], max(req.shown, len(text))
+    @staticmethod
+    def _pieces(req: Request) -> str:
+        """Text produced since the last chunk (TextStream holds back a split UTF-8 character)."""
+        piece = "".join(req.pieces)
+        req.pieces.clear()
         return piece
+
+    def _flushed(self, req: Request) -> str:
+        req.text.flush()
+        return self._pieces(req)
 
     def _finish(self, req: Request, done: Done) -> None:
         wall = time.monotonic() - req.started
@@ -434,7 +434,7 @@ class HeadNode:
             stats["verifications"] = len(st.accept_lens)
         self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
                                                 token_ids=torch.zeros(0, dtype=torch.long),
-                                                text=self._text(req, final=True), done=True, stats=stats))
+                                                text=self._flushed(req), done=True, stats=stats))
         log.info("request %d done: %d tokens in %.2f s (%.2f tok/s)", req.engine_id, n, wall,
                  n / wall if wall else 0.0)
         self.active = None
@@ -483,10 +483,14 @@ class HeadNode:
             if abort and self.active is not None:
                 self._abort(f"stage {peer.stage} ({peer.hello.node_id}) {why}")
 
-    def _send(self, identity: bytes, msg: proto.Message) -> None:
+    def _send(self, identity: bytes, msg: proto.Message, counted: bool = False) -> None:
+        """To one peer over the control socket; `counted` adds it to the data-plane byte counters."""
         try:
-            send_routed(self.ctrl, identity, msg)
-        except zmq.ZMQError as err:   # EHOSTUNREACH: the peer disconnected
+            if counted:
+                self.wire.send(self.ctrl, msg, identity)
+            else:
+                send_routed(self.ctrl, identity, msg)
+        except zmq.ZMQError as err:   # EHOSTUNREACH: the peer disconnected; liveness deals with it
             log.debug("send to %r failed: %s", identity, err)
 
     def _shutdown_stages(self, reason: str) -> None:

@@ -69,20 +69,10 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask the head to stop everything, then make sure every child is gone."""
-        from flowedge.daemon.client import Client
-
         if self.procs and self.procs[0].poll() is None:
-            try:
-                with Client(self.spec.addr, keys_dir=self._keys(), insecure=self.spec.insecure,
-                            timeout_s=3.0) as c:
-                    c.shutdown("flowedge up is stopping")
-            except FlowedgeError:
-                pass
+            _request_shutdown(self.spec.addr, self.spec.insecure, "flowedge up is stopping")
         _reap([p.pid for p in self.procs], grace_s, self.procs)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
-
-    def _keys(self) -> Path:
-        return flowedge_home() / "keys"
 
 
 def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
@@ -126,21 +116,26 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
 
 def down(port: int = DEFAULT_PORT, grace_s: float = 10.0) -> str:
     """Stop a detached local cluster; returns a one-line report."""
-    from flowedge.daemon.client import Client
-
     state_file = flowedge_home() / "run" / f"up-{port}" / STATE_FILE
     if not state_file.is_file():
         raise ConfigError(f"no local cluster recorded on port {port} ({state_file} missing)")
     state = json.loads(state_file.read_text())
-    try:
-        with Client(state["addr"], insecure=state.get("insecure", False), timeout_s=3.0) as c:
-            c.shutdown("flowedge down")
-    except FlowedgeError as err:
-        log.warning("head did not take the shutdown request (%s); signalling the processes", err)
+    _request_shutdown(state["addr"], state.get("insecure", False), "flowedge down")
     left = _reap(state["pids"], grace_s)
     state_file.unlink(missing_ok=True)
     return f"stopped the cluster at {state['addr']} ({len(state['pids'])} processes" + \
         (f", {left} killed)" if left else ")")
+
+
+def _request_shutdown(addr: str, insecure: bool, reason: str) -> None:
+    """Ask the head to stop itself and its stages; the caller signals whatever is left."""
+    from flowedge.daemon.client import Client
+
+    try:
+        with Client(addr, insecure=insecure, timeout_s=3.0) as c:
+            c.shutdown(reason)
+    except FlowedgeError as err:
+        log.warning("head did not take the shutdown request (%s); signalling the processes", err)
 
 
 def _any_alive(pids: list[int]) -> bool:

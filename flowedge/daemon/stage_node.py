@@ -66,7 +66,6 @@ class StageNode:
         self.data_out: zmq.Socket | None = None
         self.assign: proto.Assign | None = None
         self.worker: StageWorker | None = None
-        self.model_dir: Path | None = None
         self.step_s: list[float] = []
         self.busy_s = 0.0
         self.last_beat = time.monotonic()
@@ -131,9 +130,9 @@ class StageNode:
         if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
                 assign.quant != self.assign.quant:
             self.worker = None
-            self.model_dir = self._shard_dir(assign)
+            model_dir = self._shard_dir(assign)
             t0 = time.monotonic()
-            model = StageModel.load(self.model_dir, StageParts(assign.layer_start, assign.layer_end),
+            model = StageModel.load(model_dir, StageParts(assign.layer_start, assign.layer_end),
                                     quant=assign.quant)
             self.worker = StageWorker(assign.stage_index, model, 0)
             log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,

@@ -12,6 +12,7 @@ from flowedge.core.prune import PruneSet
 from flowedge.engine import events
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
+from flowedge.transport.channel import wire_bytes
 
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
@@ -74,8 +75,6 @@ class WireCounter:
         self.count: dict[str, int] = {}
 
     def send(self, sock, msg: proto.Message, identity: bytes | None = None) -> None:
-        from flowedge.transport.channel import wire_bytes
-
         frames = msg.to_frames()
         self.count[msg.TYPE] = self.count.get(msg.TYPE, 0) + 1
         self.payload[msg.TYPE] = self.payload.get(msg.TYPE, 0) + sum(memoryview(f).nbytes for f in frames[1:])
