@@ -116,6 +116,9 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
               help="sim: virtual clock from --profile; zmq: a local cluster of real processes, wall clock.")
 @click.option("--wire-dtype", default="float16", show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]), help="zmq driver: hidden states on the wire.")
+@click.option("--verify", default="stages", show_default=True, type=click.Choice(["stages", "oracle"]),
+              help="sim driver: stages = real stage math; oracle = base logits along the accepted path only "
+                   "(same tokens and simulated time, far less CPU; see flowedge/sim/oracle.py).")
 @click.option("--tree-nodes", default=None, type=int)
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
@@ -123,7 +126,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
-          nodes, profile, link, compute_path, driver, wire_dtype, tree_nodes, tree_depth, tree_topk,
+          nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_nodes, tree_depth, tree_topk,
           segment_size, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
@@ -146,7 +149,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
-                      path=compute_path, spec=spec)
+                      path=compute_path, verify=verify, spec=spec)
     say = lambda s: click.echo(s, err=True)  # noqa: E731
     if driver == "zmq":
         from flowedge.bench.zmq_driver import run_bench_zmq

@@ -32,6 +32,7 @@ class BenchConfig:
     link: str | None = None
     path: str | None = None          # stages' compute path in the profile (None: its default)
     chat: bool = True
+    verify: str = "stages"           # sim driver: "stages" (real stage math) or "oracle" (sim/oracle.py)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
 
@@ -53,7 +54,7 @@ def write_table(results: dict, out: Path) -> None:
 def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
               say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.bench.timeline import plot_timeline
-    from flowedge.engine.local import generate_ar
+    from flowedge.engine.local import generate_ar, stop_ids
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import encode_prompt, load_tokenizer
     from flowedge.sim.run import Cluster
@@ -61,7 +62,8 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
     out.mkdir(parents=True, exist_ok=True)
     base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
     tok = load_tokenizer(base_dir)
-    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec)
+    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify)
+    reference_model = None
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {"spec": asdict(cfg.spec),
                                                                         "driver": "sim"}
     results: dict = {"config": config, "runs": [], "summary": {}}
@@ -70,7 +72,17 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
     for i, prompt in enumerate(prompts):
         ids = encode_prompt(tok, prompt.text, cfg.chat)
         params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + i)
-        ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params).token_ids if params.greedy else None
+        ref = None
+        if cluster.oracle is not None:
+            cluster.oracle.clear()
+            if params.greedy:   # the reference's logits stay cached: every strategy reuses them
+                ref = cluster.oracle.generate(ids, cfg.max_new_tokens, params, stop_ids(cluster.config))
+        elif params.greedy:
+            if reference_model is None:
+                from transformers import AutoModelForCausalLM
+
+                reference_model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+            ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params, model=reference_model).token_ids
         for j, name in enumerate(cfg.strategies):
             t0 = time.monotonic()
             res, head, _ = cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link,

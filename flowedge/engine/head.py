@@ -34,8 +34,9 @@ class Expand:
 
 class Head:
     def __init__(self, model: StageModel, drafter: Drafter | None, strategy, n_stages: int,
-                 config: SpecConfig, stop_ids: set[int]) -> None:
+                 config: SpecConfig, stop_ids: set[int], oracle=None) -> None:
         self.model, self.drafter, self.strategy = model, drafter, strategy
+        self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
 
@@ -100,7 +101,10 @@ class Head:
         self.prefix_len += len(seg)
         if self.prefill_left:
             return []
-        logits = self.model.logits(seg.hidden[-1:])[0]
+        if self.oracle is not None:
+            logits = self.oracle.logits(self.prompt)
+        else:
+            logits = self.model.logits(seg.hidden[-1:])[0]
         y = choose_token(logits, self.params, self.gen)
         actions: list = [Compute("lm_head", 1, 0, "prefill")]
         return actions + self._accept_tokens([y]) + ([] if self.finished else self._new_round())
@@ -151,7 +155,11 @@ class Head:
         if h is None:
             return None
         t0 = time.perf_counter()
-        self.logits_of[node] = self.model.logits(h.unsqueeze(0))[0]
+        if self.oracle is not None:   # the round's root sits at position round_base
+            path = self.context()[: self.round_base] + self.tree.path_tokens(node)
+            self.logits_of[node] = self.oracle.logits(path)
+        else:
+            self.logits_of[node] = self.model.logits(h.unsqueeze(0))[0]
         self._model_s += time.perf_counter() - t0
         self._lm_tokens += 1
         return self.logits_of[node]
