@@ -1,12 +1,15 @@
 """The roofline cost model: shapes from configs, monotonicity, and the calibration checks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from transformers import LlamaConfig, Qwen2Config
 
 from flowedge.errors import ConfigError
 from flowedge.sim.costs import (
     decode_time_s,
+    draft_time_s,
     forward_time_s,
     lm_head_time_s,
     resolve_path,
@@ -66,9 +69,9 @@ def test_forward_is_monotone_in_tokens_and_context(name: str) -> None:
 def test_bnb_family_uses_gemv_for_one_token_only() -> None:
     dev = load_device("orin-nano-8gb")
     assert resolve_path(dev, "hf-bnb4", 1).name == "hf-bnb4-single"
-    assert resolve_path(dev, None, 2).name == "hf-bnb4-multi"
+    assert resolve_path(dev, "hf-bnb4", 2).name == "hf-bnb4-multi"
     shape = shape_of_layers(LLAMA2_13B, 0, 10)
-    one, two = forward_time_s(dev, shape, 1, CTX), forward_time_s(dev, shape, 2, CTX)
+    one, two = forward_time_s(dev, shape, 1, CTX, "hf-bnb4"), forward_time_s(dev, shape, 2, CTX, "hf-bnb4")
     assert two > 4 * one  # dequantize-then-matmul moves ~8x the bytes of gemv_4bit
     with pytest.raises(ConfigError, match="no path"):
         forward_time_s(dev, shape, 1, CTX, "tensorrt")
@@ -117,3 +120,23 @@ def test_transfer_time_is_latency_plus_serialisation() -> None:
     assert transfer_time_s(load_link("wifi5"), 10**6) > transfer_time_s(link, 10**6)
     with pytest.raises(ConfigError):
         transfer_time_s(link, -1)
+
+
+def test_tiled_int4_kernel_is_flat_within_a_tile_and_steps_per_tile() -> None:
+    dev = load_device("orin-nano-8gb")
+    shape = shape_of_layers(QWEN_1P5B, 0, 7)
+    t = {n: forward_time_s(dev, shape, n, CTX, "torch-int4") for n in (1, 8, 16, 17, 32, 33)}
+    assert t[1] == pytest.approx(t[16], rel=1e-3)     # one pass over the weights up to 16 tokens
+    assert t[17] > 1.2 * t[16] and t[17] == pytest.approx(t[32], rel=1e-3)
+    assert t[33] > t[32]
+    with pytest.raises(ConfigError, match="token_tile"):
+        replace(dev.paths["torch-int4"], token_tile=-1)
+
+
+def test_draft_call_costs_its_layers_plus_an_unquantized_lm_head() -> None:
+    dev = load_device("orin-nano-8gb")
+    body = forward_time_s(dev, shape_of_layers(QWEN_0P5B, 0, QWEN_0P5B.num_hidden_layers), 10, CTX, "torch-int4")
+    draft = draft_time_s(dev, QWEN_0P5B, 10, CTX, "torch-int4")
+    head_bytes = QWEN_0P5B.vocab_size * QWEN_0P5B.hidden_size * 2.0
+    assert draft - body == pytest.approx(head_bytes / (0.65 * dev.bandwidth_Bps), rel=0.05)
+    assert draft_time_s(dev, QWEN_0P5B, 0, CTX) == 0.0

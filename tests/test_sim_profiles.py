@@ -42,10 +42,14 @@ def test_every_required_device_loads_with_sources_and_a_valid_default() -> None:
         assert 0 < dev.bandwidth_Bps < 1e12 and 0 < dev.flops < 1e14
 
 
-def test_orin_nano_defaults_to_bnb_family_with_both_kernels() -> None:
-    dev = load_device("orin-nano-8gb")
-    assert dev.default_path == "hf-bnb4"
-    assert {"hf-fp16", "hf-bnb4-single", "hf-bnb4-multi", "mlc", "llamacpp"} <= set(dev.paths)
+@pytest.mark.parametrize("name", ["orin-nano-8gb", "orin-nano-super", "orin-nx-16gb", "agx-orin-64gb"])
+def test_jetsons_default_to_flowedges_int4_path_and_keep_the_bnb_family(name: str) -> None:
+    dev = load_device(name)
+    assert dev.default_path == "torch-int4"   # what flowedge's quant backend runs on sm_87
+    assert {"torch-int4", "torch-fp16", "hf-fp16", "hf-bnb4-single", "hf-bnb4-multi", "mlc",
+            "llamacpp"} <= set(dev.paths)
+    assert dev.paths["torch-int4"].token_tile == 16
+    assert dev.paths["torch-int4"].head_path == "torch-fp16"
     assert dev.paths["hf-bnb4-multi"].head_path == "hf-fp16"
 
 

@@ -131,7 +131,9 @@ def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens
     """max(memory time, compute time) of one forward, without the fixed overheads."""
     bandwidth_Bps = p.eta_bw * device.bandwidth_Bps
     kv_bytes = context * shape.kv_bytes_per_token * (p.act_bytes / 2.0)
-    memory_s = (shape.params * p.bytes_per_param + kv_bytes) / bandwidth_Bps
+    # tiled kernels (tinygemm) stream the weights once per tile of tokens: flat up to the tile size
+    passes = -(-tokens // p.token_tile) if p.token_tile else 1
+    memory_s = (shape.params * p.bytes_per_param * passes + kv_bytes) / bandwidth_Bps
     # attention: QK^T and AV, 2 FLOPs per multiply-add, over the context plus half the new tokens
     attention_flops = 4.0 * shape.layers * shape.hidden * (context + tokens / 2.0)
     flops_s = _eta_flops(p, tokens) * device.flops
@@ -154,6 +156,19 @@ def lm_head_time_s(device: DeviceProfile, config: Any, tokens: int, path: str | 
     sample_s = p.sample_s_per_mvocab * vocab / 1e6
     # the lm_head is one matmul appended to the node's work: no per-call overhead of its own
     return _roofline_s(device, p, shape_of_head(config), tokens, 0) + logits_s + sample_s
+
+
+def draft_time_s(device: DeviceProfile, config: Any, tokens: int, context: int,
+                 path: str | None = None) -> float:
+    """One draft-model call on node 0: its decoder layers on `path`, then its lm_head on that path's
+    head path (flowedge quantizes Linears inside the layers only). Top-k stays on the device."""
+    if tokens <= 0:
+        return 0.0
+    body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
+    chosen = resolve_path(device, path, tokens)
+    head = device.paths[chosen.head_path or chosen.name]
+    return forward_time_s(device, body, tokens, context, path) + _roofline_s(
+        device, head, shape_of_head(config), tokens, 0)
 
 
 def decode_time_s(device: DeviceProfile, config: Any, context: int, path: str | None = None) -> float:

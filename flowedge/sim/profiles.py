@@ -34,6 +34,7 @@ class ComputePath:
     act_bytes: float = 2.0  # bytes per activation / KV element (fp16 = 2, fp32 = 4)
     sample_s_per_mvocab: float = 0.0  # per lm_head call: logits copy-out + sampling, per 1M vocab
     head_path: str | None = None  # path the lm_head runs on when this one is chosen (bnb skips it)
+    token_tile: int = 0  # tokens per pass over the weights (tinygemm: 16); 0 = one pass for any count
 
     def __post_init__(self) -> None:
         positive = {"bytes_per_param": self.bytes_per_param, "act_bytes": self.act_bytes}
@@ -47,6 +48,8 @@ class ComputePath:
             "overhead_layer_s": self.overhead_layer_s,
             "sample_s_per_mvocab": self.sample_s_per_mvocab,
         }
+        if self.token_tile < 0:
+            raise ConfigError(f"path {self.name}: token_tile must be >= 0, got {self.token_tile}")
         for key, value in positive.items():
             if not value > 0:
                 raise ConfigError(f"path {self.name}: {key} must be > 0, got {value}")
@@ -71,6 +74,7 @@ class DeviceProfile:
     default_path: str
     default_link: str
     sources: tuple[str, ...] = ()
+    draft_path: str | None = None  # node 0's draft model (default: default_path)
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.bandwidth_Bps <= 0 or self.flops <= 0:
@@ -82,6 +86,8 @@ class DeviceProfile:
                 f"device {self.name}: default_path {self.default_path!r} is not one of "
                 f"{sorted(self.paths)}"
             )
+        if self.draft_path is not None and not self.has_path(self.draft_path):
+            raise ConfigError(f"device {self.name}: draft_path {self.draft_path!r} is not a path")
         for path in self.paths.values():
             if path.head_path is not None and path.head_path not in self.paths:
                 raise ConfigError(f"device {self.name}: path {path.name} head_path unknown")
@@ -159,6 +165,7 @@ def _device_from_dict(data: dict[str, Any], stem: str) -> DeviceProfile:
         default_path=str(data["default_path"]),
         default_link=str(data["default_link"]),
         sources=tuple(str(s) for s in data.get("sources", ())),
+        draft_path=data.get("draft_path"),
     )
 
 

@@ -34,26 +34,22 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
 def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
                   stage_path: str | None = None) -> CostModel:
     """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
-    default_path, e.g. HF + bitsandbytes 4-bit on the Jetsons, FlowSpec's own testbed)."""
-    from flowedge.sim.costs import (forward_time_s, lm_head_time_s, shape_of_layers, shape_of_model,
+    default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed)."""
+    from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers,
                                     transfer_time_s)
     from flowedge.sim.profiles import load_device, load_link
 
     dev = load_device(device)
     lnk = load_link(link or dev.default_link)
     stage_shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
-    draft_shape = shape_of_model(draft_config) if draft_config is not None else None
-
-    # Node 0 keeps the small draft model unquantized (fp16: 1 GB for 0.5B) where the device has that
-    # path: 4-bit weights only pay off for single-token decoding, and drafting runs k tokens a call.
-    draft_path = "hf-fp16" if dev.has_path("hf-fp16") else None
+    draft_path = _draft_path(dev, stage_path)
 
     def compute_s(node: int, c) -> float:
         if node == 0:
             if c.what == "draft":
-                return forward_time_s(dev, draft_shape, c.tokens, c.context, draft_path)
+                return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path)
             if c.what == "lm_head":
-                return lm_head_time_s(dev, base_config, c.tokens)
+                return lm_head_time_s(dev, base_config, c.tokens, stage_path)
             return 0.0
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
@@ -61,6 +57,15 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
 
 
 VERIFY_MODES = ("stages", "oracle")
+
+
+def _draft_path(dev, stage_path: str | None) -> str | None:
+    """Node 0 runs its draft on the stages' kernels, except a dequantizing family (bitsandbytes
+    `-single`/`-multi`): drafting runs k tokens a call, where bnb is slower than plain fp16."""
+    path = stage_path or dev.draft_path or dev.default_path
+    if path not in dev.paths and dev.has_path("hf-fp16"):
+        return "hf-fp16"
+    return path
 
 
 class Cluster:
