@@ -37,6 +37,8 @@ class CostModel:
     """Turns Compute actions and message sizes into seconds; None profile = free (tests)."""
     compute_s: Callable[[int, Compute], float]
     transfer_s: Callable[[int, int, int], float]
+    pipeline_latency_s: float = 0.0   # one l_max segment through every stage + lm_head (for sizing)
+    draft_call_s: float = 0.0         # one draft call on node 0 (for sizing)
 
     @staticmethod
     def free() -> "CostModel":

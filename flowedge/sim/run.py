@@ -6,6 +6,7 @@ from pathlib import Path
 
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.drafter import Drafter
+from flowedge.engine.events import Compute
 from flowedge.engine.head import Head
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
@@ -14,6 +15,7 @@ from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
+from flowedge.sim.sizing import sized_spec
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,13 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
             return 0.0
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
-    return CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
+    costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
+    if draft_config is not None:   # for sized_spec: one l_max segment through every stage, then lm_head
+        seg = Compute("stage", 16, 256, "init-segment")
+        costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
+                                       for s in stage_shapes) + lm_head_time_s(dev, base_config, 1, stage_path)
+        costs.draft_call_s = draft_time_s(dev, draft_config, 10, 256, draft_path)
+    return costs
 
 
 VERIFY_MODES = ("stages", "oracle")
@@ -76,7 +84,7 @@ class Cluster:
     `PathOracle` along the accepted path (same tokens, same simulated time, ~10-50x less CPU)."""
 
     def __init__(self, base_dir: Path, draft_dir: Path | None, nodes: int, spec: SpecConfig,
-                 verify: str = "stages") -> None:
+                 verify: str = "stages", size_from_costs: bool = False) -> None:
         if nodes < 2:
             raise ConfigError(f"a pipeline needs at least 2 nodes (head + 1 stage), got {nodes}")
         if verify not in VERIFY_MODES:
@@ -93,14 +101,19 @@ class Cluster:
             self.stage_models = [StageModel.load(base_dir, StageParts(a, b)) for a, b in self.ranges]
         self.draft_model = StageModel.load(draft_dir) if draft_dir is not None else None
         self.spec = spec
+        self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
 
-    def build(self, strategy_name: str) -> tuple[Head, list[StageWorker]]:
+    def build(self, strategy_name: str, costs: CostModel | None = None) -> tuple[Head, list[StageWorker]]:
         strategy = make_strategy(strategy_name)
+        spec = self.spec
+        if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
+                and costs.draft_call_s:
+            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s)
         drafter = Drafter(self.draft_model) if strategy.needs_draft else None
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
         n = len(self.stage_models)
-        head = Head(self.head_model, drafter, strategy, n, self.spec, stop_ids(self.config), self.oracle)
+        head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle)
         return head, [StageWorker(i + 1, m, n) for i, m in enumerate(self.stage_models)]
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
@@ -113,8 +126,9 @@ class Cluster:
                  device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1,
                  path: str | None = None):
         check_context(len(prompt_ids), max_new_tokens, self.config.max_position_embeddings)
-        head, stages = self.build(strategy)
-        sim = SimCluster(head, stages, self.costs(device, link, path))
+        costs = self.costs(device, link, path)
+        head, stages = self.build(strategy, costs)
+        sim = SimCluster(head, stages, costs)
         return sim.run(request_id, prompt_ids, max_new_tokens, params, on_tokens), head, stages
 
 

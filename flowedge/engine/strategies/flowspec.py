@@ -13,6 +13,15 @@ class FlowSpec(PrunedPP):
     name = "flowspec"
     order = "score"
     expands = True
+    sizes_from_costs = True   # the simulator may size its initial tree from the profile (sim/sizing.py)
+
+    def initial_segments(self, head) -> list:
+        return super().initial_segments(head) + self._fill(head)
+
+    def _fill(self, head) -> list:
+        """Keep one segment per stage in flight: while the pipeline has room, node 0 grows the tree
+        instead of idling (a shallow initial tree then starts the pipeline sooner)."""
+        return head.expand_later(True) if head.in_flight < head.n_stages else []
 
     def expand(self, head, accepted: bool) -> list:
         cfg = head.config
@@ -27,7 +36,8 @@ class FlowSpec(PrunedPP):
             return []
         appended = merge_by_path(head.tree, head.alive, head.cur, new)
         head.grow_alive()
-        return head.send_nodes(appended, "expansion")
+        sent = head.send_nodes(appended, "expansion")
+        return sent + (self._fill(head) if sent else [])
 
 
 class FlowSpecNoSBD(FlowSpec):
