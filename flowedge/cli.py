@@ -119,6 +119,9 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--verify", default="stages", show_default=True, type=click.Choice(["stages", "oracle"]),
               help="sim driver: stages = real stage math; oracle = base logits along the accepted path only "
                    "(same tokens and simulated time, far less CPU; see flowedge/sim/oracle.py).")
+@click.option("--tree-size", default="profile", show_default=True, type=click.Choice(["profile", "paper"]),
+              help="flowspec's initial tree: sized from the profile's costs, or --tree-nodes/--tree-depth as given "
+                   "(FlowSpec A.1). Baselines always use the given sizes.")
 @click.option("--tree-nodes", default=None, type=int)
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
@@ -126,7 +129,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
-          nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_nodes, tree_depth, tree_topk,
+          nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
           segment_size, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
@@ -149,7 +152,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
-                      path=compute_path, verify=verify, spec=spec)
+                      path=compute_path, verify=verify, tree_size=tree_size, spec=spec)
     say = lambda s: click.echo(s, err=True)  # noqa: E731
     if driver == "zmq":
         from flowedge.bench.zmq_driver import run_bench_zmq

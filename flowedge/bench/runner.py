@@ -33,6 +33,7 @@ class BenchConfig:
     path: str | None = None          # stages' compute path in the profile (None: its default)
     chat: bool = True
     verify: str = "stages"           # sim driver: "stages" (real stage math) or "oracle" (sim/oracle.py)
+    tree_size: str = "profile"       # flowspec's initial tree: "profile" (sim/sizing.py) or "paper" (spec as given)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
 
@@ -62,7 +63,8 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
     out.mkdir(parents=True, exist_ok=True)
     base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
     tok = load_tokenizer(base_dir)
-    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify)
+    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
+                      size_from_costs=cfg.tree_size == "profile")
     reference_model = None
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {"spec": asdict(cfg.spec),
                                                                         "driver": "sim"}
@@ -79,6 +81,7 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                 ref = cluster.oracle.generate(ids, cfg.max_new_tokens, params, stop_ids(cluster.config))
         elif params.greedy:
             if reference_model is None:
+                import torch
                 from transformers import AutoModelForCausalLM
 
                 reference_model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()

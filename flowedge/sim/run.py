@@ -137,7 +137,8 @@ def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[G
 
     spec = SpecConfig().with_(tree_nodes=req.tree_nodes, tree_depth=req.tree_depth, topk=req.tree_topk)
     draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft)
-    cluster = Cluster(base_dir, draft_dir, req.nodes, spec)
+    cluster = Cluster(base_dir, draft_dir, req.nodes, spec,
+                      size_from_costs=req.tree_depth is None and req.tree_nodes is None)
     res, head, _ = cluster.generate(req.strategy, prompt_ids, req.max_new_tokens, req.params,
                                     req.profile, req.link, stream)
     stats = res.done.stats

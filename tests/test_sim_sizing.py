@@ -1,0 +1,39 @@
+"""The initial-tree sizing rule and its wiring into the simulated cluster."""
+from __future__ import annotations
+
+import pytest
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.engine.config import SpecConfig
+from flowedge.sim.run import Cluster
+from flowedge.sim.sizing import MIN_DEPTH, sized_spec
+
+
+@pytest.mark.parametrize(("latency_s", "draft_s", "depth", "nodes"), [
+    (0.293, 0.0446, 6, 80),    # bnb stages on an Orin Nano: the paper's tree
+    (0.073, 0.0397, 2, 27),    # int4 stages: the pipeline is quicker than two draft calls
+    (0.001, 0.0400, MIN_DEPTH, 27),
+    (0.100, 0.0400, 3, 40),
+])
+def test_depth_is_pipeline_latency_over_draft_call(latency_s, draft_s, depth, nodes):
+    spec = sized_spec(SpecConfig(), latency_s, draft_s)
+    assert (spec.tree_depth, spec.tree_nodes) == (depth, nodes)
+    assert spec.l_max == SpecConfig().l_max and spec.exp_nodes == SpecConfig().exp_nodes
+
+
+def test_free_costs_leave_the_spec_alone():
+    assert sized_spec(SpecConfig(), 1.0, 0.0) == SpecConfig()
+
+
+def test_cluster_sizes_only_strategies_that_expand(tiny_pair):
+    base, draft = tiny_pair
+    spec = SpecConfig(tree_nodes=24, tree_depth=4, topk=4, l_max=6, exp_nodes=12, exp_depth=3)
+    cluster = Cluster(base, draft, 3, spec, size_from_costs=True)
+    costs = cluster.costs("orin-nano-8gb", None)
+    assert costs.draft_call_s > 0 and costs.pipeline_latency_s > 0
+    flow, _ = cluster.build("flowspec", costs)
+    naive, _ = cluster.build("naive-pp", costs)
+    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s)
+    assert naive.config == spec
+    res, _, _ = cluster.generate("flowspec", [3, 4, 5, 6], 12, SamplingParams(), device="orin-nano-8gb")
+    assert len(res.done.token_ids) == 12
