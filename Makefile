@@ -27,7 +27,7 @@ test-fast: setup
 
 bench: setup
 	$(FLOWEDGE) bench --dataset mt-bench --dataset humaneval --samples 10 --max-new-tokens 128 \
-		--nodes 5 --profile orin-nano-8gb --out bench-out
+		--nodes 5 --profile orin-nano-8gb --verify oracle --out bench-out
 
 clean:
 	rm -rf $(VENV) bench-out
