@@ -126,11 +126,14 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
 @click.option("--segment-size", default=None, type=int, help="l_max: most nodes per segment (default 16).")
+@click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(["auto", "head", "last-stage"]),
+              help="sim driver: where the base lm_head chooses tokens; auto = each strategy's choice "
+                   "(last stage, except naive-pp's one batched call on node 0).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
-          segment_size, out_dir, threads):
+          segment_size, lm_head_at, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -149,7 +152,10 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
         prompts += load_prompts(ds, samples)
     if not prompts:
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
-    spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size)
+    if driver == "zmq" and lm_head_at == "last-stage":
+        raise ConfigError("--lm-head-at last-stage is simulator-only: the daemon keeps the lm_head on node 0")
+    spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
+                              lm_head_at=lm_head_at)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)

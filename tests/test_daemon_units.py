@@ -10,7 +10,7 @@ from flowedge.core.prune import PruneSet
 from flowedge.daemon import wire
 from flowedge.daemon.config import NodeConfig, load_node_config, split_addr
 from flowedge.engine import events
-from flowedge.errors import ConfigError
+from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "systemd" / "flowedge.toml.example"
@@ -76,3 +76,10 @@ def test_prefill_segment_ids_travel_shifted_and_prune_keeps_end_round():
 def test_node_config_defaults_are_valid():
     cfg = NodeConfig()
     assert cfg.role == "head" and cfg.wire_dtype == "float16" and cfg.keys_path.name == "keys"
+
+
+def test_stage_chosen_tokens_have_no_wire_form_yet():
+    seg = events.Segment(1, 0, 1, 0, torch.tensor([0]), torch.tensor([-1]), torch.tensor([5]), torch.zeros(1, 0),
+                         "init-segment", tokens=torch.tensor([42]))
+    with pytest.raises(ProtocolError, match="no wire form"):
+        wire.to_wire(seg, "float16")

@@ -25,14 +25,16 @@ def references(tiny_pair):
     return [generate_ar(base, p, 30, SamplingParams()).token_ids for p in PROMPTS]
 
 
+@pytest.mark.parametrize("lm_head_at", ["head", "last-stage"])
 @pytest.mark.parametrize("nodes", [2, 3, 5])
-def test_every_strategy_matches_greedy_ar(tiny_pair, references, nodes):
+def test_every_strategy_matches_greedy_ar(tiny_pair, references, nodes, lm_head_at):
     base, draft = tiny_pair
-    cluster = Cluster(base, draft, nodes, SMALL)
+    cluster = Cluster(base, draft, nodes, SMALL.with_(lm_head_at=lm_head_at))
     for name in STRATEGIES:
         for prompt, ref in zip(PROMPTS, references):
             res, head, stages = cluster.generate(name, prompt, 30, SamplingParams())
-            assert res.done.token_ids == ref, f"{name} on {nodes} nodes diverged"
+            assert head.lm_head_at == lm_head_at
+            assert res.done.token_ids == ref, f"{name} on {nodes} nodes ({lm_head_at}) diverged"
             # Every stage applied every prune and holds exactly the head's committed context.
             for st in stages:
                 assert st.history, name
@@ -58,16 +60,18 @@ def test_simulated_time_uses_the_profile(tiny_pair):
     assert {"stage1", "stage2"} <= lanes
 
 
-@pytest.mark.parametrize("name", ["flowspec", "pipedec", "naive-pp"])
-def test_sampling_keeps_the_base_distribution(tiny_pair, name):
-    """Second generated token (the first one chosen by tree verification) against its exact marginal."""
+@pytest.mark.parametrize("name,lm_head_at", [("flowspec", "last-stage"), ("pipedec", "last-stage"),
+                                             ("naive-pp", "head"), ("naive-pp", "last-stage")])
+def test_sampling_keeps_the_base_distribution(tiny_pair, name, lm_head_at):
+    """Second generated token (the first one chosen by tree verification) against its exact marginal;
+    with lm_head_at=last-stage both tokens are drawn on the last stage, batched over segment rows."""
     from flowedge.models.stage import StageModel
 
     base, draft = tiny_pair
     params = SamplingParams(temperature=1.0)
     model = StageModel.load(base)
     prompt = PROMPTS[1]
-    cluster = Cluster(base, draft, 3, SMALL)
+    cluster = Cluster(base, draft, 3, SMALL.with_(lm_head_at=lm_head_at))
     seconds = collections.Counter()
     for seed in range(400):
         res, _, _ = cluster.generate(name, prompt, 2, SamplingParams(temperature=1.0, seed=seed))
@@ -102,3 +106,17 @@ def _causal(n):
 def _last_logits(model, ids):
     h = model.forward_layers(model.embed(ids), torch.arange(ids.numel()), _causal(ids.numel()), model.new_cache())
     return model.logits(h[-1:])[0]
+
+
+@pytest.mark.parametrize("lm_head_at", ["head", "last-stage"])
+def test_lm_head_placement_moves_its_cost_and_shrinks_the_return_hop(tiny_pair, lm_head_at):
+    """With the lm_head on the last stage node 0 only drafts, and the return hop carries one token per
+    node instead of hidden states."""
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL.with_(lm_head_at=lm_head_at))
+    res, _, _ = cluster.generate("flowspec", PROMPTS[0], 12, SamplingParams(), device="orin-nano-8gb")
+    lm_lanes = {e.lane for e in res.trace.events if e.label == "lm_head"}
+    assert lm_lanes == ({"node0 (head)"} if lm_head_at == "head" else {"stage2"})  # 3 nodes: head + 2 stages
+    back = [e for e in res.trace.events if e.lane == "link2->0" and e.tokens]
+    hidden_bytes = cluster.config.hidden_size * 2
+    assert back and all((e.nbytes > e.tokens * hidden_bytes) == (lm_head_at == "head") for e in back)

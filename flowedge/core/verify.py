@@ -48,25 +48,41 @@ def walk(
     """Accept from `start` (whose logits must be known): choose a token from the node's logits, move to
     the alive child holding that token, repeat while that child's logits are known."""
     lookup = logits.get if isinstance(logits, dict) else logits
+
+    def chosen(node: int) -> int | None:   # drawn lazily: one draw per visited node, in path order
+        node_logits = lookup(node)
+        return None if node_logits is None else choose_token(node_logits, params, generator)
+
+    return walk_chosen(tree, start, chosen, alive)
+
+
+def walk_chosen(
+    tree: DraftTree,
+    start: int,
+    chosen: Callable[[int], int | None],
+    alive: Tensor | None = None,
+) -> WalkResult:
+    """The walk over tokens already chosen from the base model's distribution at each node (by `walk`
+    from logits, or by the last stage when it holds the lm_head). Lossless either way: every node's
+    token is one independent draw from p(. | its path), and the walk only follows matches."""
     node = int(start)
     if not 0 <= node < len(tree):
         raise ValueError(f"walk start {start} is outside a tree of {len(tree)} nodes")
     if alive is not None and alive.shape[0] < len(tree):
         raise ValueError(f"alive mask has {alive.shape[0]} entries for a tree of {len(tree)} nodes")
-    node_logits = lookup(node)
-    if node_logits is None:
+    token = chosen(node)
+    if token is None:
         raise ValueError(f"walk start {start} has no base-model logits yet")
     committed: list[int] = []
     tokens: list[int] = []
     while True:
-        token = choose_token(node_logits, params, generator)
         committed.append(node)
         tokens.append(token)
         child = _matching_child(tree, node, token, alive)
         if child is None:
             return WalkResult(committed, tokens, None)
-        node_logits = lookup(child)
-        if node_logits is None:
+        token = chosen(child)
+        if token is None:
             return WalkResult(committed, tokens, child)
         node = child
 

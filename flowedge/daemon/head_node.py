@@ -365,8 +365,9 @@ class HeadNode:
                 raise ConfigError(f"strategy {strategy} needs a draft model; this head runs without one")
             drafter = Drafter(self.plan.draft_model) if strat.needs_draft else None
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None)
+            # lm_head stays on node 0 here: stage-chosen tokens are not in wire protocol v1 yet.
             self.engines[strategy] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
-                                          stop_ids(self.plan.base_config))
+                                          stop_ids(self.plan.base_config), lm_head_at="head")
         return self.engines[strategy]
 
     def _on_return(self, frames: list) -> None:

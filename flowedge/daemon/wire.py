@@ -16,6 +16,8 @@ from flowedge.transport.channel import wire_bytes
 
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
+    if seg.tokens is not None:   # the daemon keeps the lm_head on node 0 (see Head.lm_head_at)
+        raise ProtocolError("segments with stage-chosen tokens have no wire form yet")
     return proto.Segment(
         request_id=seg.request_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
         kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids + 1, parent_ids=seg.parent_ids + 1,

@@ -6,6 +6,9 @@ from dataclasses import dataclass, replace
 from flowedge.errors import ConfigError
 
 
+LM_HEAD_PLACES = ("auto", "head", "last-stage")
+
+
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     tree_nodes: int = 80        # L: nodes kept in the initial tree (root included)
@@ -19,12 +22,15 @@ class SpecConfig:
     se_nodes: int = 16          # ... and nodes taken from it
     pipedec_width: int = 16     # PipeDec: nodes per tree level
     prefill_chunk: int = 256    # chunked prefill
+    lm_head_at: str = "auto"    # head | last-stage | auto (the strategy's choice): where tokens are chosen
 
     def __post_init__(self) -> None:
         for name in ("tree_nodes", "tree_depth", "topk", "l_max", "exp_nodes", "exp_depth",
                      "exp_forwards", "pipedec_width", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.lm_head_at not in LM_HEAD_PLACES:
+            raise ConfigError(f"lm-head-at must be one of {', '.join(LM_HEAD_PLACES)} (got {self.lm_head_at!r})")
         if self.se_depth < 0 or self.se_nodes < 0:
             raise ConfigError("score-aware expansion sizes must be >= 0")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowedge.core.prune import PruneSet
+from flowedge.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +19,11 @@ class Segment:
 
     `hidden` is the input of the next hop ([n, H]); ids are stable within a round; positions are
     absolute; `prune_version` is the newest prune the sender had issued/applied when it was built, so
-    a stage never runs it against an older tree."""
+    a stage never runs it against an older tree.
+
+    When the last stage holds the lm_head (`lm_head_at = "last-stage"`) it returns no hidden states
+    ([n, 0]) but `tokens`: the base model's choice at every node, drawn with the request's sampling
+    params (prefill chunks carry them in `sampling`)."""
     request_id: int
     round_id: int
     seq: int
@@ -28,15 +33,21 @@ class Segment:
     positions: torch.Tensor     # [n] int64
     hidden: torch.Tensor        # [n, H]
     phase: str = "draft"        # "prefill" | "init-segment" | "expansion" | "ar" | "level"
+    tokens: torch.Tensor | None = None          # [n] int64 base-model choices (-1 = none), last stage only
+    sampling: SamplingParams | None = None      # on prefill chunks: how the last stage chooses tokens
 
     def __len__(self) -> int:
         return int(self.node_ids.numel())
 
-    def select(self, keep: torch.Tensor, hidden: torch.Tensor | None = None) -> "Segment":
-        """Same segment restricted to rows `keep` (bool mask), optionally with new hidden states."""
+    def select(self, keep: torch.Tensor, hidden: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> "Segment":
+        """Same segment restricted to rows `keep` (bool mask), optionally with new hidden states or
+        chosen tokens."""
         h = self.hidden[keep] if hidden is None else hidden
+        if tokens is None and self.tokens is not None:
+            tokens = self.tokens[keep]
         return Segment(self.request_id, self.round_id, self.seq, self.prune_version, self.node_ids[keep],
-                       self.parent_ids[keep], self.positions[keep], h, self.phase)
+                       self.parent_ids[keep], self.positions[keep], h, self.phase, tokens, self.sampling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +70,7 @@ class Finish:
 @dataclass(frozen=True, slots=True)
 class Compute:
     """Work the state machine just did: the simulator charges its cost model for it, the daemon logs it."""
-    what: str                  # "stage" | "draft" | "lm_head" | "embed"
+    what: str                  # "stage" | "draft" | "lm_head" | "embed" (lm_head also on the last stage)
     tokens: int
     context: int
     phase: str = ""

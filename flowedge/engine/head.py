@@ -16,7 +16,7 @@ import torch
 from flowedge.core.prune import PruneSet, apply_alive, prune_after_walk
 from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import DraftTree
-from flowedge.core.verify import WalkResult, walk
+from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.drafter import Drafter
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
@@ -34,9 +34,12 @@ class Expand:
 
 class Head:
     def __init__(self, model: StageModel, drafter: Drafter | None, strategy, n_stages: int,
-                 config: SpecConfig, stop_ids: set[int], oracle=None) -> None:
+                 config: SpecConfig, stop_ids: set[int], oracle=None, lm_head_at: str = "head") -> None:
         self.model, self.drafter, self.strategy = model, drafter, strategy
         self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
+        if lm_head_at not in ("head", "last-stage"):
+            raise ValueError(f"lm_head_at must be 'head' or 'last-stage', got {lm_head_at!r}")
+        self.lm_head_at = lm_head_at   # "last-stage": the last stage returns chosen tokens (stage_worker)
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
 
@@ -61,7 +64,8 @@ class Head:
             ids = torch.tensor(prompt_ids[a:a + chunk])
             n = ids.numel()
             seg = Segment(request_id, 0, self._next_seq(), 0, torch.full((n,), -1), torch.full((n,), -1),
-                          torch.arange(a, a + n), self.model.embed(ids), "prefill")
+                          torch.arange(a, a + n), self.model.embed(ids), "prefill",
+                          sampling=params if self.lm_head_at == "last-stage" else None)
             actions.append(Send(1, seg))
         self.prefill_left = len(actions)
         return actions
@@ -82,7 +86,10 @@ class Head:
         self.in_flight -= 1
         live = self.alive[event.node_ids]
         for node, h in zip(event.node_ids[live].tolist(), event.hidden[live]):
-            self.hidden_of[node] = h
+            self.hidden_of[node] = h   # [0]-wide when the last stage chose tokens: marks arrival
+        if event.tokens is not None:
+            self.token_of.update((n, t) for n, t in zip(event.node_ids[live].tolist(),
+                                                        event.tokens[live].tolist()) if t >= 0)
         self.stats.steps += 1
         if not bool(live.any()):
             self.stats.empty_segments += 1
@@ -101,12 +108,13 @@ class Head:
         self.prefix_len += len(seg)
         if self.prefill_left:
             return []
-        if self.oracle is not None:
-            logits = self.oracle.logits(self.prompt)
+        if seg.tokens is not None and int(seg.tokens[-1]) >= 0:
+            y = int(seg.tokens[-1])
         else:
-            logits = self.model.logits(seg.hidden[-1:])[0]
-        y = choose_token(logits, self.params, self.gen)
-        actions: list = [Compute("lm_head", 1, 0, "prefill")]
+            logits = self.oracle.logits(self.prompt) if self.oracle is not None \
+                else self.model.logits(seg.hidden[-1:])[0]
+            y = choose_token(logits, self.params, self.gen)
+        actions: list = [Compute("lm_head", 1, 0, "prefill")] if self.lm_head_at == "head" else []
         return actions + self._accept_tokens([y]) + ([] if self.finished else self._new_round())
 
     # ---- rounds and segments ----------------------------------------------------------------------
@@ -116,6 +124,7 @@ class Head:
         self.round_base = self.prefix_len
         self.hidden_of: dict[int, torch.Tensor] = {}
         self.logits_of: dict[int, torch.Tensor] = {}
+        self.token_of: dict[int, int] = {}   # base-model choices sent back by the last stage
         self.cur = 0
         self.in_flight = 0
         self.round_ended = False
@@ -164,13 +173,24 @@ class Head:
         self._lm_tokens += 1
         return self.logits_of[node]
 
+    def _chosen(self, node: int) -> int | None:
+        """The base model's token at `node`: sent by the last stage, else drawn here from its logits
+        (lazily, one draw per visited node); None while the node's output has not arrived."""
+        token = self.token_of.get(node)
+        if token is not None:
+            return token
+        logits = self._logits(node)
+        return None if logits is None else choose_token(logits, self.params, self.gen)
+
     def verify(self) -> tuple[WalkResult | None, list]:
-        """Walk from the current node if its logits are known; returns the walk and the lm_head cost."""
+        """Walk from the current node if its output is known; returns the walk and the lm_head cost
+        (none on node 0 when the last stage holds the lm_head)."""
         self._lm_tokens = 0
         if self.cur not in self.hidden_of:
             return None, []
-        res = walk(self.tree, self.cur, self._logits, self.params, self.gen, self.alive)
-        return res, [Compute("lm_head", self._lm_tokens, 0, "verify")]
+        res = walk_chosen(self.tree, self.cur, self._chosen, self.alive)
+        cost = [Compute("lm_head", self._lm_tokens, 0, "verify")] if self.lm_head_at == "head" else []
+        return res, cost
 
     def apply_walk(self, res: WalkResult, *, continue_round: bool) -> list:
         """Emit the walk's tokens, broadcast the prune set, and either continue or end the round."""
@@ -189,6 +209,7 @@ class Head:
         for node in [n for n in self.hidden_of if not self.alive[n]]:
             self.hidden_of.pop(node)
             self.logits_of.pop(node, None)
+            self.token_of.pop(node, None)
         self.cur = res.next_node
         return actions
 

@@ -4,6 +4,11 @@ Cache layout: [committed context (prefix_len entries)][draft entries, ids in `dr
 run only after every prune it was built against has been applied (`prune_version`); tokens that a newer
 prune already killed are dropped on arrival, so in-flight hidden states are pruned too. Every stage
 applies the same prunes in version order, hence identical caches across stages.
+
+The last stage may also hold the base model's final norm and lm_head (`chooses_tokens`): it then
+returns the base model's token choice per node instead of hidden states, which takes the lm_head off
+node 0 (the busy device: it also runs the draft model) and shrinks the return hop from H 16-bit values
+to one int32 per node.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import logging
 import torch
 
 from flowedge.core.prune import PruneSet, cache_reorder, live_in
+from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Finish, Prune, Segment, Send
 from flowedge.models.stage import StageModel, bool_to_float_mask
 
@@ -35,9 +41,10 @@ def tree_rows(parent_of: torch.Tensor, seg_ids: torch.Tensor, columns: torch.Ten
 
 
 class StageWorker:
-    def __init__(self, index: int, model: StageModel, n_stages: int) -> None:
+    def __init__(self, index: int, model: StageModel, n_stages: int, chooses_tokens: bool = False) -> None:
         self.index = index                  # 1..N
         self.model = model
+        self.chooses_tokens = chooses_tokens
         self.next_node = 0 if index == n_stages else index + 1
         self.request_id: int | None = None
         self.cache = model.new_cache()
@@ -55,6 +62,8 @@ class StageWorker:
         self.parent_of = torch.full((64,), -1, dtype=torch.long)
         self.waiting: list[Segment] = []
         self.pending_prunes: dict[int, Prune] = {}
+        self.params = SamplingParams()
+        self.generator: torch.Generator | None = None
 
     # ---- events ---------------------------------------------------------------------------------
     def receive(self, message: Segment | Prune | Finish) -> list:
@@ -126,8 +135,24 @@ class StageWorker:
         hidden = self.model.forward_layers(seg.hidden, seg.positions,
                                            bool_to_float_mask(allowed, seg.hidden.dtype), self.cache)
         self.draft_ids = torch.cat([self.draft_ids, seg.node_ids])
-        out = seg.select(torch.ones(n, dtype=torch.bool), hidden)
-        return [Compute("stage", n, past, seg.phase), Send(self.next_node, out)]
+        actions: list = [Compute("stage", n, past, seg.phase)]
+        if self.chooses_tokens:
+            actions.append(Compute("lm_head", n, 0, seg.phase))
+            out = seg.select(torch.ones(n, dtype=torch.bool), hidden[:, :0], self._choose(hidden))
+        else:
+            out = seg.select(torch.ones(n, dtype=torch.bool), hidden)
+        return actions + [Send(self.next_node, out)]
+
+    def _choose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] final hidden states -> [n] tokens drawn from the base distribution (one independent
+        draw per row, vectorised); -1 rows when the model is shape-only (the simulator's oracle mode,
+        where the head reads the base logits itself but this stage is charged for the lm_head)."""
+        if not hasattr(self.model, "logits"):
+            return torch.full((hidden.shape[0],), -1, dtype=torch.long)
+        logits = self.model.logits(hidden)               # [n, V] float32
+        if self.params.greedy:
+            return logits.argmax(dim=-1)                 # first maximum, as choose_token
+        return torch.multinomial(warp_probs(logits, self.params), 1, generator=self.generator).squeeze(1)
 
     def _prefill(self, seg: Segment) -> list:
         """A prompt chunk: plain causal attention, committed at once (chunked prefill)."""
@@ -137,8 +162,15 @@ class StageWorker:
         hidden = self.model.forward_layers(seg.hidden, seg.positions,
                                            bool_to_float_mask(allowed, seg.hidden.dtype), self.cache)
         self.prefix_len += n
-        return [Compute("stage", n, past, "prefill"),
-                Send(self.next_node, seg.select(torch.ones(n, dtype=torch.bool), hidden))]
+        everything = torch.ones(n, dtype=torch.bool)
+        if not self.chooses_tokens:
+            return [Compute("stage", n, past, "prefill"), Send(self.next_node, seg.select(everything, hidden))]
+        if seg.sampling is not None and int(seg.positions[0]) == 0:   # first chunk: the request's sampler
+            self.params, self.generator = seg.sampling, make_generator(seg.sampling)
+        tokens = torch.full((n,), -1, dtype=torch.long)
+        tokens[-1:] = self._choose(hidden[-1:])         # only the prompt's last row is ever read
+        return [Compute("stage", n, past, "prefill"), Compute("lm_head", 1, 0, "prefill"),
+                Send(self.next_node, seg.select(everything, hidden[:, :0], tokens))]
 
     def _record_parents(self, seg: Segment) -> None:
         top = int(seg.node_ids.max()) + 1

@@ -26,7 +26,8 @@ def message_bytes(msg) -> int:
     if isinstance(msg, Segment):
         n = len(msg)
         hidden = msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES if msg.hidden.dim() == 2 else 0
-        return HEADER_BYTES + hidden + 3 * n * 4
+        tokens = 4 * n if msg.tokens is not None else 0    # chosen tokens travel as int32
+        return HEADER_BYTES + hidden + tokens + 3 * n * 4
     if isinstance(msg, Prune):
         return HEADER_BYTES + 4 * (msg.prune.commit.numel() + msg.prune.keep.numel())
     return HEADER_BYTES

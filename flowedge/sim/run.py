@@ -53,6 +53,8 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
             if c.what == "lm_head":
                 return lm_head_time_s(dev, base_config, c.tokens, stage_path)
             return 0.0
+        if c.what == "lm_head":   # the last stage holds the lm_head (lm_head_at = last-stage)
+            return lm_head_time_s(dev, base_config, c.tokens, stage_path)
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
@@ -98,7 +100,9 @@ class Cluster:
             self.stage_models = [ShapeOnlyStage(self.config, a, b) for a, b in self.ranges]
         else:
             self.head_model = StageModel.load(base_dir, StageParts(0, 0, embed=True, head=True))
-            self.stage_models = [StageModel.load(base_dir, StageParts(a, b)) for a, b in self.ranges]
+            # The last stage also holds the final norm + lm_head, for strategies that choose tokens there.
+            self.stage_models = [StageModel.load(base_dir, StageParts(a, b, head=k == len(self.ranges) - 1))
+                                 for k, (a, b) in enumerate(self.ranges)]
         self.draft_model = StageModel.load(draft_dir) if draft_dir is not None else None
         self.spec = spec
         self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
@@ -113,8 +117,11 @@ class Cluster:
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
         n = len(self.stage_models)
-        head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle)
-        return head, [StageWorker(i + 1, m, n) for i, m in enumerate(self.stage_models)]
+        lm_head_at = strategy.lm_head_at if spec.lm_head_at == "auto" else spec.lm_head_at
+        head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle,
+                    lm_head_at=lm_head_at)
+        return head, [StageWorker(i + 1, m, n, chooses_tokens=lm_head_at == "last-stage" and i == n - 1)
+                      for i, m in enumerate(self.stage_models)]
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:

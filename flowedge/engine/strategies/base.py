@@ -13,6 +13,9 @@ from flowedge.engine.drafter import TreeShape
 class Strategy(ABC):
     name: str = ""
     needs_draft: bool = True
+    # Where the base model's tokens are chosen unless SpecConfig.lm_head_at says otherwise: on the last
+    # stage by default (node 0 is busy drafting); naive-pp overrides it (see there).
+    lm_head_at: str = "last-stage"
 
     @abstractmethod
     def build_round(self, head) -> DraftTree:

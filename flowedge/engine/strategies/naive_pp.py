@@ -11,6 +11,9 @@ from flowedge.engine.strategies.base import ScoredTreeStrategy
 class NaivePP(ScoredTreeStrategy):
     name = "naive-pp"
     order = "bfs"
+    # It verifies the whole tree at once after every micro-batch returned: one batched lm_head call on
+    # node 0 reads the weights once, where the last stage would read them once per micro-batch.
+    lm_head_at = "head"
 
     def segment_ranges(self, head) -> list[tuple[int, int]]:
         n = len(head.tree)
