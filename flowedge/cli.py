@@ -127,7 +127,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--tree-topk", default=None, type=int)
 @click.option("--segment-size", default=None, type=int, help="l_max: most nodes per segment (default 16).")
 @click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(["auto", "head", "last-stage"]),
-              help="sim driver: where the base lm_head chooses tokens; auto = each strategy's choice "
+              help="Where the base lm_head chooses tokens; auto = each strategy's choice "
                    "(last stage, except naive-pp's one batched call on node 0).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
@@ -152,8 +152,6 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
         prompts += load_prompts(ds, samples)
     if not prompts:
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
-    if driver == "zmq" and lm_head_at == "last-stage":
-        raise ConfigError("--lm-head-at last-stage is simulator-only: the daemon keeps the lm_head on node 0")
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
                               lm_head_at=lm_head_at)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,

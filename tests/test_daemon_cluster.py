@@ -56,6 +56,18 @@ def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
     assert max(len(r) for r in references.values()) >= 20   # the comparison covers real decoding
 
 
+def test_sampling_params_reach_the_token_choosing_last_stage(cluster, references):
+    """At a vanishing temperature the last stage's multinomial draw is the argmax: the sampled answer
+    equals greedy, which checks that the request's sampling params crossed every hop."""
+    with Client(cluster.spec.addr, timeout_s=60) as client:
+        for strategy in ("flowspec", "naive-pp"):   # last-stage choice, node-0 choice
+            res = client.generate(PROMPTS[1], max_new_tokens=MAX_NEW, strategy=strategy, temperature=1e-5, seed=7)
+            assert res["token_ids"] == references[PROMPTS[1]], (strategy, logs(cluster.run_dir))
+            by_stage = strategy == "flowspec"
+            assert res["lm_head_at"] == ("last-stage" if by_stage else "head")
+            assert (res["stage_chosen_tokens"] > 0) == by_stage
+
+
 def test_prompt_cli_json_matches_generate_json(cluster, references):
     out = flowedge_cli("prompt", PROMPTS[0], "--head", cluster.spec.addr, "--max-new-tokens", str(MAX_NEW),
                        "--json", "--strategy", "flowspec")

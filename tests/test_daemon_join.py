@@ -65,6 +65,10 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         assert cached.is_file() and file_sha256(cached) == file_sha256(split / spec.file) == spec.sha256
         assert (cached.read_bytes() == (split / spec.file).read_bytes())
         assert "fetching shard" in (tmp_path / "stage-a.log").read_text()
+        # The only stage is the last one: it also fetched the head file (final norm + lm_head).
+        head_spec = Manifest.load(split).head
+        assert file_sha256(cached.parent / head_spec.file) == head_spec.sha256
+        assert "fetching the lm_head file" in (tmp_path / "stage-a.log").read_text()
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30)["token_ids"] == reference
 
@@ -78,7 +82,7 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         stages.append(spawn_join(addr, *keys, log_path=tmp_path / "stage-b.log", env=stage_env))
         wait_ready(addr, 120, alive=lambda: head.poll() is None and stages[-1].poll() is None)
         text = (tmp_path / "stage-b.log").read_text()
-        assert "found in the cache" in text and "fetching shard" not in text
+        assert "found in the cache" in text and "fetching shard" not in text and "fetching the lm_head" not in text
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30, strategy="flowspec")["token_ids"] == reference
     except BaseException:

@@ -78,8 +78,25 @@ def test_node_config_defaults_are_valid():
     assert cfg.role == "head" and cfg.wire_dtype == "float16" and cfg.keys_path.name == "keys"
 
 
-def test_stage_chosen_tokens_have_no_wire_form_yet():
-    seg = events.Segment(1, 0, 1, 0, torch.tensor([0]), torch.tensor([-1]), torch.tensor([5]), torch.zeros(1, 0),
-                         "init-segment", tokens=torch.tensor([42]))
-    with pytest.raises(ProtocolError, match="no wire form"):
-        wire.to_wire(seg, "float16")
+def test_stage_chosen_tokens_and_sampling_params_survive_the_wire():
+    from flowedge.core.sampling import SamplingParams
+
+    seg = events.Segment(1, 0, 1, 0, torch.tensor([0, 3]), torch.tensor([-1, 0]), torch.tensor([5, 6]),
+                         torch.zeros(2, 0), "init-segment", tokens=torch.tensor([42, -1]))
+    msg = wire.to_wire(seg, "float16")
+    assert msg.hidden is None and msg.token_ids.tolist() == [43, 0]    # no negative ids on the wire
+    back = wire.from_wire(proto.decode([bytes(f) for f in msg.to_frames()]), torch.float32)
+    assert back.tokens.tolist() == [42, -1] and back.hidden.shape == (2, 0) and back.sampling is None
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)
+    pre = events.Segment(1, 0, 1, 0, torch.full((2,), -1), torch.full((2,), -1), torch.arange(2), torch.randn(2, 4),
+                         "prefill", sampling=params)
+    back = wire.from_wire(proto.decode([bytes(f) for f in wire.to_wire(pre, "float32").to_frames()]), torch.float32)
+    assert back.sampling == params and back.tokens is None
+
+
+def test_bad_sampling_fields_are_protocol_errors():
+    with pytest.raises(ProtocolError, match="top_p"):
+        proto.Segment(request_id=1, round_id=0, seq=0, prune_version=0, kind="prefill", sent_at_step=0,
+                      node_ids=torch.zeros(1, dtype=torch.long), parent_ids=torch.zeros(1, dtype=torch.long),
+                      positions=torch.zeros(1, dtype=torch.long), hidden=torch.zeros(1, 2), temperature=1.0,
+                      top_p=0.0)

@@ -26,7 +26,8 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
     base_dir = resolve_model(cfg.model)
     tok = load_tokenizer(base_dir)
     spec = local_cluster.LocalClusterSpec(nodes=cfg.nodes, model=cfg.model, draft=cfg.draft, port=port,
-                                          threads=threads, wire_dtype=wire_dtype, tree_nodes=cfg.spec.tree_nodes)
+                                          threads=threads, wire_dtype=wire_dtype, tree_nodes=cfg.spec.tree_nodes,
+                                          lm_head_at=cfg.spec.lm_head_at)
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {
         "spec": asdict(cfg.spec), "driver": "zmq", "wire_dtype": wire_dtype,
         "threads_per_process": spec.per_process_threads(), "profile": "this machine (wall clock)"}

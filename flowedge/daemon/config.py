@@ -18,6 +18,7 @@ DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipel
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 QUANTS = ("none", "int4", "nf4", "auto")
+LM_HEAD_PLACES = ("auto", "head", "last-stage")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class NodeConfig:
     wire_dtype: str = "float16"               # hidden states on the wire
     quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
+    lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
+                                              # last stage then also holds the lm_head) | head | last-stage
     # stage only
     stage: int = 0                            # preferred slot in the plan (1..stages); 0 = first free
     data_port: int = 0                        # 0 = any free port
@@ -53,6 +56,8 @@ class NodeConfig:
             raise ConfigError(f"wire_dtype must be one of {list(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.quant not in QUANTS:
             raise ConfigError(f"quant must be one of {list(QUANTS)}, got {self.quant!r}")
+        if self.lm_head_at not in LM_HEAD_PLACES:
+            raise ConfigError(f"lm_head_at must be one of {list(LM_HEAD_PLACES)}, got {self.lm_head_at!r}")
         if self.stages < 1:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
         if self.layers and len(self.layers) != self.stages:

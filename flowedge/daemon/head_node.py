@@ -228,10 +228,12 @@ class HeadNode:
                 continue
             shard = self.plan.shards[k - 1]
             a, b = self.plan.ranges[k - 1]
+            head = self.plan.head_file if self._last_stage_chooses(k) else None
             self._send(identity, proto.Assign(
                 stage_index=k, layer_start=a, layer_end=b, shard_sha256=shard.sha256, shard_bytes=shard.size,
                 next_addr=nxt, model=self.config.model, hidden_wire=self.config.wire_dtype,
-                quant=self.config.quant, side_files=shard.side_files, source_dir=str(self.plan.split_dir)))
+                quant=self.config.quant, side_files=shard.side_files, source_dir=str(self.plan.split_dir),
+                head_sha256=head.sha256 if head else "", head_bytes=head.size if head else 0))
             self.sent_assign[k] = (identity, nxt)
             self.peers[identity].ready = False
         first = self.peers[self.slots[0]].data_addr
@@ -255,12 +257,22 @@ class HeadNode:
         peer.ready = True
         log.info("stage %d (%s) ready", peer.stage, peer.hello.node_id)
 
+    def _last_stage_chooses(self, stage: int) -> bool:
+        """The last stage holds the lm_head too (and chooses tokens for strategies that want it)."""
+        return stage == self.config.stages and self.config.lm_head_at != "head"
+
     def _on_shard_request(self, peer: Peer, msg: proto.ShardRequest) -> None:
         if not peer.stage or self.plan is None:
             log.warning("shard request from %s, which holds no stage", peer.hello.node_id)
             return
+        shard = self.plan.shards[peer.stage - 1]
+        if msg.sha256 and msg.sha256 != shard.sha256:
+            if not (msg.sha256 == self.plan.head_file.sha256 and self._last_stage_chooses(peer.stage)):
+                log.warning("%s asked for file %s…, which is not assigned to it", peer.hello.node_id, msg.sha256[:12])
+                return
+            shard = self.plan.head_file
         try:
-            self._send(peer.identity, shard_fetch.read_chunk(self.plan.shards[peer.stage - 1], msg))
+            self._send(peer.identity, shard_fetch.read_chunk(shard, msg))
         except ProtocolError as err:
             log.warning("bad shard request from %s: %s", peer.hello.node_id, err)
 
@@ -365,9 +377,9 @@ class HeadNode:
                 raise ConfigError(f"strategy {strategy} needs a draft model; this head runs without one")
             drafter = Drafter(self.plan.draft_model) if strat.needs_draft else None
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None)
-            # lm_head stays on node 0 here: stage-chosen tokens are not in wire protocol v1 yet.
+            lm_head_at = strat.lm_head_at if self.config.lm_head_at == "auto" else self.config.lm_head_at
             self.engines[strategy] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
-                                          stop_ids(self.plan.base_config), lm_head_at="head")
+                                          stop_ids(self.plan.base_config), lm_head_at=lm_head_at)
         return self.engines[strategy]
 
     def _on_return(self, frames: list) -> None:
@@ -429,6 +441,7 @@ class HeadNode:
             "steps": st.steps, "rounds": st.rounds, "round_restarts": max(0, st.rounds - 1),
             "nodes": self.config.stages + 1, "wire_dtype": self.config.wire_dtype,
             "head_overhead_ms_per_step": round(1000 * sum(st.overhead_s) / max(1, len(st.overhead_s)), 3),
+            "lm_head_at": req.engine.lm_head_at, "stage_chosen_tokens": st.stage_chosen,
         }
         if st.accept_lens:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)

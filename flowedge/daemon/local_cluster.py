@@ -39,6 +39,7 @@ class LocalClusterSpec:
     quant: str = "none"
     layers: list[int] = field(default_factory=list)
     tree_nodes: int = 0
+    lm_head_at: str = "auto"
     stage_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -90,7 +91,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         'role = "head"', f'head = "{spec.addr}"', 'node_id = "head"', f"threads = {threads}",
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
-        f'quant = "{spec.quant}"', f"tree_nodes = {spec.tree_nodes}", f"insecure = {str(spec.insecure).lower()}",
+        f'quant = "{spec.quant}"', f"tree_nodes = {spec.tree_nodes}", f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
         f"stage_timeout_s = {spec.stage_timeout_s}",
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.shard_fetch import ShardFile, stage_files
+from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.errors import ModelError
 from flowedge.models.shards import Manifest, _layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
@@ -20,6 +20,7 @@ class Plan:
     split_dir: Path
     ranges: list[tuple[int, int]]
     shards: list[ShardFile]
+    head_file: ShardFile          # embedding + final norm + lm_head: also sent to a token-choosing last stage
     head_model: StageModel
     draft_model: StageModel | None
     tokenizer: object
@@ -56,4 +57,4 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
     draft = StageModel.load(resolve_model(config.draft)) if config.draft else None
-    return Plan(out, ranges, shards, head_model, draft, load_tokenizer(out), load_config(out))
+    return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out))

@@ -46,6 +46,12 @@ def stage_files(split_dir: Path, stage: int) -> ShardFile:
     return ShardFile(split_dir / spec.file, spec.sha256, spec.bytes, side)
 
 
+def head_file(split_dir: Path) -> ShardFile:
+    """The split's head file (embedding, final norm, lm_head): what a token-choosing last stage adds."""
+    manifest = Manifest.load(split_dir)
+    return ShardFile(split_dir / manifest.head.file, manifest.head.sha256, manifest.head.bytes, {})
+
+
 def read_chunk(shard: ShardFile, req: proto.ShardRequest) -> proto.ShardChunk:
     """Head side: the requested byte range (clipped to the file) as a checksummed chunk."""
     if req.offset >= shard.size:
@@ -84,7 +90,7 @@ def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardReques
         for name, text in assign.side_files.items():
             (tmp / name).write_text(text)
         stage_file = _stage_file_name(tmp, assign)
-        _download(assign, tmp / stage_file, request, receive, timeout_s)
+        _download(assign.shard_sha256, assign.shard_bytes, tmp / stage_file, request, receive, timeout_s, "")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -103,8 +109,26 @@ def _stage_file_name(split_dir: Path, assign: proto.Assign) -> str:
     raise ProtocolError("assigned shard sha256 is not in the head's manifest")
 
 
-def _download(assign: proto.Assign, path: Path, request, receive, timeout_s: float) -> None:
-    total = assign.shard_bytes
+def fetch_head_file(assign: proto.Assign, shard_dir: Path, request: Callable[[proto.ShardRequest], None],
+                    receive: Callable[[float], proto.ShardChunk | None], timeout_s: float = 60.0) -> None:
+    """Stage side, last stage only: add the split's head file to a cached shard directory (fetched
+    under a temporary name, renamed into place once it hashed to `assign.head_sha256`)."""
+    name = Manifest.load(shard_dir).head.file
+    final = shard_dir / name
+    if final.is_file() and final.stat().st_size == assign.head_bytes:
+        return   # verified once on arrival; StageModel.load checks its sha256 again
+    log.info("fetching the lm_head file %s… (%d MB) from the head", assign.head_sha256[:12],
+             assign.head_bytes >> 20)
+    tmp = shard_dir / f".{name}.part-{os.getpid()}"
+    try:
+        _download(assign.head_sha256, assign.head_bytes, tmp, request, receive, timeout_s, assign.head_sha256)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: float, which: str) -> None:
+    """Fetch `total` bytes into `path` (`which`: the file's sha in ShardRequest, "" = the stage shard)."""
     offsets = deque(range(0, total, CHUNK_BYTES))
     pending: set[int] = set()
     done_bytes, t0, last_report = 0, time.monotonic(), 0.0
@@ -113,7 +137,7 @@ def _download(assign: proto.Assign, path: Path, request, receive, timeout_s: flo
         while offsets or pending:
             while offsets and len(pending) < IN_FLIGHT:
                 off = offsets.popleft()
-                request(proto.ShardRequest(offset=off, length=CHUNK_BYTES))
+                request(proto.ShardRequest(offset=off, length=CHUNK_BYTES, sha256=which))
                 pending.add(off)
             chunk = receive(timeout_s)
             if chunk is None:
@@ -137,6 +161,6 @@ def _download(assign: proto.Assign, path: Path, request, receive, timeout_s: flo
     with open(path, "rb") as f:
         while block := f.read(8 << 20):
             digest.update(block)
-    if digest.hexdigest() != assign.shard_sha256:
+    if digest.hexdigest() != sha256:
         raise ChecksumError(f"fetched shard hashes to {digest.hexdigest()[:16]}…, "
-                            f"head announced {assign.shard_sha256[:16]}…")
+                            f"head announced {sha256[:16]}…")

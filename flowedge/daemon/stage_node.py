@@ -128,13 +128,16 @@ class StageNode:
     def _take(self, assign: proto.Assign) -> None:
         """Apply an assignment: (re)load the layers if the shard changed, (re)connect the next hop."""
         if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
-                assign.quant != self.assign.quant:
+                assign.quant != self.assign.quant or assign.head_sha256 != self.assign.head_sha256:
             self.worker = None
             model_dir = self._shard_dir(assign)
+            with_head = bool(assign.head_sha256)   # last stage: also the final norm + lm_head
+            if with_head:
+                self._head_file(assign, model_dir)
             t0 = time.monotonic()
-            model = StageModel.load(model_dir, StageParts(assign.layer_start, assign.layer_end),
+            model = StageModel.load(model_dir, StageParts(assign.layer_start, assign.layer_end, head=with_head),
                                     quant=assign.quant)
-            self.worker = StageWorker(assign.stage_index, model, 0)
+            self.worker = StageWorker(assign.stage_index, model, 0, can_choose=with_head)
             log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,
                      assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
                      psutil.Process().memory_info().rss / 1e6)
@@ -162,6 +165,12 @@ class StageNode:
             return cached
         log.info("fetching shard %s… (%d MB) from the head", assign.shard_sha256[:12], assign.shard_bytes >> 20)
         return shard_fetch.fetch(assign, self.home, lambda r: send_msg(self.ctrl, r), self._next_chunk)
+
+    def _head_file(self, assign: proto.Assign, model_dir: Path) -> None:
+        """Make sure the shard directory also holds the head file (fetched from the head if needed)."""
+        if Path(assign.source_dir) == model_dir:
+            return   # the head's own split directory (same host): it is there
+        shard_fetch.fetch_head_file(assign, model_dir, lambda r: send_msg(self.ctrl, r), self._next_chunk)
 
     def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from flowedge.core.prune import PruneSet
+from flowedge.core.sampling import SamplingParams
 from flowedge.engine import events
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
@@ -16,20 +17,27 @@ from flowedge.transport.channel import wire_bytes
 
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
-    if seg.tokens is not None:   # the daemon keeps the lm_head on node 0 (see Head.lm_head_at)
-        raise ProtocolError("segments with stage-chosen tokens have no wire form yet")
+    """Hidden states, or the last stage's chosen tokens (shifted by one too: 0 = no choice)."""
+    sampling = {} if seg.sampling is None else dict(
+        temperature=float(seg.sampling.temperature), top_k=seg.sampling.top_k, top_p=float(seg.sampling.top_p),
+        seed=seg.sampling.seed)
+    payload = dict(hidden=seg.hidden) if seg.tokens is None else dict(token_ids=seg.tokens + 1)
     return proto.Segment(
         request_id=seg.request_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
         kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids + 1, parent_ids=seg.parent_ids + 1,
-        positions=seg.positions, hidden=seg.hidden, hidden_wire=hidden_wire)
+        positions=seg.positions, hidden_wire=hidden_wire, **payload, **sampling)
 
 
 def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
-    if msg.hidden is None:
-        raise ProtocolError("segment without hidden states (token-id segments are not used by this head)")
+    sampling = None if msg.temperature is None else SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+    if msg.hidden is None:   # the last stage's token choices: no hidden states to carry
+        n = msg.node_ids.numel()
+        return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
+                              msg.parent_ids - 1, msg.positions, torch.empty(n, 0, dtype=dtype), msg.kind,
+                              msg.token_ids - 1, sampling)
     # Hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy.
     return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
-                          msg.parent_ids - 1, msg.positions, msg.hidden.to(dtype), msg.kind)
+                          msg.parent_ids - 1, msg.positions, msg.hidden.to(dtype), msg.kind, None, sampling)
 
 
 def prune_to_wire(p: events.Prune) -> proto.Prune:

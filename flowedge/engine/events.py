@@ -102,6 +102,7 @@ class Stats:
     steps: int = 0
     empty_segments: int = 0
     draft_forwards: int = 0
+    stage_chosen: int = 0      # node tokens chosen by the last stage (lm_head_at = last-stage)
     overhead_s: list[float] = field(default_factory=list)   # head bookkeeping per step, model calls excluded
 
 

@@ -88,8 +88,9 @@ class Head:
         for node, h in zip(event.node_ids[live].tolist(), event.hidden[live]):
             self.hidden_of[node] = h   # [0]-wide when the last stage chose tokens: marks arrival
         if event.tokens is not None:
-            self.token_of.update((n, t) for n, t in zip(event.node_ids[live].tolist(),
-                                                        event.tokens[live].tolist()) if t >= 0)
+            chosen = {n: t for n, t in zip(event.node_ids[live].tolist(), event.tokens[live].tolist()) if t >= 0}
+            self.token_of.update(chosen)
+            self.stats.stage_chosen += len(chosen)
         self.stats.steps += 1
         if not bool(live.any()):
             self.stats.empty_segments += 1
@@ -110,6 +111,7 @@ class Head:
             return []
         if seg.tokens is not None and int(seg.tokens[-1]) >= 0:
             y = int(seg.tokens[-1])
+            self.stats.stage_chosen += 1
         else:
             logits = self.oracle.logits(self.prompt) if self.oracle is not None \
                 else self.model.logits(seg.hidden[-1:])[0]

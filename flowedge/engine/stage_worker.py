@@ -5,10 +5,10 @@ run only after every prune it was built against has been applied (`prune_version
 prune already killed are dropped on arrival, so in-flight hidden states are pruned too. Every stage
 applies the same prunes in version order, hence identical caches across stages.
 
-The last stage may also hold the base model's final norm and lm_head (`chooses_tokens`): it then
-returns the base model's token choice per node instead of hidden states, which takes the lm_head off
-node 0 (the busy device: it also runs the draft model) and shrinks the return hop from H 16-bit values
-to one int32 per node.
+The last stage may also hold the base model's final norm and lm_head (`can_choose`). For a request
+whose prefill carries sampling params (the head's `lm_head_at = "last-stage"`) it then returns the base
+model's token choice per node instead of hidden states, which takes the lm_head off node 0 (the busy
+device: it also runs the draft model) and shrinks the return hop from H 16-bit values to one int per node.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def tree_rows(parent_of: torch.Tensor, seg_ids: torch.Tensor, columns: torch.Ten
 
 
 class StageWorker:
-    def __init__(self, index: int, model: StageModel, n_stages: int, chooses_tokens: bool = False) -> None:
+    def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False) -> None:
         self.index = index                  # 1..N
         self.model = model
-        self.chooses_tokens = chooses_tokens
+        self.can_choose = can_choose        # holds the lm_head (or stands in for one: shape-only stages)
         self.next_node = 0 if index == n_stages else index + 1
         self.request_id: int | None = None
         self.cache = model.new_cache()
@@ -62,6 +62,7 @@ class StageWorker:
         self.parent_of = torch.full((64,), -1, dtype=torch.long)
         self.waiting: list[Segment] = []
         self.pending_prunes: dict[int, Prune] = {}
+        self.chooses_tokens = False         # this request: return chosen tokens, not hidden states
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
 
@@ -137,7 +138,8 @@ class StageWorker:
         self.draft_ids = torch.cat([self.draft_ids, seg.node_ids])
         actions: list = [Compute("stage", n, past, seg.phase)]
         if self.chooses_tokens:
-            actions.append(Compute("lm_head", n, 0, seg.phase))
+            if n:
+                actions.append(Compute("lm_head", n, 0, seg.phase))
             out = seg.select(torch.ones(n, dtype=torch.bool), hidden[:, :0], self._choose(hidden))
         else:
             out = seg.select(torch.ones(n, dtype=torch.bool), hidden)
@@ -147,7 +149,7 @@ class StageWorker:
         """[n, H] final hidden states -> [n] tokens drawn from the base distribution (one independent
         draw per row, vectorised); -1 rows when the model is shape-only (the simulator's oracle mode,
         where the head reads the base logits itself but this stage is charged for the lm_head)."""
-        if not hasattr(self.model, "logits"):
+        if not hasattr(self.model, "logits") or hidden.shape[0] == 0:
             return torch.full((hidden.shape[0],), -1, dtype=torch.long)
         logits = self.model.logits(hidden)               # [n, V] float32
         if self.params.greedy:
@@ -163,10 +165,12 @@ class StageWorker:
                                            bool_to_float_mask(allowed, seg.hidden.dtype), self.cache)
         self.prefix_len += n
         everything = torch.ones(n, dtype=torch.bool)
+        if int(seg.positions[0]) == 0:   # first chunk: does the head want this stage's token choices?
+            self.chooses_tokens = self.can_choose and seg.sampling is not None
+            if self.chooses_tokens:
+                self.params, self.generator = seg.sampling, make_generator(seg.sampling)
         if not self.chooses_tokens:
             return [Compute("stage", n, past, "prefill"), Send(self.next_node, seg.select(everything, hidden))]
-        if seg.sampling is not None and int(seg.positions[0]) == 0:   # first chunk: the request's sampler
-            self.params, self.generator = seg.sampling, make_generator(seg.sampling)
         tokens = torch.full((n,), -1, dtype=torch.long)
         tokens[-1:] = self._choose(hidden[-1:])         # only the prompt's last row is ever read
         return [Compute("stage", n, past, "prefill"), Compute("lm_head", 1, 0, "prefill"),

@@ -120,8 +120,7 @@ class Cluster:
         lm_head_at = strategy.lm_head_at if spec.lm_head_at == "auto" else spec.lm_head_at
         head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle,
                     lm_head_at=lm_head_at)
-        return head, [StageWorker(i + 1, m, n, chooses_tokens=lm_head_at == "last-stage" and i == n - 1)
-                      for i, m in enumerate(self.stage_models)]
+        return head, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:

@@ -24,7 +24,7 @@ from flowedge.transport.frames import (
     tensor_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)   # 1.2: token segments from the last stage, head file
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20

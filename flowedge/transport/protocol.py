@@ -12,7 +12,8 @@ fields with defaults, and unknown header keys are ignored. `Refuse` is frozen fo
 it is decoded whatever the major version and a refused peer can always read why.
 
 Topology: the head (node 0) feeds stage 1; stage k forwards to stage k+1; the last stage returns
-hidden states to the head. Control messages (HELLO/ASSIGN/SHARD/READY/HEARTBEAT) go stage <-> head,
+hidden states to the head, or (1.2, when it holds the lm_head and the request's prefill carried
+sampling params) the base model's chosen token per node. Control messages (HELLO/ASSIGN/SHARD/READY/HEARTBEAT) go stage <-> head,
 client messages client <-> head.
 
 Round restarts are folded into `Prune` (there is no NewRound): a Prune whose round_id is newer than
@@ -130,6 +131,8 @@ class Assign(Message):
     quant: str = "none"
     side_files: dict[str, str] = field(default_factory=dict)  # small text files: config.json, manifest
     source_dir: str = ""  # the head's split directory: a stage on the same host may read it directly
+    head_sha256: str = ""  # 1.2, last stage only: also load the split's head file (final norm + lm_head)
+    head_bytes: int = 0
 
     def __post_init__(self) -> None:
         _ints(self, "stage_index", lo=1)
@@ -142,6 +145,9 @@ class Assign(Message):
         _str(self, "quant", ("none", "int4", "nf4", "auto"))
         _map(self, "side_files")
         _str(self, "source_dir", max_len=4096)
+        if self.head_sha256:
+            _sha256(self, "head_sha256")
+        _ints(self, "head_bytes")
         if not all(isinstance(v, str) and "/" not in k and not k.startswith(".")
                    for k, v in self.side_files.items()):
             raise _fail(self, "side_files", "plain file names mapped to text")
@@ -149,15 +155,19 @@ class Assign(Message):
 
 @dataclass(**_MSG)
 class ShardRequest(Message):
-    """Stage -> head: send me bytes [offset, offset + length) of my shard."""
+    """Stage -> head: send me bytes [offset, offset + length) of my shard (or of the file `sha256`,
+    which must be one the head assigned to this stage: 1.2, the head file of the last stage)."""
 
     TYPE: ClassVar[str] = "shard_request"
     offset: int
     length: int = SHARD_CHUNK_BYTES
+    sha256: str = ""
 
     def __post_init__(self) -> None:
         _ints(self, "offset")
         _ints(self, "length", lo=1, hi=MAX_SHARD_CHUNK_BYTES)
+        if self.sha256:
+            _sha256(self, "sha256")
 
 
 @dataclass(**_MSG)
@@ -234,10 +244,12 @@ class Shutdown(Message):
 class Segment(Message):
     """A run of n draft-tree nodes moving down the pipeline: head -> stage 1 -> ... -> head.
 
-    Carries either `token_ids` [n] (head -> stage 1 when stage 1 embeds) or `hidden` [n, H] (every
-    other hop), never both. `parent_ids[i]` is the node id of node i's parent, `positions[i]` its
-    absolute position. `prune_version` is the last Prune the sender applied, so a stage can tell a
-    segment built before a prune from one built after it. n == 0 is legal.
+    Carries either `token_ids` [n] or `hidden` [n, H], never both: hidden states between stages;
+    token ids on the return hop when the last stage chose the base model's token per node (1.2).
+    `parent_ids[i]` is the node id of node i's parent, `positions[i]` its absolute position.
+    `prune_version` is the last Prune the sender applied, so a stage can tell a segment built before a
+    prune from one built after it. n == 0 is legal. Prefill segments may carry the request's sampling
+    params (`temperature` set): the last stage then chooses tokens with them.
     """
 
     TYPE: ClassVar[str] = "segment"
@@ -256,9 +268,17 @@ class Segment(Message):
     hidden: torch.Tensor | None = None  # [n, H] float
     token_ids: torch.Tensor | None = None  # [n]
     hidden_wire: str = "float16"
+    temperature: float | None = None       # 1.2: sampling params (prefill only; None = not sent)
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _ints(self, "request_id", "round_id", "seq", "prune_version", "sent_at_step")
+        _float(self, "temperature", 0.0, 1e6, optional=True)
+        _ints(self, "top_k")
+        _float(self, "top_p", 1e-9, 1.0)
+        _ints(self, "seed", optional=True)
         _str(self, "kind", SEGMENT_KINDS)
         _str(self, "hidden_wire", HIDDEN_WIRE_NAMES)
         n = _index(self, "node_ids")
