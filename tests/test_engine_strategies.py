@@ -120,3 +120,12 @@ def test_lm_head_placement_moves_its_cost_and_shrinks_the_return_hop(tiny_pair, 
     back = [e for e in res.trace.events if e.lane == "link2->0" and e.tokens]
     hidden_bytes = cluster.config.hidden_size * 2
     assert back and all((e.nbytes > e.tokens * hidden_bytes) == (lm_head_at == "head") for e in back)
+
+
+def test_tree_building_is_timed_apart_from_head_overhead(tiny_pair):
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL)
+    res, _, _ = cluster.generate("flowspec", PROMPTS[0], 20, SamplingParams())
+    stats = res.done.stats
+    assert len(stats.tree_build_s) == stats.rounds and min(stats.tree_build_s) > 0
+    assert stats.overhead_s and min(stats.overhead_s) >= 0

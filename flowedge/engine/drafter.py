@@ -206,6 +206,10 @@ class Drafter:
         self._calls.append((int(tokens.numel()), past, time.perf_counter() - t0))
         return logp
 
+    def pending_seconds(self) -> float:
+        """Wall time of the draft forwards not yet drained."""
+        return sum(seconds for _, _, seconds in self._calls)
+
     def drain_calls(self) -> list[tuple[int, int, float]]:
         """Draft forwards since the last call, as (tokens, context, seconds): the simulator charges them."""
         calls, self._calls = self._calls, []

@@ -104,6 +104,7 @@ class Stats:
     draft_forwards: int = 0
     stage_chosen: int = 0      # node tokens chosen by the last stage (lm_head_at = last-stage)
     overhead_s: list[float] = field(default_factory=list)   # head bookkeeping per step, model calls excluded
+    tree_build_s: list[float] = field(default_factory=list)  # per round: building the initial tree, minus draft calls
 
 
 @dataclass(frozen=True, slots=True)

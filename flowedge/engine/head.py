@@ -53,7 +53,7 @@ class Head:
         self.version = self.round_id = self.seq = 0
         self.prefix_len = 0
         self.finished = False
-        self._model_s = 0.0
+        self._model_s = self._build_s = 0.0
         self.prefix_at_version: dict[int, int] = {}   # committed context length after each prune
         self.tree: DraftTree | None = None
         if self.drafter is not None:
@@ -97,11 +97,12 @@ class Head:
         return self._timed(lambda: self._with_draft_costs(self.strategy.on_output(self, int(live.sum()))))
 
     def _timed(self, handler) -> list:
-        """Run a handler and record its bookkeeping time: wall time minus model calls."""
-        self._model_s = 0.0
+        """Run a handler and record its bookkeeping time: wall time minus model calls and minus building
+        a round's initial tree (reported apart, in `tree_build_s`)."""
+        self._model_s = self._build_s = 0.0
         t0 = time.perf_counter()
         actions = handler()
-        self.stats.overhead_s.append(max(0.0, time.perf_counter() - t0 - self._model_s))
+        self.stats.overhead_s.append(max(0.0, time.perf_counter() - t0 - self._model_s - self._build_s))
         return actions
 
     def _prefill_done(self, seg: Segment) -> list:
@@ -130,7 +131,12 @@ class Head:
         self.cur = 0
         self.in_flight = 0
         self.round_ended = False
+        drafted_before, t0 = self._drafted_s(), time.perf_counter()
         self.tree = self.strategy.build_round(self)
+        # Its draft calls are model time (subtracted via _with_draft_costs), the rest is tree building.
+        build = time.perf_counter() - t0 - (self._drafted_s() - drafted_before)
+        self._build_s += build
+        self.stats.tree_build_s.append(build)
         self.alive = torch.ones(len(self.tree), dtype=torch.bool)
         return self._with_draft_costs(self.strategy.initial_segments(self))
 
@@ -248,6 +254,9 @@ class Head:
 
     def context(self) -> list[int]:
         return self.prompt + self.outputs
+
+    def _drafted_s(self) -> float:
+        return self.drafter.pending_seconds() if self.drafter is not None else 0.0
 
     def _with_draft_costs(self, actions: list) -> list:
         """Put the draft-model work done while producing `actions` before the first segment it fed."""
