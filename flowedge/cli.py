@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from flowedge.engine.config import LM_HEAD_PLACES
 from flowedge.errors import FlowedgeError
 
 log = logging.getLogger("flowedge")
@@ -126,7 +127,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
 @click.option("--segment-size", default=None, type=int, help="l_max: most nodes per segment (default 16).")
-@click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(["auto", "head", "last-stage"]),
+@click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(LM_HEAD_PLACES),
               help="Where the base lm_head chooses tokens; auto = each strategy's choice "
                    "(last stage, except naive-pp's one batched call on node 0).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))

@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from flowedge.engine.config import LM_HEAD_PLACES
 from flowedge.errors import ConfigError
 from flowedge.models.registry import flowedge_home  # noqa: F401  (the one $FLOWEDGE_HOME resolver)
 
@@ -18,7 +19,6 @@ DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipel
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 QUANTS = ("none", "int4", "nf4", "auto")
-LM_HEAD_PLACES = ("auto", "head", "last-stage")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardReques
         for name, text in assign.side_files.items():
             (tmp / name).write_text(text)
         stage_file = _stage_file_name(tmp, assign)
-        _download(assign.shard_sha256, assign.shard_bytes, tmp / stage_file, request, receive, timeout_s, "")
+        _download(assign.shard_sha256, assign.shard_bytes, tmp / stage_file, request, receive, timeout_s)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -121,14 +121,15 @@ def fetch_head_file(assign: proto.Assign, shard_dir: Path, request: Callable[[pr
              assign.head_bytes >> 20)
     tmp = shard_dir / f".{name}.part-{os.getpid()}"
     try:
-        _download(assign.head_sha256, assign.head_bytes, tmp, request, receive, timeout_s, assign.head_sha256)
+        _download(assign.head_sha256, assign.head_bytes, tmp, request, receive, timeout_s)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: float, which: str) -> None:
-    """Fetch `total` bytes into `path` (`which`: the file's sha in ShardRequest, "" = the stage shard)."""
+def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: float) -> None:
+    """Fetch the file `sha256` (`total` bytes) into `path`; the requests name it, so the head can serve
+    a stage more than its shard (a 1.1 head ignores the name and serves the shard)."""
     offsets = deque(range(0, total, CHUNK_BYTES))
     pending: set[int] = set()
     done_bytes, t0, last_report = 0, time.monotonic(), 0.0
@@ -137,7 +138,7 @@ def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: 
         while offsets or pending:
             while offsets and len(pending) < IN_FLIGHT:
                 off = offsets.popleft()
-                request(proto.ShardRequest(offset=off, length=CHUNK_BYTES, sha256=which))
+                request(proto.ShardRequest(offset=off, length=CHUNK_BYTES, sha256=sha256))
                 pending.add(off)
             chunk = receive(timeout_s)
             if chunk is None:

@@ -31,13 +31,11 @@ def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
 def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
     sampling = None if msg.temperature is None else SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
     if msg.hidden is None:   # the last stage's token choices: no hidden states to carry
-        n = msg.node_ids.numel()
-        return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
-                              msg.parent_ids - 1, msg.positions, torch.empty(n, 0, dtype=dtype), msg.kind,
-                              msg.token_ids - 1, sampling)
-    # Hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy.
+        hidden, tokens = torch.empty(msg.node_ids.numel(), 0, dtype=dtype), msg.token_ids - 1
+    else:   # hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy
+        hidden, tokens = msg.hidden.to(dtype), None
     return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
-                          msg.parent_ids - 1, msg.positions, msg.hidden.to(dtype), msg.kind, None, sampling)
+                          msg.parent_ids - 1, msg.positions, hidden, msg.kind, tokens, sampling)
 
 
 def prune_to_wire(p: events.Prune) -> proto.Prune:

@@ -34,5 +34,9 @@ class SpecConfig:
         if self.se_depth < 0 or self.se_nodes < 0:
             raise ConfigError("score-aware expansion sizes must be >= 0")
 
+    def lm_head_for(self, strategy) -> str:
+        """Where `strategy` chooses tokens: the configured place, or the strategy's own for "auto"."""
+        return strategy.lm_head_at if self.lm_head_at == "auto" else self.lm_head_at
+
     def with_(self, **changes) -> "SpecConfig":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -47,14 +47,12 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
     draft_path = _draft_path(dev, stage_path)
 
     def compute_s(node: int, c) -> float:
+        if c.what == "lm_head":   # on node 0, or on the last stage when it chooses tokens
+            return lm_head_time_s(dev, base_config, c.tokens, stage_path)
         if node == 0:
             if c.what == "draft":
                 return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path)
-            if c.what == "lm_head":
-                return lm_head_time_s(dev, base_config, c.tokens, stage_path)
             return 0.0
-        if c.what == "lm_head":   # the last stage holds the lm_head (lm_head_at = last-stage)
-            return lm_head_time_s(dev, base_config, c.tokens, stage_path)
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
@@ -117,9 +115,8 @@ class Cluster:
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
         n = len(self.stage_models)
-        lm_head_at = strategy.lm_head_at if spec.lm_head_at == "auto" else spec.lm_head_at
         head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle,
-                    lm_head_at=lm_head_at)
+                    lm_head_at=spec.lm_head_for(strategy))
         return head, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
