@@ -131,7 +131,7 @@ def tree_settings(req: GenerateRequest, topk: int, depth: int, nodes: int):
 
 
 def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
-    from flowedge.engine.drafter import Drafter
+    from flowedge.engine.drafter import Drafter, load_draft_model
     from flowedge.engine.local import generate_tree
     from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
@@ -139,7 +139,7 @@ def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
     # One-node defaults sized for a CPU: a small tree verifies in about the time of 2-3 tokens.
     shape, total = tree_settings(req, topk=4, depth=5, nodes=16)
     base = StageModel.load(base_dir, quant=req.quant)
-    drafter = Drafter(StageModel.load(resolve_model(req.draft)))
+    drafter = Drafter(load_draft_model(resolve_model(req.draft)))
     res = generate_tree(base, drafter, prompt_ids, req.max_new_tokens, req.params, shape, total,
                         on_tokens=stream)
     return res, {"rounds": res.rounds, "draft_forwards": res.draft_forwards,

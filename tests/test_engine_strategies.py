@@ -12,6 +12,7 @@ from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.local import generate_ar, stop_ids
 from flowedge.engine.strategies import STRATEGIES
+from flowedge.models.quant import Int4Linear
 from flowedge.sim.run import Cluster
 
 SMALL = SpecConfig(tree_nodes=24, tree_depth=4, topk=4, l_max=6, exp_nodes=12, exp_depth=3,
@@ -40,6 +41,19 @@ def test_every_strategy_matches_greedy_ar(tiny_pair, references, nodes, lm_head_
                 assert st.history, name
                 for version, prefix_len in st.history:
                     assert prefix_len == head.prefix_at_version[version], (name, st.index, version)
+
+
+def test_an_int4_draft_changes_proposals_not_outputs(tiny_pair, references):
+    base, draft = tiny_pair
+    fp32, int4 = Cluster(base, draft, 3, SMALL), Cluster(base, draft, 3, SMALL, draft_quant="int4")
+    drafted = {}
+    for name, cluster in (("fp32", fp32), ("int4", int4)):
+        for prompt, ref in zip(PROMPTS, references):
+            res, _, _ = cluster.generate("flowspec", prompt, 30, SamplingParams())
+            assert res.done.token_ids == ref, f"flowspec with a {name} draft diverged"
+            drafted.setdefault(name, []).append(res.done.stats.accept_lens)
+    assert any(isinstance(m, Int4Linear) for m in int4.draft_model.modules())
+    assert drafted["fp32"] != drafted["int4"]   # different proposals, same output
 
 
 def test_speculative_strategies_accept_more_than_one_token(tiny_pair):

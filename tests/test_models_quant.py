@@ -131,3 +131,21 @@ def test_unknown_backend_and_bad_group_size():
         quantize_module(Block(), "int3")
     with pytest.raises(ConfigError, match="group size"):
         quantize_module(Block(), "int4", group_size=48)
+
+
+def test_draft_model_is_4bit_throughout_and_keeps_its_tied_embedding(tmp_path):
+    from flowedge.engine.drafter import load_draft_model
+    from flowedge.models.stage import StageModel
+    from flowedge.models.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "draft", vocab=272)   # 272 = 17 * 16: int4-able on CPU
+    ref = StageModel.load(model_dir)
+    draft = load_draft_model(model_dir, "int4")
+    assert isinstance(draft.lm_head, Int4Linear)
+    assert all(not isinstance(m, nn.Linear) for m in draft.layers.modules())
+    assert torch.equal(draft.embed_tokens.weight, ref.embed_tokens.weight)   # lookup stays exact
+    hidden = ref.embed(torch.arange(3, 19))
+    assert rel_err(draft.logits(hidden), ref.logits(hidden)) < 0.1
+    assert isinstance(load_draft_model(model_dir, "none").lm_head, nn.Linear)
+    with pytest.raises(ConfigError, match="draft quant must be one of"):
+        load_draft_model(model_dir, "fp8")

@@ -140,3 +140,21 @@ def test_draft_call_costs_its_layers_plus_an_unquantized_lm_head() -> None:
     head_bytes = QWEN_0P5B.vocab_size * QWEN_0P5B.hidden_size * 2.0
     assert draft - body == pytest.approx(head_bytes / (0.65 * dev.bandwidth_Bps), rel=0.05)
     assert draft_time_s(dev, QWEN_0P5B, 0, CTX) == 0.0
+
+
+def test_a_quantized_draft_head_is_charged_on_the_draft_kernels() -> None:
+    dev = load_device("orin-nano-8gb")
+    fp16_head = draft_time_s(dev, QWEN_0P5B, 10, CTX, "torch-int4")
+    int4_head = draft_time_s(dev, QWEN_0P5B, 10, CTX, "torch-int4", head_quantized=True)
+    params = QWEN_0P5B.vocab_size * QWEN_0P5B.hidden_size
+    saved = params * 2.0 / (0.65 * dev.bandwidth_Bps) - params * 0.625 / (0.60 * dev.bandwidth_Bps)
+    assert fp16_head - int4_head == pytest.approx(saved, rel=0.02)
+
+
+def test_the_simulated_draft_runs_the_numerics_it_is_charged_for() -> None:
+    from flowedge.sim.run import draft_quant_for
+
+    assert draft_quant_for("orin-nano-8gb") == "int4"             # torch-int4 stages and draft
+    assert draft_quant_for("orin-nano-8gb", "hf-bnb4") == "none"  # bnb testbed: the draft runs fp16
+    assert draft_quant_for("x86-cpu") == "none"                   # fp32 CPU path
+    assert draft_quant_for(None) == "none"

@@ -58,16 +58,18 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
     from flowedge.engine.local import generate_ar, stop_ids
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import encode_prompt, load_tokenizer
-    from flowedge.sim.run import Cluster
+    from flowedge.sim.run import Cluster, draft_quant_for
 
     out.mkdir(parents=True, exist_ok=True)
     base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
     tok = load_tokenizer(base_dir)
+    draft_quant = draft_quant_for(cfg.profile, cfg.path)
     cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
-                      size_from_costs=cfg.tree_size == "profile")
+                      size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
     reference_model = None
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {"spec": asdict(cfg.spec),
-                                                                        "driver": "sim"}
+                                                                        "driver": "sim",
+                                                                        "draft_quant": draft_quant}
     results: dict = {"config": config, "runs": [], "summary": {}}
     traces: dict = {}
     total = len(prompts) * len(cfg.strategies)

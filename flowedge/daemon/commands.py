@@ -10,6 +10,7 @@ import time
 import click
 
 from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, load_node_config
+from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
 
 log = logging.getLogger("flowedge")
@@ -100,21 +101,23 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
               show_default=True, help="Hidden states on the wire (float32: bit-exact to one process).")
 @click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="none", show_default=True,
               help="Stage weights (int4/nf4 = W4A16).")
+@click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="auto", show_default=True,
+              help="Draft model weights, lm_head included (auto = int4 where it runs; lossless).")
 @click.option("--layers", default=None, help="Layers per stage, e.g. 14,14.")
 @click.option("--prompt", default=None, help="Answer this prompt (streaming), then stop the cluster.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready (`flowedge down`).")
 @click.option("--ready-timeout", default=1800.0, show_default=True, help="Seconds to wait for the cluster.")
 @INSECURE_OPTION
-def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, layers, prompt, max_new_tokens, detach,
-       ready_timeout, insecure) -> None:
+def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
+       detach, ready_timeout, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
 
     spec = local_cluster.LocalClusterSpec(
         nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
-        wire_dtype=wire_dtype, quant=quant, layers=_int_list(layers))
+        wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers))
     cluster = local_cluster.start(spec, detach=detach)
     click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)
     try:

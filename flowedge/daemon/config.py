@@ -10,7 +10,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from flowedge.engine.config import LM_HEAD_PLACES
+from flowedge.engine.config import DRAFT_QUANTS, LM_HEAD_PLACES
 from flowedge.errors import ConfigError
 from flowedge.models.registry import flowedge_home  # noqa: F401  (the one $FLOWEDGE_HOME resolver)
 
@@ -40,6 +40,8 @@ class NodeConfig:
     strategy: str = "flowspec"                # default for prompts that name none
     wire_dtype: str = "float16"               # hidden states on the wire
     quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
+    draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |
+                                              # int4 | nf4 | none; lossless either way (engine/drafter.py)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage
@@ -56,6 +58,8 @@ class NodeConfig:
             raise ConfigError(f"wire_dtype must be one of {list(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.quant not in QUANTS:
             raise ConfigError(f"quant must be one of {list(QUANTS)}, got {self.quant!r}")
+        if self.draft_quant not in DRAFT_QUANTS:
+            raise ConfigError(f"draft_quant must be one of {list(DRAFT_QUANTS)}, got {self.draft_quant!r}")
         if self.lm_head_at not in LM_HEAD_PLACES:
             raise ConfigError(f"lm_head_at must be one of {list(LM_HEAD_PLACES)}, got {self.lm_head_at!r}")
         if self.stages < 1:

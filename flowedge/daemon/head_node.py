@@ -293,6 +293,7 @@ class HeadNode:
         nodes = [{
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
             "layers": "embed+head", "model": self.config.model, "draft": self.config.draft,
+            "draft_quant": self.config.draft_quant,
             "device": self.config.device, "rss_bytes": me.memory_info().rss,
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,

@@ -37,6 +37,7 @@ class LocalClusterSpec:
     insecure: bool = False
     wire_dtype: str = "float16"
     quant: str = "none"
+    draft_quant: str = "auto"
     layers: list[int] = field(default_factory=list)
     tree_nodes: int = 0
     lm_head_at: str = "auto"
@@ -91,7 +92,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         'role = "head"', f'head = "{spec.addr}"', 'node_id = "head"', f"threads = {threads}",
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
-        f'quant = "{spec.quant}"', f"tree_nodes = {spec.tree_nodes}", f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
+        f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
         f"stage_timeout_s = {spec.stage_timeout_s}",
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

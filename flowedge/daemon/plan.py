@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
+from flowedge.engine.drafter import load_draft_model
 from flowedge.errors import ModelError
 from flowedge.models.shards import Manifest, _layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
@@ -56,5 +57,5 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     ranges = [(s.start, s.end) for s in manifest.stages]
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
-    draft = StageModel.load(resolve_model(config.draft)) if config.draft else None
+    draft = load_draft_model(resolve_model(config.draft), config.draft_quant) if config.draft else None
     return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out))

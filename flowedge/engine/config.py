@@ -7,6 +7,7 @@ from flowedge.errors import ConfigError
 
 
 LM_HEAD_PLACES = ("auto", "head", "last-stage")
+DRAFT_QUANTS = ("auto", "int4", "nf4", "none")   # node 0's draft model: engine/drafter.load_draft_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,5 +245,14 @@ def quantize_module(
     return QuantReport(backend, quantized, skipped, before, after)
 
 
+def draft_backend(device: str = "cpu") -> str:
+    """Node 0's draft model: int4 first on every device. Draft calls carry 10-16 tokens, where
+    bitsandbytes dequantizes to fp16 (slower than no quantization); tinygemm streams the 4-bit codes."""
+    for backend in ("int4", "nf4"):
+        if _probe(backend, str(torch.device(device))) is None:
+            return backend
+    return "none"
+
+
 def _skipped_name(name: str, skip_names: Iterable[str]) -> bool:
     return any(part in skip_names for part in name.split("."))

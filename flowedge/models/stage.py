@@ -104,10 +104,12 @@ class StageModel(nn.Module):
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, model_dir: Path | str, parts: StageParts | None = None,
-             dtype: torch.dtype = torch.float32, quant: str = "none") -> "StageModel":
+             dtype: torch.dtype = torch.float32, quant: str = "none",
+             quant_lm_head: bool = False) -> "StageModel":
         """Build the requested parts from an HF model dir or a flowedge shard dir (same tensor names).
         `quant` (none | nf4 | int4 | auto) quantizes the decoder layers' Linears (W4A16); the embedding
-        and lm_head stay in `dtype`."""
+        stays in `dtype`, and so does the lm_head unless `quant_lm_head` (a draft model: its logits only
+        steer proposals, so 4-bit costs no correctness). A tied embedding keeps its own copy."""
         from transformers import AutoModelForCausalLM
 
         t0 = time.monotonic()
@@ -144,13 +146,19 @@ class StageModel(nn.Module):
             if not parts.embed:
                 pass  # embedding kept anyway for a tied lm_head; costs no extra memory
         rotary = type(inner.rotary_emb)(config=config)
-        if quant != "none" and len(layers):
+        if quant != "none" and (len(layers) or (quant_lm_head and lm_head is not None)):
             from flowedge.models.quant import default_backend, quantize_module
 
             backend = default_backend("cpu") if quant == "auto" else quant
-            report = quantize_module(layers, backend, compute_dtype=dtype)
-            log.info("quantized layers [%d, %d) with %s: %d Linears, %.0f -> %.0f MB%s", parts.start,
-                     parts.end, backend, report.quantized, report.bytes_before / 1e6, report.bytes_after / 1e6,
+            targets = nn.ModuleDict({"layers": layers})
+            if quant_lm_head and lm_head is not None:
+                targets["head"] = nn.ModuleDict({"lm_head": lm_head})
+            report = quantize_module(targets, backend, compute_dtype=dtype, skip_names=())
+            if quant_lm_head and lm_head is not None:
+                lm_head = targets["head"]["lm_head"]
+            log.info("quantized layers [%d, %d)%s with %s: %d Linears, %.0f -> %.0f MB%s", parts.start,
+                     parts.end, " + lm_head" if "head" in targets else "", backend, report.quantized,
+                     report.bytes_before / 1e6, report.bytes_after / 1e6,
                      f", {len(report.skipped)} skipped" if report.skipped else "")
         model = cls(config, parts, layers, embed, norm, lm_head, rotary).eval()
         log.info("loaded %s layers [%d, %d)%s%s in %.1f s", model_dir.name, parts.start, parts.end,

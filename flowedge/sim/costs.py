@@ -159,14 +159,15 @@ def lm_head_time_s(device: DeviceProfile, config: Any, tokens: int, path: str | 
 
 
 def draft_time_s(device: DeviceProfile, config: Any, tokens: int, context: int,
-                 path: str | None = None) -> float:
-    """One draft-model call on node 0: its decoder layers on `path`, then its lm_head on that path's
-    head path (flowedge quantizes Linears inside the layers only). Top-k stays on the device."""
+                 path: str | None = None, head_quantized: bool = False) -> float:
+    """One draft-model call on node 0: its decoder layers on `path`, then its lm_head, on that path too
+    when node 0 quantized it (`head_quantized`, flowedge's default for a draft), else on the path's
+    head path. Top-k stays on the device."""
     if tokens <= 0:
         return 0.0
     body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
     chosen = resolve_path(device, path, tokens)
-    head = device.paths[chosen.head_path or chosen.name]
+    head = chosen if head_quantized else device.paths[chosen.head_path or chosen.name]
     return forward_time_s(device, body, tokens, context, path) + _roofline_s(
         device, head, shape_of_head(config), tokens, 0)
 

@@ -5,7 +5,7 @@ import logging
 from pathlib import Path
 
 from flowedge.engine.config import SpecConfig
-from flowedge.engine.drafter import Drafter
+from flowedge.engine.drafter import Drafter, load_draft_model
 from flowedge.engine.events import Compute
 from flowedge.engine.head import Head
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
@@ -34,9 +34,10 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
-                  stage_path: str | None = None) -> CostModel:
+                  stage_path: str | None = None, draft_quantized: bool = False) -> CostModel:
     """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
-    default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed)."""
+    default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed).
+    `draft_quantized`: the draft's lm_head is 4-bit too (see `draft_quant_for`)."""
     from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers,
                                     transfer_time_s)
     from flowedge.sim.profiles import load_device, load_link
@@ -51,7 +52,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
             return lm_head_time_s(dev, base_config, c.tokens, stage_path)
         if node == 0:
             if c.what == "draft":
-                return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path)
+                return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path, draft_quantized)
             return 0.0
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
@@ -60,7 +61,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
         seg = Compute("stage", 16, 256, "init-segment")
         costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
                                        for s in stage_shapes) + lm_head_time_s(dev, base_config, 1, stage_path)
-        costs.draft_call_s = draft_time_s(dev, draft_config, 10, 256, draft_path)
+        costs.draft_call_s = draft_time_s(dev, draft_config, 10, 256, draft_path, draft_quantized)
     return costs
 
 
@@ -76,6 +77,21 @@ def _draft_path(dev, stage_path: str | None) -> str | None:
     return path
 
 
+# Profile paths whose kernels node 0 also runs its draft on, and the quantization that gives the draft
+# those kernels' numerics (flowedge quantizes all of a draft, lm_head included: engine/drafter.py).
+DRAFT_QUANT_OF_PATH = {"torch-int4": "int4"}
+
+
+def draft_quant_for(device: str | None, stage_path: str | None = None) -> str:
+    """How the simulated draft is quantized, so its proposals are the ones the charged kernels would
+    make: a real int4 draft on int4 paths; fp32 elsewhere (fp32 stands in for fp16, as for the stages)."""
+    if device is None:
+        return "none"
+    from flowedge.sim.profiles import load_device
+
+    return DRAFT_QUANT_OF_PATH.get(_draft_path(load_device(device), stage_path) or "", "none")
+
+
 class Cluster:
     """Head + stage workers for one model pair, reusable across requests and strategies.
 
@@ -84,7 +100,7 @@ class Cluster:
     `PathOracle` along the accepted path (same tokens, same simulated time, ~10-50x less CPU)."""
 
     def __init__(self, base_dir: Path, draft_dir: Path | None, nodes: int, spec: SpecConfig,
-                 verify: str = "stages", size_from_costs: bool = False) -> None:
+                 verify: str = "stages", size_from_costs: bool = False, draft_quant: str = "none") -> None:
         if nodes < 2:
             raise ConfigError(f"a pipeline needs at least 2 nodes (head + 1 stage), got {nodes}")
         if verify not in VERIFY_MODES:
@@ -101,7 +117,8 @@ class Cluster:
             # The last stage also holds the final norm + lm_head, for strategies that choose tokens there.
             self.stage_models = [StageModel.load(base_dir, StageParts(a, b, head=k == len(self.ranges) - 1))
                                  for k, (a, b) in enumerate(self.ranges)]
-        self.draft_model = StageModel.load(draft_dir) if draft_dir is not None else None
+        self.draft_quant = draft_quant
+        self.draft_model = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
         self.spec = spec
         self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
 
@@ -123,7 +140,8 @@ class Cluster:
         if device is None:
             return CostModel.free()
         draft_cfg = self.draft_model.config if self.draft_model is not None else None
-        return profile_costs(self.config, draft_cfg, self.ranges, device, link, path)
+        return profile_costs(self.config, draft_cfg, self.ranges, device, link, path,
+                             draft_quantized=self.draft_quant != "none")
 
     def generate(self, strategy: str, prompt_ids: list[int], max_new_tokens: int, params,
                  device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1,
@@ -141,7 +159,8 @@ def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[G
     spec = SpecConfig().with_(tree_nodes=req.tree_nodes, tree_depth=req.tree_depth, topk=req.tree_topk)
     draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft)
     cluster = Cluster(base_dir, draft_dir, req.nodes, spec,
-                      size_from_costs=req.tree_depth is None and req.tree_nodes is None)
+                      size_from_costs=req.tree_depth is None and req.tree_nodes is None,
+                      draft_quant=draft_quant_for(req.profile))
     res, head, _ = cluster.generate(req.strategy, prompt_ids, req.max_new_tokens, req.params,
                                     req.profile, req.link, stream)
     stats = res.done.stats
