@@ -38,7 +38,8 @@ def cluster(request, tiny_pair, tmp_path_factory):
     base, draft = tiny_pair
     with flowedge_home(tmp_path_factory.mktemp("home")):
         spec = LocalClusterSpec(nodes=request.param, model=str(base), draft=str(draft), port=free_port_pair(),
-                                threads=1, wire_dtype="float32", stage_timeout_s=4.0)
+                                threads=1, wire_dtype="float32", stage_timeout_s=4.0,
+                                device="orin-nano-8gb")   # a GPU profile: `auto` keeps each strategy's placement
         c = start_cluster(spec)
         yield c
         c.stop()

@@ -11,6 +11,7 @@ from flowedge.sim.costs import (
     decode_time_s,
     draft_time_s,
     forward_time_s,
+    lm_head_segment_ratio,
     lm_head_time_s,
     resolve_path,
     shape_of_head,
@@ -158,3 +159,19 @@ def test_the_simulated_draft_runs_the_numerics_it_is_charged_for() -> None:
     assert draft_quant_for("orin-nano-8gb", "hf-bnb4") == "none"  # bnb testbed: the draft runs fp16
     assert draft_quant_for("x86-cpu") == "none"                   # fp32 CPU path
     assert draft_quant_for(None) == "none"
+
+
+def test_auto_lm_head_placement_follows_the_last_stage_profile() -> None:
+    from flowedge.engine.config import SpecConfig
+    from flowedge.engine.strategies import make_strategy
+
+    flowspec, naive = make_strategy("flowspec"), make_strategy("naive-pp")
+    orin = lm_head_segment_ratio(load_device("orin-nano-8gb"), QWEN_1P5B, 16)
+    cpu = lm_head_segment_ratio(load_device("x86-cpu"), QWEN_1P5B, 16)
+    assert orin < 1.1 and cpu >= 2.0   # bandwidth-bound GPU, compute-bound CPU
+    auto = SpecConfig()
+    assert auto.lm_head_for(flowspec, orin) == "last-stage"
+    assert auto.lm_head_for(flowspec, cpu) == "head"
+    assert auto.lm_head_for(flowspec, None) == "last-stage"   # unknown device: the strategy's choice
+    assert auto.lm_head_for(naive, orin) == "head"
+    assert SpecConfig(lm_head_at="last-stage").lm_head_for(flowspec, cpu) == "last-stage"

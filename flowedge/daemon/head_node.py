@@ -93,7 +93,7 @@ class HeadNode:
         self.queue: deque[Request] = deque()
         self.active: Request | None = None
         self.engine_ids = 0
-        self.engines: dict[str, object] = {}
+        self.engines: dict[tuple[str, float | None], object] = {}   # (strategy, placement ratio)
         self.plan: Plan | None = None
         self.last_ping = 0.0
         self.was_ready = False
@@ -344,6 +344,11 @@ class HeadNode:
             except FlowedgeError as err:
                 self.active = None
                 self._send(req.client, proto.ErrorReply(request_id=req.msg.request_id, message=str(err)))
+            except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
+                log.exception("request %s could not start", req.msg.request_id)
+                self.active = None
+                self._send(req.client, proto.ErrorReply(request_id=req.msg.request_id,
+                                                        message=f"internal error: {type(err).__name__}: {err}"))
 
     def _start(self, req: Request) -> None:
         from flowedge.engine.local import check_context
@@ -365,9 +370,27 @@ class HeadNode:
                  req.strategy, m.max_new_tokens)
         self._execute(req.engine.start(req.engine_id, ids, m.max_new_tokens, params))
 
+    def _last_stage_lm_head_ratio(self) -> float | None:
+        """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile
+        (named in its Hello); None when the profile is unknown (the strategy's own choice then holds)."""
+        from flowedge.sim.costs import lm_head_segment_ratio
+        from flowedge.sim.profiles import load_device
+
+        identity = self.slots[-1]
+        if identity is None:
+            return None
+        device = self.peers[identity].hello.device
+        try:
+            return lm_head_segment_ratio(load_device(device), self.plan.base_config, SpecConfig().l_max)
+        except ConfigError:
+            log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
+            return None
+
     def _engine(self, strategy: str):
-        """The engine head for a strategy (built once, reused across requests)."""
-        if strategy not in self.engines:
+        """The engine head for a strategy (built once per last-stage device, reused across requests)."""
+        ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
+        key = (strategy, ratio)
+        if key not in self.engines:
             from flowedge.engine.drafter import Drafter
             from flowedge.engine.head import Head
             from flowedge.engine.local import stop_ids
@@ -378,9 +401,9 @@ class HeadNode:
                 raise ConfigError(f"strategy {strategy} needs a draft model; this head runs without one")
             drafter = Drafter(self.plan.draft_model) if strat.needs_draft else None
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at)
-            self.engines[strategy] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
-                                          stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat))
-        return self.engines[strategy]
+            self.engines[key] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
+                                     stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat, ratio))
+        return self.engines[key]
 
     def _on_return(self, frames: list) -> None:
         try:

@@ -41,6 +41,7 @@ class LocalClusterSpec:
     layers: list[int] = field(default_factory=list)
     tree_nodes: int = 0
     lm_head_at: str = "auto"
+    device: str = "x86-cpu"          # every node's device profile (status; `auto` lm_head placement)
     stage_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -93,14 +94,14 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
         f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
-        f"stage_timeout_s = {spec.stage_timeout_s}",
+        f"stage_timeout_s = {spec.stage_timeout_s}", f'device = "{spec.device}"',
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base = [sys.executable, "-m", "flowedge", "-v"]
     commands = [base + ["serve", "--config", str(head_cfg)]]
     for k in range(1, spec.nodes):
         commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
-                                "--threads", str(threads),
+                                "--threads", str(threads), "--device", spec.device,
                                 "--same-host", f"--stage-timeout={spec.stage_timeout_s}"]
                         + (["--insecure"] if spec.insecure else []))
     names = ["head"] + [f"stage-{k}" for k in range(1, spec.nodes)]

@@ -158,6 +158,12 @@ def lm_head_time_s(device: DeviceProfile, config: Any, tokens: int, path: str | 
     return _roofline_s(device, p, shape_of_head(config), tokens, 0) + logits_s + sample_s
 
 
+def lm_head_segment_ratio(device: DeviceProfile, config: Any, tokens: int, path: str | None = None) -> float:
+    """How much more an lm_head over a `tokens`-node segment costs than over one token: ~1 where it is
+    bandwidth-bound (GPUs), growing with the tokens where compute-bound (CPUs). Decides `auto` placement."""
+    return lm_head_time_s(device, config, tokens, path) / lm_head_time_s(device, config, 1, path)
+
+
 def draft_time_s(device: DeviceProfile, config: Any, tokens: int, context: int,
                  path: str | None = None, head_quantized: bool = False) -> float:
     """One draft-model call on node 0: its decoder layers on `path`, then its lm_head, on that path too

@@ -34,12 +34,13 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
-                  stage_path: str | None = None, draft_quantized: bool = False) -> CostModel:
+                  stage_path: str | None = None, draft_quantized: bool = False,
+                  l_max: int = SpecConfig().l_max) -> CostModel:
     """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
     default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed).
     `draft_quantized`: the draft's lm_head is 4-bit too (see `draft_quant_for`)."""
-    from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers,
-                                    transfer_time_s)
+    from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
+                                    shape_of_layers, transfer_time_s)
     from flowedge.sim.profiles import load_device, load_link
 
     dev = load_device(device)
@@ -57,6 +58,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
+    costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
     if draft_config is not None:   # for sized_spec: one l_max segment through every stage, then lm_head
         seg = Compute("stage", 16, 256, "init-segment")
         costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
@@ -133,7 +135,7 @@ class Cluster:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
         n = len(self.stage_models)
         head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle,
-                    lm_head_at=spec.lm_head_for(strategy))
+                    lm_head_at=spec.lm_head_for(strategy, costs.lm_head_segment_ratio if costs else None))
         return head, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
@@ -141,7 +143,7 @@ class Cluster:
             return CostModel.free()
         draft_cfg = self.draft_model.config if self.draft_model is not None else None
         return profile_costs(self.config, draft_cfg, self.ranges, device, link, path,
-                             draft_quantized=self.draft_quant != "none")
+                             draft_quantized=self.draft_quant != "none", l_max=self.spec.l_max)
 
     def generate(self, strategy: str, prompt_ids: list[int], max_new_tokens: int, params,
                  device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1,
