@@ -127,6 +127,9 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--tree-depth", default=None, type=int)
 @click.option("--tree-topk", default=None, type=int)
 @click.option("--segment-size", default=None, type=int, help="l_max: most nodes per segment (default 16).")
+@click.option("--draft-width", default=None, type=int,
+              help="Nodes per best-first draft call in flowspec's expansions (default: as many as cost the same "
+                   "as top-k on the profile, --tree-size profile; else top-k).")
 @click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(LM_HEAD_PLACES),
               help="Where the base lm_head chooses tokens; auto = each strategy's choice "
                    "(last stage, except naive-pp's one batched call on node 0).")
@@ -134,7 +137,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
-          segment_size, lm_head_at, out_dir, threads):
+          segment_size, draft_width, lm_head_at, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -154,7 +157,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     if not prompts:
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
-                              lm_head_at=lm_head_at)
+                              draft_width=draft_width, lm_head_at=lm_head_at)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)

@@ -6,7 +6,7 @@ import pytest
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.config import SpecConfig
 from flowedge.sim.run import Cluster
-from flowedge.sim.sizing import MIN_DEPTH, sized_spec
+from flowedge.sim.sizing import MIN_DEPTH, flat_draft_width, sized_spec
 
 
 @pytest.mark.parametrize(("latency_s", "draft_s", "depth", "nodes"), [
@@ -33,7 +33,18 @@ def test_cluster_sizes_only_strategies_that_expand(tiny_pair):
     assert costs.draft_call_s > 0 and costs.pipeline_latency_s > 0
     flow, _ = cluster.build("flowspec", costs)
     naive, _ = cluster.build("naive-pp", costs)
-    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s)
+    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width)
+    assert flow.config.expansion_width == 16 > spec.topk   # torch int4 on the Orin: a 16-token tile
     assert naive.config == spec
     res, _, _ = cluster.generate("flowspec", [3, 4, 5, 6], 12, SamplingParams(), device="orin-nano-8gb")
     assert len(res.done.token_ids) == 12
+
+
+def test_draft_width_fills_a_flat_cost_and_stays_at_topk_on_a_rising_one():
+    tiled = lambda n: 0.035 * (-(-n // 16))        # noqa: E731 - weights streamed once per 16 tokens
+    rising = lambda n: 0.010 + 0.002 * n            # noqa: E731 - compute-bound CPU
+    assert flat_draft_width(tiled, 10) == 16
+    assert flat_draft_width(rising, 10) == 10
+    assert sized_spec(SpecConfig(), 0.07, 0.04, 16).expansion_width == 16
+    assert sized_spec(SpecConfig(draft_width=12), 0.07, 0.04, 16).expansion_width == 12   # a set flag wins
+    assert SpecConfig().expansion_width == SpecConfig().topk

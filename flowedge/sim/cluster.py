@@ -40,6 +40,7 @@ class CostModel:
     transfer_s: Callable[[int, int, int], float]
     pipeline_latency_s: float = 0.0   # one l_max segment through every stage + lm_head (for sizing)
     draft_call_s: float = 0.0         # one draft call on node 0 (for sizing)
+    draft_width: int = 0              # nodes a draft call runs for the price of top-k (for sizing)
     lm_head_segment_ratio: float | None = None   # last stage's l_max-token / 1-token lm_head (placement)
 
     @staticmethod

@@ -15,7 +15,7 @@ from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import sized_spec
+from flowedge.sim.sizing import flat_draft_width, sized_spec
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
 
 def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
                   stage_path: str | None = None, draft_quantized: bool = False,
-                  l_max: int = SpecConfig().l_max) -> CostModel:
+                  l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk) -> CostModel:
     """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
     default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed).
     `draft_quantized`: the draft's lm_head is 4-bit too (see `draft_quant_for`)."""
@@ -63,7 +63,9 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
         seg = Compute("stage", 16, 256, "init-segment")
         costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
                                        for s in stage_shapes) + lm_head_time_s(dev, base_config, 1, stage_path)
-        costs.draft_call_s = draft_time_s(dev, draft_config, 10, 256, draft_path, draft_quantized)
+        costs.draft_call_s = draft_time_s(dev, draft_config, topk, 256, draft_path, draft_quantized)
+        costs.draft_width = flat_draft_width(
+            lambda n: draft_time_s(dev, draft_config, n, 256, draft_path, draft_quantized), topk)
     return costs
 
 
@@ -129,7 +131,7 @@ class Cluster:
         spec = self.spec
         if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
                 and costs.draft_call_s:
-            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s)
+            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width)
         drafter = Drafter(self.draft_model) if strategy.needs_draft else None
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
@@ -143,7 +145,8 @@ class Cluster:
             return CostModel.free()
         draft_cfg = self.draft_model.config if self.draft_model is not None else None
         return profile_costs(self.config, draft_cfg, self.ranges, device, link, path,
-                             draft_quantized=self.draft_quant != "none", l_max=self.spec.l_max)
+                             draft_quantized=self.draft_quant != "none", l_max=self.spec.l_max,
+                             topk=self.spec.topk)
 
     def generate(self, strategy: str, prompt_ids: list[int], max_new_tokens: int, params,
                  device: str | None = None, link: str | None = None, on_tokens=None, request_id: int = 1,
