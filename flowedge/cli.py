@@ -130,6 +130,8 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--draft-width", default=None, type=int,
               help="Nodes per best-first draft call in flowspec's expansions (default: as many as cost the same "
                    "as top-k on the profile, --tree-size profile; else top-k).")
+@click.option("--lookup-tokens", default=None, type=int,
+              help="Rows of each such call that run a prompt-lookup guess of the best path ahead (default 4; 0 = off).")
 @click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(LM_HEAD_PLACES),
               help="Where the base lm_head chooses tokens; auto = each strategy's choice "
                    "(last stage, except naive-pp's one batched call on node 0).")
@@ -137,7 +139,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--threads", default=None, type=int)
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
-          segment_size, draft_width, lm_head_at, out_dir, threads):
+          segment_size, draft_width, lookup_tokens, lm_head_at, out_dir, threads):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -157,7 +159,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     if not prompts:
         raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
-                              draft_width=draft_width, lm_head_at=lm_head_at)
+                              draft_width=draft_width, lookup_tokens=lookup_tokens, lm_head_at=lm_head_at)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)

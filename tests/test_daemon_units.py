@@ -30,6 +30,7 @@ def test_example_config_parses_and_overrides_apply():
     ('head = "nohost"\n', "HOST:PORT"),
     ('stages = 2\nlayers = [1, 2, 3]\n', "layers lists 3 stages"),
     ('draft_quant = "fp8"\n', "draft_quant must be one of"),
+    ('lookup_tokens = -1\n', "lookup_tokens must be >= 0"),
     ('role = \n', "not valid TOML"),
 ])
 def test_bad_config_files_are_one_line_errors(tmp_path, text, match):

@@ -43,6 +43,7 @@ class NodeConfig:
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |
                                               # int4 | nf4 | none; lossless either way (engine/drafter.py)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
+    lookup_tokens: int = 4                    # draft-call rows for prompt-lookup guesses (core/lookup.py); 0 = off
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage
     # stage only
@@ -64,6 +65,8 @@ class NodeConfig:
             raise ConfigError(f"lm_head_at must be one of {list(LM_HEAD_PLACES)}, got {self.lm_head_at!r}")
         if self.stages < 1:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
+        if self.lookup_tokens < 0:
+            raise ConfigError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.layers and len(self.layers) != self.stages:
             raise ConfigError(f"layers lists {len(self.layers)} stages but stages = {self.stages}")
         if self.heartbeat_ms < 10 or self.stage_timeout_s * 1000 < 2 * self.heartbeat_ms:

@@ -400,7 +400,8 @@ class HeadNode:
             if strat.needs_draft and self.plan.draft_model is None:
                 raise ConfigError(f"strategy {strategy} needs a draft model; this head runs without one")
             drafter = Drafter(self.plan.draft_model) if strat.needs_draft else None
-            spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at)
+            spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at,
+                                      lookup_tokens=self.config.lookup_tokens)
             self.engines[key] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
                                      stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat, ratio))
         return self.engines[key]

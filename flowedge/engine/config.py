@@ -23,6 +23,7 @@ class SpecConfig:
     se_depth: int = 1           # score-aware expansion: levels added to the stored base tree
     se_nodes: int = 16          # ... and nodes taken from it
     draft_width: int = 0        # nodes run per best-first draft call in an expansion; 0 = topk
+    lookup_tokens: int = 4      # of those, rows that run a prompt-lookup guess ahead (core/lookup.py); 0 = off
     pipedec_width: int = 16     # PipeDec: nodes per tree level
     prefill_chunk: int = 256    # chunked prefill
     lm_head_at: str = "auto"    # head | last-stage | auto (the strategy's choice): where tokens are chosen
@@ -34,8 +35,8 @@ class SpecConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
         if self.lm_head_at not in LM_HEAD_PLACES:
             raise ConfigError(f"lm-head-at must be one of {', '.join(LM_HEAD_PLACES)} (got {self.lm_head_at!r})")
-        if self.se_depth < 0 or self.se_nodes < 0 or self.draft_width < 0:
-            raise ConfigError("score-aware expansion sizes and draft-width must be >= 0")
+        if self.se_depth < 0 or self.se_nodes < 0 or self.draft_width < 0 or self.lookup_tokens < 0:
+            raise ConfigError("score-aware expansion sizes, draft-width and lookup-tokens must be >= 0")
 
     @property
     def expansion_width(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowedge.core.lookup import lookup_continuation
 from flowedge.core.tree import DraftTree, find_path, subtree
 from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError
@@ -104,13 +105,17 @@ class Drafter:
             added.append(self._expand_frontier())
         return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
 
-    def advance(self, context: list[int], forwards: int, width: int) -> DraftTree | None:
-        """Re-root the stored base tree at context[-1] and grow it best-first by `forwards` draft calls.
+    def advance(self, context: list[int], forwards: int, width: int, lookup: int = 0) -> DraftTree | None:
+        """Re-root the stored base tree at context[-1] and grow it best-first by `forwards` draft calls
+        of `width` nodes each.
 
         A standalone draft LM's logits for a node depend only on the node's token path, so the subtree
         under the accepted path already holds exactly what a fresh tree from the new root would compute:
         re-rooting keeps it and spends draft calls only on new depth (FlowSpec's context-aware expansion
-        at a fraction of the cost). Returns None when the context left the stored tree (caller rebuilds)."""
+        at a fraction of the cost). With `lookup` > 0, up to that many of a call's rows run a
+        prompt-lookup guess of how the best open node's path goes on (`core/lookup.py`); each guessed
+        token the draft itself then proposes becomes a node already run, so one call can deepen the
+        likeliest path by several levels. Returns None when the context left the stored tree."""
         if self.base is None or len(context) < len(self.context) or context[: len(self.context)] != self.context:
             return None
         if len(context) > len(self.context):
@@ -125,9 +130,17 @@ class Drafter:
             if open_nodes.numel() == 0:
                 break
             best = self.base.log_scores[open_nodes].topk(min(width, open_nodes.numel())).indices
-            self.frontier = open_nodes[best]
-            self._expand_frontier(best_first=True)
+            guess = self._guess(int(open_nodes[best[0]]), min(lookup, width - 1))
+            self.frontier = open_nodes[best[: width - guess.numel()]]   # [0]: the node the guess follows
+            self._expand_frontier(best_first=True, guess=guess)
         return self.base
+
+    def _guess(self, node: int, max_tokens: int) -> torch.Tensor:
+        """Prompt-lookup guess of the tokens after `node`, from the committed context and its path."""
+        if max_tokens < 1:
+            return torch.empty(0, dtype=torch.long)
+        path = self.base.tokens[self.base.path(node)[1:]]
+        return lookup_continuation(torch.cat([torch.tensor(self.context, dtype=torch.long), path]), max_tokens)
 
     def _reroot(self, node: int, context: list[int]) -> None:
         """Make `node` the root: its ancestors' cache entries join the committed context, entries
@@ -169,20 +182,30 @@ class Drafter:
         self.base.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self._grow_slots()
 
-    def _expand_frontier(self, best_first: bool = False) -> torch.Tensor:
+    def _expand_frontier(self, best_first: bool = False, guess: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft call over the frontier (plus, best-first, a guessed chain after frontier[0])."""
         tree, frontier, shape = self.base, self.frontier, self.shape
         k, past = frontier.numel(), self.cache.length
-        allowed = self._tree_rows(frontier, past)
-        logp = self._run(tree.tokens[frontier], self.committed - 1 + tree.depths[frontier], allowed)
+        m = 0 if guess is None else guess.numel()
+        allowed = self._tree_rows(frontier, past, chain=m)
+        positions = self.committed - 1 + tree.depths[frontier]
+        tokens_in = tree.tokens[frontier]
+        if m:
+            positions = torch.cat([positions, positions[0] + torch.arange(1, m + 1)])
+            tokens_in = torch.cat([tokens_in, guess])
+        logp = self._run(tokens_in, positions, allowed)
         self._grow_slots()
         self._slot[frontier] = torch.arange(past, past + k)
-        top = logp.topk(shape.topk, dim=-1)                                    # [k, topk]
+        top = logp[:k].topk(shape.topk, dim=-1)                                # [k, topk]
         scores = (tree.log_scores[frontier].unsqueeze(1) + top.values).flatten()
         tokens = top.indices.flatten()
         parents = frontier.unsqueeze(1).expand(k, shape.topk).flatten()
         best = scores.topk(min(shape.level_width, scores.numel())).indices
         if best_first:
-            return tree.append(tokens, parents, scores.float())
+            new = tree.append(tokens, parents, scores.float())
+            if m:
+                new = torch.cat([new, self._adopt_chain(new[: shape.topk], guess, logp[k:], past + k)])
+            return new
         if shape.keep_all:
             new = tree.append(tokens, parents, scores.float())
             self.frontier = new[best]
@@ -192,15 +215,38 @@ class Drafter:
         self._grow_slots()
         return new
 
+    def _adopt_chain(self, children: torch.Tensor, guess: torch.Tensor, logp: torch.Tensor,
+                     first_slot: int) -> torch.Tensor:
+        """Walk the guessed chain down the draft's own proposals: while guess[i] is one of the current
+        node's top-k children, that child was already run (cache slot first_slot + i): give it its own
+        children and go on. Entries of guesses the draft did not propose stay unreferenced in the cache
+        (never attended; the next re-root drops them). Returns the node ids appended."""
+        tree, topk = self.base, self.shape.topk
+        added = []
+        for i in range(guess.numel()):
+            hit = (tree.tokens[children] == guess[i]).nonzero()
+            if hit.numel() == 0:
+                break
+            node = children[int(hit[0])]
+            self._grow_slots()
+            self._slot[node] = first_slot + i
+            top = logp[i].topk(topk)
+            children = tree.append(top.indices, node.expand(topk), tree.log_scores[node] + top.values.float())
+            added.append(children)
+        self._grow_slots()
+        return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
+
     def _grow_slots(self) -> None:
         extra = len(self.base) - self._slot.numel()
         if extra > 0:
             self._slot = torch.cat([self._slot, torch.full((extra,), -1, dtype=torch.long)])
 
-    def _tree_rows(self, nodes: torch.Tensor, past: int) -> torch.Tensor:
-        # nodes: [k] -> allowed [k, past + k]: committed context, each node's expanded ancestors, itself
+    def _tree_rows(self, nodes: torch.Tensor, past: int, chain: int = 0) -> torch.Tensor:
+        # nodes: [k] -> allowed [k + chain, past + k + chain]: committed context, each node's expanded
+        # ancestors, itself; then `chain` rows continuing nodes[0]'s path (what nodes[0] sees, plus
+        # nodes[0] and the chain rows up to their own)
         tree, k = self.base, nodes.numel()
-        allowed = torch.zeros(k, past + k, dtype=torch.bool)
+        allowed = torch.zeros(k + chain, past + k + chain, dtype=torch.bool)
         allowed[:, : self.committed] = True
         rows = torch.arange(k)
         cur = nodes.clone()
@@ -210,6 +256,9 @@ class Drafter:
             ok = (cur >= 0) & (slot >= 0)
             allowed[rows[ok], slot[ok]] = True
         allowed[rows, past + rows] = True
+        if chain:
+            allowed[k:, : past + 1] = allowed[0, : past + 1]
+            allowed[k:, past + k:] = torch.ones(chain, chain, dtype=torch.bool).tril()
         return allowed
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

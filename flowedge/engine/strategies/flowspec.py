@@ -25,7 +25,8 @@ class FlowSpec(PrunedPP):
 
     def expand(self, head, accepted: bool) -> list:
         cfg = head.config
-        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.expansion_width)
+        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.expansion_width,
+                                     cfg.lookup_tokens)
         if base is None:   # the accepted path left the stored tree: grow a fresh one
             base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth))
         if accepted:
