@@ -86,3 +86,18 @@ def test_real_lookup_on_a_repetitive_context_keeps_scores_exact(draft_model):
     drafter.build(CONTEXT, TreeShape(topk=4, depth=2))
     drafter.advance(CONTEXT, forwards=3, width=6, lookup=3)
     assert check_children_scores(drafter, draft_model) > 0
+
+
+def test_a_new_tree_runs_the_guess_after_its_root_in_the_same_call(draft_model, monkeypatch):
+    import flowedge.engine.drafter as drafter_module
+
+    chain = greedy_chain(draft_model, CONTEXT, 2)
+    monkeypatch.setattr(drafter_module, "lookup_continuation", lambda tokens, m: torch.tensor(chain[:m]))
+    drafter = Drafter(draft_model)
+    drafter.build(CONTEXT, TreeShape(topk=3, depth=2), lookup=2)
+    assert drafter.forwards == 2                                   # root + guess, then one level
+    assert int(drafter.base.depths.max()) == 3                     # the chain's two levels + one more
+    run = drafter._slot[: len(drafter.base)] >= 0
+    assert int(run.sum()) == 2 + 3 - 1                             # 2 adopted + the level's 3 minus the one already run
+    assert check_children_scores(drafter, draft_model) == 4
+    assert drafter.committed == len(CONTEXT)

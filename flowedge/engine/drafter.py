@@ -74,18 +74,24 @@ class Drafter:
         self.shape = TreeShape()
 
     # ---- building ---------------------------------------------------------------------------------
-    def build(self, context: list[int], shape: TreeShape) -> DraftTree:
-        """Base tree rooted at context[-1]; `context` = prompt + every output token so far."""
+    def build(self, context: list[int], shape: TreeShape, lookup: int = 0) -> DraftTree:
+        """Base tree rooted at context[-1]; `context` = prompt + every output token so far. With
+        `lookup` > 0 the first call also runs a prompt-lookup guess after the root (see `advance`)."""
         keep = self._sync(context)
         new = torch.tensor(context[keep:], dtype=torch.long)
-        logp = self._run(new, torch.arange(keep, keep + new.numel()), causal_mask(new.numel(), keep))[-1]
-        self.committed = self.cache.length
+        guess = lookup_continuation(torch.tensor(context, dtype=torch.long), lookup) if lookup else new[:0]
+        tokens = torch.cat([new, guess])
+        logp_all = self._run(tokens, torch.arange(keep, keep + tokens.numel()), causal_mask(tokens.numel(), keep))
+        logp = logp_all[new.numel() - 1]
+        self.committed = keep + new.numel()
         self.shape = shape
         tree = DraftTree.root_only(context[-1])
         top = logp.topk(shape.level_width if not shape.keep_all else shape.topk)
         kids = tree.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self.base = tree
         self._slot = torch.full((len(tree),), -1, dtype=torch.long)
+        if guess.numel():   # the guess rows sit right after the committed context, where tree entries go
+            self._adopt_chain(kids, guess, logp_all[new.numel():], self.committed)
         self.frontier = kids[: shape.level_width]
         self.extend(shape.depth - 1)
         return tree
@@ -97,9 +103,12 @@ class Drafter:
             raise RuntimeError("extend() before build()")
         added = []
         for _ in range(levels):
+            self._grow_slots()
+            f = self.frontier
+            keep = self._slot[f] < 0            # nodes a guessed chain already ran are not run twice
             if alive is not None:
-                f = self.frontier
-                self.frontier = f[alive[f]] if f.numel() else f
+                keep &= alive[f]
+            self.frontier = f[keep]
             if self.frontier.numel() == 0:
                 break
             added.append(self._expand_frontier())

@@ -37,10 +37,12 @@ class Strategy(ABC):
 class ScoredTreeStrategy(Strategy):
     """Shared by the EAGLE-2-tree strategies: draft a base tree, keep the top L in some order, cut it."""
     order = "score"
+    uses_lookup = False   # spend SpecConfig.lookup_tokens rows of draft calls on prompt-lookup guesses
 
     def build_round(self, head) -> DraftTree:
         cfg = head.config
-        base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.tree_depth))
+        base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.tree_depth),
+                                  cfg.lookup_tokens if self.uses_lookup else 0)
         tree, _ = select_top(base, cfg.tree_nodes, self.order)
         return tree
 

@@ -14,6 +14,7 @@ class FlowSpec(PrunedPP):
     order = "score"
     expands = True
     sizes_from_costs = True   # the simulator may size its initial tree from the profile (sim/sizing.py)
+    uses_lookup = True        # flowedge's addition: draft calls carry prompt-lookup guesses (core/lookup.py)
 
     def initial_segments(self, head) -> list:
         return super().initial_segments(head) + self._fill(head)
@@ -25,10 +26,10 @@ class FlowSpec(PrunedPP):
 
     def expand(self, head, accepted: bool) -> list:
         cfg = head.config
-        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.expansion_width,
-                                     cfg.lookup_tokens)
+        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
         if base is None:   # the accepted path left the stored tree: grow a fresh one
-            base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth))
+            base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth),
+                                      cfg.lookup_tokens)
         if accepted:
             new, _ = select_top(base, cfg.exp_nodes, self.order)
         elif cfg.se_nodes:
