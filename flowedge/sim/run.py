@@ -64,6 +64,8 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
         costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
                                        for s in stage_shapes) + lm_head_time_s(dev, base_config, 1, stage_path)
         costs.draft_call_s = draft_time_s(dev, draft_config, topk, 256, draft_path, draft_quantized)
+        costs.stage_segment_ratio = (forward_time_s(dev, stage_shapes[0], l_max, 256, stage_path)
+                                     / forward_time_s(dev, stage_shapes[0], 1, 256, stage_path))
         costs.draft_width = flat_draft_width(
             lambda n: draft_time_s(dev, draft_config, n, 256, draft_path, draft_quantized), topk)
     return costs
@@ -131,7 +133,8 @@ class Cluster:
         spec = self.spec
         if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
                 and costs.draft_call_s:
-            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width)
+            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
+                              costs.stage_segment_ratio)
         drafter = Drafter(self.draft_model) if strategy.needs_draft else None
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
