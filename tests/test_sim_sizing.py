@@ -21,6 +21,14 @@ def test_depth_is_pipeline_latency_over_draft_call(latency_s, draft_s, depth, no
     assert spec.l_max == SpecConfig().l_max and spec.exp_nodes == SpecConfig().exp_nodes
 
 
+@pytest.mark.parametrize("latency_s", [0.293, 0.073, 0.001])
+def test_flat_stage_cost_sends_the_root_and_its_topk_after_one_draft_call(latency_s):
+    spec = sized_spec(SpecConfig(), latency_s, 0.0356, stage_segment_ratio=1.0)
+    assert spec.tree_depth == 1 and spec.tree_nodes >= SpecConfig().topk + 1
+    # a stage whose segment cost grows with its tokens keeps the latency rule
+    assert sized_spec(SpecConfig(), 0.293, 0.0446, stage_segment_ratio=3.5).tree_depth == 6
+
+
 def test_free_costs_leave_the_spec_alone():
     assert sized_spec(SpecConfig(), 1.0, 0.0) == SpecConfig()
 
@@ -33,7 +41,10 @@ def test_cluster_sizes_only_strategies_that_expand(tiny_pair):
     assert costs.draft_call_s > 0 and costs.pipeline_latency_s > 0
     flow, _ = cluster.build("flowspec", costs)
     naive, _ = cluster.build("naive-pp", costs)
-    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width)
+    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
+                                     costs.stage_segment_ratio)
+    assert costs.stage_segment_ratio == pytest.approx(1.0)   # torch int4: flat up to its 16-token tile
+    assert flow.config.tree_depth == 1
     assert flow.config.expansion_width == 16 > spec.topk   # torch int4 on the Orin: a 16-token tile
     assert naive.config == spec
     res, _, _ = cluster.generate("flowspec", [3, 4, 5, 6], 12, SamplingParams(), device="orin-nano-8gb")
