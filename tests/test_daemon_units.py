@@ -31,6 +31,7 @@ def test_example_config_parses_and_overrides_apply():
     ('stages = 2\nlayers = [1, 2, 3]\n', "layers lists 3 stages"),
     ('draft_quant = "fp8"\n', "draft_quant must be one of"),
     ('lookup_tokens = -1\n', "lookup_tokens must be >= 0"),
+    ('tree_size = "huge"\n', "tree_size must be one of"),
     ('role = \n', "not valid TOML"),
 ])
 def test_bad_config_files_are_one_line_errors(tmp_path, text, match):

@@ -6,7 +6,9 @@ import pytest
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.config import SpecConfig
 from flowedge.sim.run import Cluster
-from flowedge.sim.sizing import MIN_DEPTH, flat_draft_width, sized_spec
+from flowedge.sim.profiles import load_device
+from flowedge.sim.run import balanced, draft_path_for
+from flowedge.sim.sizing import FLAT, MIN_DEPTH, flat_draft_width, sized_spec, sized_spec_for, tree_costs
 
 
 @pytest.mark.parametrize(("latency_s", "draft_s", "depth", "nodes"), [
@@ -59,3 +61,30 @@ def test_draft_width_fills_a_flat_cost_and_stays_at_topk_on_a_rising_one():
     assert sized_spec(SpecConfig(), 0.07, 0.04, 16).expansion_width == 16
     assert sized_spec(SpecConfig(draft_width=12), 0.07, 0.04, 16).expansion_width == 12   # a set flag wins
     assert SpecConfig().expansion_width == SpecConfig().topk
+
+
+def _qwen_configs():
+    """The real pair's shapes (Qwen2.5-Coder 1.5B and 0.5B), no weights: costs read only the shapes."""
+    from transformers import Qwen2Config
+
+    base = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936)
+    draft = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    return base, draft
+
+
+@pytest.mark.parametrize(("stage_devices", "flat"), [
+    (["orin-nano-8gb"] * 4, True),
+    (["orin-nano-8gb", "orin-nano-8gb", "x86-cpu", "orin-nano-8gb"], False),   # one CPU stage: it decides
+    (["rpi5-8gb"] * 4, False),
+])
+def test_tree_costs_of_a_mixed_cluster_follow_its_steepest_stage(stage_devices, flat):
+    base, draft = _qwen_configs()
+    head = load_device("orin-nano-8gb")
+    costs = tree_costs(base, draft, balanced(28, 4), [load_device(d) for d in stage_devices], head,
+                       draft_path=draft_path_for(head), draft_quantized=True)
+    assert (costs.stage_segment_ratio <= FLAT) == flat
+    assert costs.draft_call_s == pytest.approx(0.0356, rel=0.05)   # node 0 is the Orin in every case
+    spec = sized_spec_for(SpecConfig(), costs)
+    assert (spec.tree_depth == 1) == flat and spec.draft_width == 16

@@ -19,6 +19,7 @@ DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipel
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 QUANTS = ("none", "int4", "nf4", "auto")
+TREE_SIZES = ("profile", "paper")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class NodeConfig:
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |
                                               # int4 | nf4 | none; lossless either way (engine/drafter.py)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
+    tree_size: str = "profile"                # flowspec's first tree: profile (sized from the devices'
+                                              # profiles, sim/sizing.py) | paper (FlowSpec's d0 = 6)
     lookup_tokens: int = 4                    # draft-call rows for prompt-lookup guesses (core/lookup.py); 0 = off
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage
@@ -63,6 +66,8 @@ class NodeConfig:
             raise ConfigError(f"draft_quant must be one of {list(DRAFT_QUANTS)}, got {self.draft_quant!r}")
         if self.lm_head_at not in LM_HEAD_PLACES:
             raise ConfigError(f"lm_head_at must be one of {list(LM_HEAD_PLACES)}, got {self.lm_head_at!r}")
+        if self.tree_size not in TREE_SIZES:
+            raise ConfigError(f"tree_size must be one of {list(TREE_SIZES)}, got {self.tree_size!r}")
         if self.stages < 1:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
         if self.lookup_tokens < 0:

@@ -386,10 +386,36 @@ class HeadNode:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
 
+    def _sized(self, spec: SpecConfig, strat) -> SpecConfig:
+        """For `tree_size = "profile"`: flowspec's initial tree sized from node 0's and the stages' device
+        profiles, as on the simulator (sim/sizing.py); `spec` unchanged where a device has no profile."""
+        from flowedge.sim.profiles import load_device
+        from flowedge.sim.run import draft_path_for
+        from flowedge.sim.sizing import sized_spec_for, tree_costs
+
+        if self.config.tree_size != "profile" or self.config.tree_nodes or not getattr(strat, "sizes_from_costs", False):
+            return spec
+        names = [self.config.device] + [self.peers[i].hello.device for i in self.slots if i is not None]
+        try:
+            head_dev, *stage_devs = [load_device(name) for name in names]
+        except ConfigError:
+            log.info("a device in %s has no profile: flowspec keeps the configured tree", names)
+            return spec
+        costs = tree_costs(self.plan.base_config, self.plan.draft_model.config, self.plan.ranges, stage_devs,
+                           head_dev, draft_path=draft_path_for(head_dev), l_max=spec.l_max, topk=spec.topk,
+                           draft_quantized=self.config.draft_quant != "none")
+        sized = sized_spec_for(spec, costs)
+        log.info("flowspec's first tree sized from the profiles %s: depth %d, %d nodes, draft calls %d wide "
+                 "(pipeline %.1f ms, draft call %.1f ms, stage segment x%.2f)", names, sized.tree_depth,
+                 sized.tree_nodes, sized.draft_width, 1e3 * costs.pipeline_latency_s, 1e3 * costs.draft_call_s,
+                 costs.stage_segment_ratio)
+        return sized
+
     def _engine(self, strategy: str):
-        """The engine head for a strategy (built once per last-stage device, reused across requests)."""
+        """The engine head for a strategy (built once per set of stage devices, reused across requests)."""
         ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
-        key = (strategy, ratio)
+        devices = tuple(self.peers[i].hello.device for i in self.slots if i is not None)
+        key = (strategy, ratio, devices)
         if key not in self.engines:
             from flowedge.engine.drafter import Drafter
             from flowedge.engine.head import Head
@@ -402,6 +428,8 @@ class HeadNode:
             drafter = Drafter(self.plan.draft_model) if strat.needs_draft else None
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at,
                                       lookup_tokens=self.config.lookup_tokens)
+            if drafter is not None:
+                spec = self._sized(spec, strat)
             self.engines[key] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
                                      stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat, ratio))
         return self.engines[key]
@@ -466,6 +494,7 @@ class HeadNode:
             "nodes": self.config.stages + 1, "wire_dtype": self.config.wire_dtype,
             "head_overhead_ms_per_step": round(1000 * sum(st.overhead_s) / max(1, len(st.overhead_s)), 3),
             "lm_head_at": req.engine.lm_head_at, "stage_chosen_tokens": st.stage_chosen,
+            "tree_depth": req.engine.config.tree_depth, "tree_nodes": req.engine.config.tree_nodes,
         }
         if st.accept_lens:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)

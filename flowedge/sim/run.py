@@ -6,7 +6,6 @@ from pathlib import Path
 
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.drafter import Drafter, load_draft_model
-from flowedge.engine.events import Compute
 from flowedge.engine.head import Head
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
@@ -15,7 +14,7 @@ from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import flat_draft_width, sized_spec
+from flowedge.sim.sizing import sized_spec, tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
     dev = load_device(device)
     lnk = load_link(link or dev.default_link)
     stage_shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
-    draft_path = _draft_path(dev, stage_path)
+    draft_path = draft_path_for(dev, stage_path)
 
     def compute_s(node: int, c) -> float:
         if c.what == "lm_head":   # on node 0, or on the last stage when it chooses tokens
@@ -59,22 +58,18 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
     costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
-    if draft_config is not None:   # for sized_spec: one l_max segment through every stage, then lm_head
-        seg = Compute("stage", 16, 256, "init-segment")
-        costs.pipeline_latency_s = sum(forward_time_s(dev, s, seg.tokens, seg.context, stage_path)
-                                       for s in stage_shapes) + lm_head_time_s(dev, base_config, 1, stage_path)
-        costs.draft_call_s = draft_time_s(dev, draft_config, topk, 256, draft_path, draft_quantized)
-        costs.stage_segment_ratio = (forward_time_s(dev, stage_shapes[0], l_max, 256, stage_path)
-                                     / forward_time_s(dev, stage_shapes[0], 1, 256, stage_path))
-        costs.draft_width = flat_draft_width(
-            lambda n: draft_time_s(dev, draft_config, n, 256, draft_path, draft_quantized), topk)
+    if draft_config is not None:   # for sized_spec
+        tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
+                          draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
+        costs.pipeline_latency_s, costs.draft_call_s = tree.pipeline_latency_s, tree.draft_call_s
+        costs.draft_width, costs.stage_segment_ratio = tree.draft_width, tree.stage_segment_ratio
     return costs
 
 
 VERIFY_MODES = ("stages", "oracle")
 
 
-def _draft_path(dev, stage_path: str | None) -> str | None:
+def draft_path_for(dev, stage_path: str | None = None) -> str | None:
     """Node 0 runs its draft on the stages' kernels, except a dequantizing family (bitsandbytes
     `-single`/`-multi`): drafting runs k tokens a call, where bnb is slower than plain fp16."""
     path = stage_path or dev.draft_path or dev.default_path
@@ -95,7 +90,7 @@ def draft_quant_for(device: str | None, stage_path: str | None = None) -> str:
         return "none"
     from flowedge.sim.profiles import load_device
 
-    return DRAFT_QUANT_OF_PATH.get(_draft_path(load_device(device), stage_path) or "", "none")
+    return DRAFT_QUANT_OF_PATH.get(draft_path_for(load_device(device), stage_path) or "", "none")
 
 
 class Cluster:

@@ -25,10 +25,12 @@ running 16 open nodes instead of top-k's 10 costs nothing and deepens more of th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from flowedge.engine.config import SpecConfig
+from flowedge.sim.costs import DeviceProfile, draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers
 
 MIN_DEPTH = 2
 FLAT = 1.02         # a wider draft call, or a fuller segment, is "free" while it costs at most 2% more
@@ -54,3 +56,40 @@ def sized_spec(spec: SpecConfig, pipeline_latency_s: float, draft_call_s: float,
         depth = max(MIN_DEPTH, min(spec.tree_depth, math.ceil(pipeline_latency_s / draft_call_s)))
     nodes = max(depth + 1, round(spec.tree_nodes * depth / spec.tree_depth))
     return replace(spec, tree_depth=depth, tree_nodes=nodes, draft_width=spec.draft_width or draft_width)
+
+
+@dataclass(frozen=True)
+class TreeCosts:
+    """What sizing reads from the device profiles (simulator and daemon alike)."""
+    pipeline_latency_s: float     # one l_max segment through every stage, then a 1-token lm_head
+    draft_call_s: float           # one top-k-row draft call on node 0
+    draft_width: int              # rows a draft call runs for the price of top-k (`flat_draft_width`)
+    stage_segment_ratio: float    # the steepest stage's l_max-token / 1-token segment cost
+
+
+SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's order of magnitude)
+
+
+def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, int]],
+               stage_devices: Sequence[DeviceProfile], head_device: DeviceProfile, *,
+               stage_path: str | None = None, draft_path: str | None = None, draft_quantized: bool = False,
+               l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk) -> TreeCosts:
+    """Costs of stage k's layers `ranges[k]` on `stage_devices[k]` (each on `stage_path`, default its
+    profile's own) and of the draft on node 0's `head_device`. Stages may differ (a mixed cluster):
+    the steepest stage decides whether segments are flat."""
+    ctx = SIZING_CONTEXT
+    shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
+    latency = sum(forward_time_s(dev, shape, l_max, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
+    latency += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
+    ratio = max(forward_time_s(dev, shape, l_max, ctx, stage_path) / forward_time_s(dev, shape, 1, ctx, stage_path)
+                for dev, shape in zip(stage_devices, shapes))
+
+    def call_s(rows: int) -> float:
+        return draft_time_s(head_device, draft_config, rows, ctx, draft_path, draft_quantized)
+
+    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio)
+
+
+def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
+    return sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
+                      costs.stage_segment_ratio)
