@@ -88,3 +88,13 @@ def test_tree_costs_of_a_mixed_cluster_follow_its_steepest_stage(stage_devices, 
     assert costs.draft_call_s == pytest.approx(0.0356, rel=0.05)   # node 0 is the Orin in every case
     spec = sized_spec_for(SpecConfig(), costs)
     assert (spec.tree_depth == 1) == flat and spec.draft_width == 16
+
+
+def test_bitsandbytes_segments_are_flat_past_one_token():
+    """bnb's >1-token path dequantizes whatever the count: a 16-token segment costs 3.5x a 1-token
+    step but what a 2-token one does, so the expansions' extra nodes are free there too."""
+    base, draft = _qwen_configs()
+    orin = load_device("orin-nano-8gb")
+    costs = tree_costs(base, draft, balanced(28, 4), [orin] * 4, orin, stage_path="hf-bnb4",
+                       draft_path=draft_path_for(orin, "hf-bnb4"))
+    assert costs.stage_segment_ratio <= FLAT and sized_spec_for(SpecConfig(), costs).tree_depth == 1

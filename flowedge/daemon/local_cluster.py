@@ -40,6 +40,7 @@ class LocalClusterSpec:
     draft_quant: str = "auto"
     layers: list[int] = field(default_factory=list)
     tree_nodes: int = 0
+    tree_size: str = "profile"        # flowspec's first tree: sized from `device`'s profile | paper
     lm_head_at: str = "auto"
     device: str = "x86-cpu"          # every node's device profile (status; `auto` lm_head placement)
     stage_timeout_s: float = 30.0
@@ -93,7 +94,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         'role = "head"', f'head = "{spec.addr}"', 'node_id = "head"', f"threads = {threads}",
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
-        f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
+        f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
         f"stage_timeout_s = {spec.stage_timeout_s}", f'device = "{spec.device}"',
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

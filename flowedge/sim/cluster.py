@@ -42,7 +42,7 @@ class CostModel:
     draft_call_s: float = 0.0         # one draft call on node 0 (for sizing)
     draft_width: int = 0              # nodes a draft call runs for the price of top-k (for sizing)
     lm_head_segment_ratio: float | None = None   # last stage's l_max-token / 1-token lm_head (placement)
-    stage_segment_ratio: float | None = None     # first stage's l_max-token / 1-token segment (sizing)
+    stage_segment_ratio: float | None = None     # steepest stage's l_max-token / 2-token segment (sizing)
 
     @staticmethod
     def free() -> "CostModel":

@@ -3,20 +3,20 @@
 Node 0 builds the initial tree with one draft call per level before the first segment leaves, and
 with pipeline fill (`FlowSpec._fill`) it keeps drafting while segments travel. Every level in the
 initial tree therefore delays the round's first verification by one draft call, and a round starts
-after every restart. Two regimes:
+after every restart. Two regimes, told apart by what more nodes in a multi-token segment cost a
+stage (its l_max-token segment over a 2-token one: FlowSpec's segments are never single tokens):
 
-- Stages whose segment cost is flat in its token count (bandwidth-bound GPUs; torch int4 streams the
-  weights once per 16-token tile: every Jetson profile's default path): the root and its top-k leave
-  after one draft call (d0 = 1) and the fill's best-first expansions add the depth. Extra nodes the
-  expansions send cost the stages nothing. Measured on 5 x Orin Nano, MT-bench (flowspec, T=0):
-  +5 to +13% per prompt over d0 = 2, most where rounds restart often.
-- Stages whose cost grows with the tokens (CPUs, bitsandbytes' dequantizing path): a level only pays
-  for itself if the draft could not have produced it while the first segment crossed the pipeline:
-  d0 = ceil(pipeline latency / draft call), within [MIN_DEPTH, paper d0]. d0 = 1 there sends ~30%
-  more nodes through the first stage (the expansions fill in what the small tree lacked), which
-  becomes the busy device on CPUs (x86 and RPi 5 profiles, MT-bench/81: 2.44 -> 2.14 and
-  1.43 -> 1.22 tok/s). On the bitsandbytes path d0 = 1 still won (10.47 -> 11.92 tok/s): sizing the
-  expansions to what the first stage absorbs per draft call would let one rule cover both; open.
+- Flat (bandwidth-bound GPUs; torch int4 streams the weights once per 16-token tile, every Jetson
+  profile's default path; bitsandbytes, whose >1-token path dequantizes the weights whatever the
+  count): the root and its top-k leave after one draft call (d0 = 1) and the fill's best-first
+  expansions add the depth. The extra nodes the expansions send cost the stages nothing. Measured on
+  5 x Orin Nano, MT-bench (flowspec, T=0): +5 to +13% per prompt over d0 = 2 on torch int4, most
+  where rounds restart often; MT-bench/81 on bitsandbytes 10.47 -> 11.92 tok/s over d0 = 6.
+- Growing with the tokens (CPUs: compute-bound): a level only pays for itself if the draft could not
+  have produced it while the first segment crossed the pipeline: d0 = ceil(pipeline latency / draft
+  call), within [MIN_DEPTH, paper d0]. d0 = 1 there sends ~30% more nodes through the first stage
+  (the expansions fill in what the small tree lacked), which becomes the busy device (x86 and RPi 5
+  profiles, MT-bench/81: 2.44 -> 2.14 and 1.43 -> 1.22 tok/s).
 
 The width of an expansion's best-first draft call follows the same logic: where a call's cost is flat
 in its token count (a bandwidth-bound GPU; torch int4 streams the weights once per 16-token tile),
@@ -47,7 +47,7 @@ def sized_spec(spec: SpecConfig, pipeline_latency_s: float, draft_call_s: float,
                draft_width: int = 0, stage_segment_ratio: float | None = None) -> SpecConfig:
     """`spec` with tree_depth and tree_nodes scaled to the costs (nodes per level kept as in `spec`),
     and the expansion's draft width where given (`flat_draft_width`) and not set in `spec`.
-    `stage_segment_ratio`: a stage's l_max-token segment cost over a 1-token one (flat: d0 = 1)."""
+    `stage_segment_ratio`: a stage's l_max-token segment cost over a 2-token one (flat: d0 = 1)."""
     if draft_call_s <= 0:
         return spec
     if stage_segment_ratio is not None and stage_segment_ratio <= FLAT:
@@ -64,7 +64,7 @@ class TreeCosts:
     pipeline_latency_s: float     # one l_max segment through every stage, then a 1-token lm_head
     draft_call_s: float           # one top-k-row draft call on node 0
     draft_width: int              # rows a draft call runs for the price of top-k (`flat_draft_width`)
-    stage_segment_ratio: float    # the steepest stage's l_max-token / 1-token segment cost
+    stage_segment_ratio: float    # the steepest stage's l_max-token / 2-token segment cost
 
 
 SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's order of magnitude)
@@ -81,7 +81,7 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
     latency = sum(forward_time_s(dev, shape, l_max, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
     latency += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
-    ratio = max(forward_time_s(dev, shape, l_max, ctx, stage_path) / forward_time_s(dev, shape, 1, ctx, stage_path)
+    ratio = max(forward_time_s(dev, shape, l_max, ctx, stage_path) / forward_time_s(dev, shape, 2, ctx, stage_path)
                 for dev, shape in zip(stage_devices, shapes))
 
     def call_s(rows: int) -> float:
