@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flowedge.errors import ConfigError
-from flowedge.sim.profiles import list_devices, list_links, load_device, load_link
+from flowedge.sim.profiles import list_devices, list_links, load_device, load_link, load_named_device
 
 REQUIRED = {"orin-nano-8gb", "orin-nano-super", "orin-nx-16gb", "agx-orin-64gb", "rpi5-8gb", "x86-cpu"}
 
@@ -74,6 +74,16 @@ def test_unknown_names_list_the_known_ones() -> None:
         load_link("carrier-pigeon")
     with pytest.raises(ConfigError):
         load_device("links")  # the links file is not a device
+
+
+def test_a_name_off_the_wire_never_opens_a_path(tmp_path: Path) -> None:
+    """Stages report their device by name; the head must not read a file a peer names."""
+    path = tmp_path / "toy.toml"
+    path.write_text('name = "toy"\nbandwidth_Bps = 1e9\nflops = 1e9\ndefault_path = "x"\n')
+    for bad in (str(path), "../device_profiles/orin-nano-8gb.toml", "links"):
+        with pytest.raises(ConfigError, match="unknown device profile"):
+            load_named_device(bad)
+    assert load_named_device("orin-nano-8gb").name == "orin-nano-8gb"
 
 
 def test_load_by_path(tmp_path: Path) -> None:

@@ -374,14 +374,14 @@ class HeadNode:
         """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile
         (named in its Hello); None when the profile is unknown (the strategy's own choice then holds)."""
         from flowedge.sim.costs import lm_head_segment_ratio
-        from flowedge.sim.profiles import load_device
+        from flowedge.sim.profiles import load_named_device
 
         identity = self.slots[-1]
         if identity is None:
             return None
         device = self.peers[identity].hello.device
         try:
-            return lm_head_segment_ratio(load_device(device), self.plan.base_config, SpecConfig().l_max)
+            return lm_head_segment_ratio(load_named_device(device), self.plan.base_config, SpecConfig().l_max)
         except ConfigError:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
@@ -389,15 +389,15 @@ class HeadNode:
     def _sized(self, spec: SpecConfig, strat) -> SpecConfig:
         """For `tree_size = "profile"`: flowspec's initial tree sized from node 0's and the stages' device
         profiles, as on the simulator (sim/sizing.py); `spec` unchanged where a device has no profile."""
-        from flowedge.sim.profiles import load_device
+        from flowedge.sim.profiles import load_device, load_named_device
         from flowedge.sim.run import draft_path_for
         from flowedge.sim.sizing import sized_spec_for, tree_costs
 
         if self.config.tree_size != "profile" or self.config.tree_nodes or not getattr(strat, "sizes_from_costs", False):
             return spec
         names = [self.config.device] + [self.peers[i].hello.device for i in self.slots if i is not None]
-        try:
-            head_dev, *stage_devs = [load_device(name) for name in names]
+        try:   # the stages' names come off the wire: shipped profiles only
+            head_dev, *stage_devs = [load_device(names[0])] + [load_named_device(n) for n in names[1:]]
         except ConfigError:
             log.info("a device in %s has no profile: flowspec keeps the configured tree", names)
             return spec

@@ -128,6 +128,13 @@ def list_links() -> list[str]:
     return sorted(_read_links())
 
 
+def load_named_device(name: str) -> DeviceProfile:
+    """A shipped profile by name only: for names a remote peer reports, which must never open a path."""
+    if name not in list_devices():
+        raise ConfigError(f"unknown device profile {name!r}; known: {', '.join(list_devices())}")
+    return load_device(name)
+
+
 def load_device(name_or_path: str | Path) -> DeviceProfile:
     """Load a device by file stem (`orin-nano-8gb`) or by a path to a `.toml` file."""
     path = Path(name_or_path)
