@@ -5,9 +5,8 @@ import pytest
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.config import SpecConfig
-from flowedge.sim.run import Cluster
 from flowedge.sim.profiles import load_device
-from flowedge.sim.run import balanced, draft_path_for
+from flowedge.sim.run import Cluster, balanced, draft_path_for
 from flowedge.sim.sizing import FLAT, MIN_DEPTH, flat_draft_width, sized_spec, sized_spec_for, tree_costs
 
 
@@ -40,12 +39,13 @@ def test_cluster_sizes_only_strategies_that_expand(tiny_pair):
     spec = SpecConfig(tree_nodes=24, tree_depth=4, topk=4, l_max=6, exp_nodes=12, exp_depth=3)
     cluster = Cluster(base, draft, 3, spec, size_from_costs=True)
     costs = cluster.costs("orin-nano-8gb", None)
-    assert costs.draft_call_s > 0 and costs.pipeline_latency_s > 0
+    tree = costs.tree
+    assert tree.draft_call_s > 0 and tree.pipeline_latency_s > 0
     flow, _ = cluster.build("flowspec", costs)
     naive, _ = cluster.build("naive-pp", costs)
-    assert flow.config == sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
-                                     costs.stage_segment_ratio)
-    assert costs.stage_segment_ratio == pytest.approx(1.0)   # torch int4: flat up to its 16-token tile
+    assert flow.config == sized_spec(spec, tree.pipeline_latency_s, tree.draft_call_s, tree.draft_width,
+                                     tree.stage_segment_ratio)
+    assert tree.stage_segment_ratio == pytest.approx(1.0)   # torch int4: flat up to its 16-token tile
     assert flow.config.tree_depth == 1
     assert flow.config.expansion_width == 16 > spec.topk   # torch int4 on the Orin: a 16-token tile
     assert naive.config == spec

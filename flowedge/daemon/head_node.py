@@ -386,7 +386,7 @@ class HeadNode:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
 
-    def _sized(self, spec: SpecConfig, strat) -> SpecConfig:
+    def _sized(self, spec: SpecConfig, strat, stage_devices: tuple[str, ...]) -> SpecConfig:
         """For `tree_size = "profile"`: flowspec's initial tree sized from node 0's and the stages' device
         profiles, as on the simulator (sim/sizing.py); `spec` unchanged where a device has no profile."""
         from flowedge.sim.profiles import load_device, load_named_device
@@ -395,7 +395,7 @@ class HeadNode:
 
         if self.config.tree_size != "profile" or self.config.tree_nodes or not getattr(strat, "sizes_from_costs", False):
             return spec
-        names = [self.config.device] + [self.peers[i].hello.device for i in self.slots if i is not None]
+        names = [self.config.device, *stage_devices]
         try:   # the stages' names come off the wire: shipped profiles only
             head_dev, *stage_devs = [load_device(names[0])] + [load_named_device(n) for n in names[1:]]
         except ConfigError:
@@ -429,7 +429,7 @@ class HeadNode:
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at,
                                       lookup_tokens=self.config.lookup_tokens)
             if drafter is not None:
-                spec = self._sized(spec, strat)
+                spec = self._sized(spec, strat, devices)
             self.engines[key] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
                                      stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat, ratio))
         return self.engines[key]

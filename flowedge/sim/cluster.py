@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flowedge.engine.events import Compute, Continue, Done, Emit, Finish, Prune, Segment, Send
+from flowedge.sim.sizing import TreeCosts
 from flowedge.sim.trace import Trace, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,8 @@ class CostModel:
     """Turns Compute actions and message sizes into seconds; None profile = free (tests)."""
     compute_s: Callable[[int, Compute], float]
     transfer_s: Callable[[int, int, int], float]
-    pipeline_latency_s: float = 0.0   # one l_max segment through every stage + lm_head (for sizing)
-    draft_call_s: float = 0.0         # one draft call on node 0 (for sizing)
-    draft_width: int = 0              # nodes a draft call runs for the price of top-k (for sizing)
     lm_head_segment_ratio: float | None = None   # last stage's l_max-token / 1-token lm_head (placement)
-    stage_segment_ratio: float | None = None     # steepest stage's l_max-token / 2-token segment (sizing)
+    tree: TreeCosts | None = None                # what flowspec's tree is sized from (None: no draft)
 
     @staticmethod
     def free() -> "CostModel":

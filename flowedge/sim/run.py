@@ -14,7 +14,7 @@ from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import sized_spec, tree_costs
+from flowedge.sim.sizing import sized_spec_for, tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,8 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
     costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
     if draft_config is not None:   # for sized_spec
-        tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
-                          draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
-        costs.pipeline_latency_s, costs.draft_call_s = tree.pipeline_latency_s, tree.draft_call_s
-        costs.draft_width, costs.stage_segment_ratio = tree.draft_width, tree.stage_segment_ratio
+        costs.tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
+                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
     return costs
 
 
@@ -127,9 +125,8 @@ class Cluster:
         strategy = make_strategy(strategy_name)
         spec = self.spec
         if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
-                and costs.draft_call_s:
-            spec = sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
-                              costs.stage_segment_ratio)
+                and costs.tree is not None:
+            spec = sized_spec_for(spec, costs.tree)
         drafter = Drafter(self.draft_model) if strategy.needs_draft else None
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
