@@ -13,7 +13,7 @@ from flowedge.engine import events
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "systemd" / "flowedge.toml.example"
+EXAMPLE = Path(__file__).resolve().parents[1] / "flowedge" / "data" / "flowedge.toml.example"
 
 
 def test_example_config_parses_and_overrides_apply():

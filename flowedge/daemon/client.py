@@ -84,7 +84,7 @@ class Client:
         """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the totals."""
         self._hello()
         rid = next(self._ids)
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, _tensor(prompt))
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         send_msg(self.sock, proto.PromptRequest(
             request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, temperature=temperature,
             top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy))
@@ -100,8 +100,8 @@ class Client:
                 raise RequestFailed(msg.message)
             if not isinstance(msg, proto.TokenChunk):
                 continue
-            tokens += msg.token_ids.tolist()
-            if msg.token_ids.numel() and first_token_s is None:
+            tokens += msg.token_ids
+            if msg.token_ids and first_token_s is None:
                 first_token_s = time.monotonic() - t0
             if msg.text:
                 pieces.append(msg.text)
@@ -135,12 +135,6 @@ class Client:
         self._hello()
         send_msg(self.sock, proto.Shutdown(reason=reason))
         time.sleep(0.1)
-
-
-def _tensor(ids: list[int]):
-    import torch
-
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,

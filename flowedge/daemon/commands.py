@@ -9,7 +9,7 @@ import time
 
 import click
 
-from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, load_node_config
+from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config
 from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
 
@@ -58,7 +58,7 @@ def _run_node(cfg) -> None:
 
 @click.command()
 @click.option("--config", "config_path", default=str(DEFAULT_CONFIG_PATH), show_default=True,
-              help="TOML node configuration (see systemd/flowedge.toml.example).")
+              help=f"TOML node configuration (commented example: {EXAMPLE_CONFIG}).")
 @click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
 def serve(config_path, role, threads) -> None:

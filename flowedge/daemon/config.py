@@ -1,7 +1,8 @@
 """Node configuration: one dataclass, read from TOML (`/etc/flowedge/flowedge.toml` by default).
 
 Every key is optional except what the role needs; unknown keys are an error (a typo must not
-silently fall back to a default). See `systemd/flowedge.toml.example` for a commented file.
+silently fall back to a default). See `flowedge/data/flowedge.toml.example` (installed with the package,
+`EXAMPLE_CONFIG`) for a commented file.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from flowedge.errors import ConfigError
 from flowedge.models.registry import flowedge_home  # noqa: F401  (the one $FLOWEDGE_HOME resolver)
 
 DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
+# the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "data" / "flowedge.toml.example"
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
@@ -111,7 +114,8 @@ def load_node_config(path: Path | str | None, **overrides) -> NodeConfig:
         try:
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist (see systemd/flowedge.toml.example)") from None
+            raise ConfigError(f"config file {path} does not exist "
+                              f"(see the commented example at {EXAMPLE_CONFIG})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
         values = data.get("flowedge", data)

@@ -356,7 +356,7 @@ class HeadNode:
 
         m, plan = req.msg, self.plan
         params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
-        ids = encode_prompt(plan.tokenizer, m.text, chat=True) if m.text is not None else m.token_ids.tolist()
+        ids = encode_prompt(plan.tokenizer, m.text, chat=True) if m.text is not None else list(m.token_ids)
         check_context(len(ids), m.max_new_tokens, plan.base_config.max_position_embeddings)
         req.strategy = m.strategy or self.config.strategy
         req.engine = self._engine(req.strategy)
@@ -463,7 +463,7 @@ class HeadNode:
             elif isinstance(a, Emit):
                 req.text(a.tokens)
                 self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
-                                                        token_ids=torch.tensor(a.tokens), text=self._pieces(req),
+                                                        token_ids=list(a.tokens), text=self._pieces(req),
                                                         done=False))
             elif isinstance(a, Continue):
                 self._execute(req.engine.receive(a.event))
@@ -500,7 +500,7 @@ class HeadNode:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)
             stats["verifications"] = len(st.accept_lens)
         self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
-                                                token_ids=torch.zeros(0, dtype=torch.long),
+                                                token_ids=(),
                                                 text=self._flushed(req), done=True, stats=stats))
         log.info("request %d done: %d tokens in %.2f s (%.2f tok/s)", req.engine_id, n, wall,
                  n / wall if wall else 0.0)

@@ -1,4 +1,5 @@
-"""Device and link profiles for the simulated cluster, read from `device_profiles/*.toml`.
+"""Device and link profiles for the simulated cluster, read from `flowedge/device_profiles/*.toml`
+(package data: they ship inside the wheel, so an installed flowedge finds them anywhere).
 
 The numbers live in data files (with their sources) rather than in code, so a person can add a
 board or re-calibrate one without touching the cost model.
@@ -113,11 +114,11 @@ class LinkProfile:
 
 
 def profiles_dir() -> Path:
-    """The `device_profiles/` directory: $FLOWEDGE_PROFILES, else beside the `flowedge` package."""
+    """The profiles directory: $FLOWEDGE_PROFILES, else the one shipped inside the package."""
     env = os.environ.get(PROFILES_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "device_profiles"
+    return Path(__file__).resolve().parents[1] / "device_profiles"
 
 
 def list_devices() -> list[str]:

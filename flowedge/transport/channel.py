@@ -13,7 +13,7 @@ from typing import Any
 import zmq
 
 from flowedge.errors import ProtocolError
-from flowedge.transport.frames import frame_buffer
+from flowedge.transport.buffers import frame_buffer
 from flowedge.transport.protocol import Hello, Message, Refuse, Welcome, check_version, decode
 
 log = logging.getLogger(__name__)

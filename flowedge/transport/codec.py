@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import MISSING, fields
 from typing import Any, ClassVar, Sequence
 
 import msgpack
-import torch
 
 from flowedge.errors import ProtocolError
-from flowedge.transport.frames import (
-    WIRE_DTYPES,
+from flowedge.transport.buffers import (
+    TOKEN_WIRE_DTYPES,
+    as_token_ids,
     frame_buffer,
-    frame_to_tensor,
-    index_to_frame,
-    tensor_to_frame,
+    frame_to_tokens,
+    tokens_to_frame,
 )
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 2)   # 1.2: token segments from the last stage, head file
@@ -37,8 +37,15 @@ HIDDEN_WIRE_NAMES = ("float16", "bfloat16", "float32")
 _U64 = (1 << 64) - 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
-# Tensor field kinds: INDEX -> int16/int32 index set, HIDDEN -> fp16/bf16(/fp32) states, BYTES -> raw bytes.
-INDEX, HIDDEN, BYTES = "index", "hidden", "bytes"
+# Field kinds that travel as raw frames: INDEX -> int16/int32 index set (a torch tensor), HIDDEN ->
+# fp16/bf16(/fp32) states, BYTES -> raw bytes, TOKENS -> int16/int32 token ids (a tuple of ints, no torch).
+INDEX, HIDDEN, BYTES, TOKENS = "index", "hidden", "bytes", "tokens"
+
+
+def is_tensor(value: Any) -> bool:
+    """True for a torch tensor, without importing torch (a value can only be one if torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def version_text(version: Sequence[int]) -> str:
@@ -103,19 +110,24 @@ def _index(msg: Message, name: str, n: int | None = None, optional: bool = False
     t = getattr(msg, name)
     if optional and t is None:
         return 0
-    if (
-        not isinstance(t, torch.Tensor)
-        or t.is_floating_point()
-        or t.is_complex()
-        or t.dtype == torch.bool
-        or t.dim() != 1
-    ):
+    if not is_tensor(t) or t.is_floating_point() or t.is_complex() or t.dtype == sys.modules["torch"].bool or t.dim() != 1:
         raise _fail(msg, name, "a 1-D integer tensor")
     if n is not None and t.numel() != n:
         raise _fail(msg, name, f"a tensor of length {n}")
     if t.numel() and not 0 <= int(t.min()) <= int(t.max()) < (1 << 31):
         raise _fail(msg, name, "ids in [0, 2**31)")
     return t.numel()
+
+
+def _tokens(msg: Message, name: str, optional: bool = False) -> None:
+    """Validate token ids (list, tuple, numpy array or torch tensor) and store them as a tuple of ints."""
+    v = getattr(msg, name)
+    if optional and v is None:
+        return
+    ids = as_token_ids(v)
+    if ids is None:
+        raise _fail(msg, name, "a 1-D sequence of token ids in [0, 2**31)")
+    object.__setattr__(msg, name, ids)
 
 
 def _version(msg: Message) -> None:
@@ -201,21 +213,24 @@ class Message:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+    if is_tensor(a) or is_tensor(b):
         return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
+            is_tensor(a) and is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+            and sys.modules["torch"].equal(a, b)
         )
     return bool(a == b)
 
 
 def _encode_tensor(msg: Message, kind: str, value: Any) -> tuple[dict[str, Any], Any]:
+    if kind == TOKENS:
+        return tokens_to_frame(value)
     if kind == INDEX:
+        from flowedge.transport.frames import index_to_frame
+
         return index_to_frame(value)
     if kind == HIDDEN:
+        from flowedge.transport.frames import WIRE_DTYPES, tensor_to_frame
+
         return tensor_to_frame(value, WIRE_DTYPES[msg.hidden_wire])  # type: ignore[attr-defined]
     view = memoryview(value).cast("B")
     return {"dtype": "uint8", "shape": [len(view)]}, view
@@ -225,13 +240,18 @@ def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict
     if not isinstance(meta, dict):
         raise ProtocolError(f"{msg_type}: tensor meta must be a map")
     dtype = meta.get("dtype")
-    allowed = {INDEX: ("int16", "int32"), HIDDEN: (header.get("hidden_wire"),), BYTES: ("uint8",)}[kind]
+    allowed = {INDEX: ("int16", "int32"), TOKENS: tuple(TOKEN_WIRE_DTYPES), HIDDEN: (header.get("hidden_wire"),),
+               BYTES: ("uint8",)}[kind]
     if dtype not in allowed:
         raise ProtocolError(f"{msg_type}: {kind} tensor sent as {dtype!r}, expected one of {allowed}")
     if kind == BYTES:
         if meta.get("shape") != [len(frame_buffer(frame))]:
             raise ProtocolError(f"{msg_type}: byte frame length does not match its shape")
         return frame_buffer(frame)
+    if kind == TOKENS:
+        return frame_to_tokens(meta, frame)
+    from flowedge.transport.frames import frame_to_tensor
+
     t = frame_to_tensor(meta, frame)
     return t.long() if kind == INDEX else t
 
@@ -264,6 +284,15 @@ def decode(frames: Sequence[Any]) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     return cls._from_header(header, frames[1:])
+
+
+def __getattr__(name: str) -> Any:
+    # the torch dtype table is the data plane's: loaded on first use, never for a client
+    if name == "WIRE_DTYPES":
+        from flowedge.transport.frames import WIRE_DTYPES
+
+        return WIRE_DTYPES
+    raise AttributeError(name)
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flowedge.errors import ProtocolError
+from flowedge.transport.buffers import MAX_DIMS, MAX_TENSOR_BYTES, frame_buffer
 
 __all__ = [
     "MAX_TENSOR_BYTES",
@@ -33,10 +34,6 @@ __all__ = [
     "frame_buffer",
     "dtype_name",
 ]
-
-# A peer cannot make us allocate more than this for one tensor.
-MAX_TENSOR_BYTES = 1 << 30
-MAX_DIMS = 8
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -104,18 +101,6 @@ def index_to_frame(ids: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
     else:
         raise ProtocolError(f"index values [{lo}, {hi}] do not fit int32")
     return tensor_to_frame(ids.to(wire))
-
-
-def frame_buffer(frame: Any) -> memoryview:
-    """A flat byte view of a received frame: a zmq.Frame (copy=False), bytes, bytearray or memoryview."""
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes its message memory as .buffer
-    try:
-        view = memoryview(buf)
-    except TypeError as err:
-        raise ProtocolError(f"a frame must be a buffer, got {type(frame).__name__}") from err
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
-    return view
 
 
 def _check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:

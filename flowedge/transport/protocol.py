@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flowedge.errors import ChecksumError, ProtocolError
 from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol's public surface)
@@ -47,7 +45,7 @@ from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol
     ROLES,
     SEGMENT_KINDS,
     SHARD_CHUNK_BYTES,
-    WIRE_DTYPES,
+    TOKENS,
     Message,
     _fail,
     _float,
@@ -56,12 +54,25 @@ from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol
     _map,
     _sha256,
     _str,
+    _tokens,
     _version,
     check_version,
     decode,
     encode,
+    is_tensor,
     version_text,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WIRE_DTYPES":   # the data plane's torch dtype table, loaded on first use
+        from flowedge.transport.frames import WIRE_DTYPES
+
+        return WIRE_DTYPES
+    raise AttributeError(name)
 
 
 _MSG = dict(frozen=True, slots=True, kw_only=True, eq=False)
@@ -289,7 +300,7 @@ class Segment(Message):
         _index(self, "token_ids", n, optional=True)
         h = self.hidden
         if h is not None and (
-            not isinstance(h, torch.Tensor) or not h.is_floating_point() or h.dim() != 2 or h.shape[0] != n
+            not is_tensor(h) or not h.is_floating_point() or h.dim() != 2 or h.shape[0] != n
         ):
             raise _fail(self, "hidden", f"a float tensor [{n}, H]")
 
@@ -343,11 +354,11 @@ class PromptRequest(Message):
     """
 
     TYPE: ClassVar[str] = "prompt"
-    WIRE: ClassVar[dict[str, str]] = {"token_ids": INDEX}
+    WIRE: ClassVar[dict[str, str]] = {"token_ids": TOKENS}
     request_id: int
     max_new_tokens: int
     text: str | None = None
-    token_ids: torch.Tensor | None = None  # [p]
+    token_ids: tuple[int, ...] | None = None  # [p]; a list, array or tensor is stored as a tuple
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -361,7 +372,7 @@ class PromptRequest(Message):
             raise ProtocolError("prompt carries exactly one of text or token_ids")
         if self.text is not None:
             _str(self, "text", max_len=MAX_HEADER_BYTES // 2)
-        _index(self, "token_ids", optional=True)
+        _tokens(self, "token_ids", optional=True)
         _float(self, "temperature", 0.0, 100.0)
         _ints(self, "top_k", lo=1, hi=1 << 31, optional=True)
         _float(self, "top_p", 1e-9, 1.0, optional=True)
@@ -374,16 +385,16 @@ class TokenChunk(Message):
     """Head -> client: newly committed tokens; the last chunk has done=True and carries `stats`."""
 
     TYPE: ClassVar[str] = "tokens"
-    WIRE: ClassVar[dict[str, str]] = {"token_ids": INDEX}
+    WIRE: ClassVar[dict[str, str]] = {"token_ids": TOKENS}
     request_id: int
-    token_ids: torch.Tensor  # [t]
+    token_ids: tuple[int, ...]  # [t]; a list, array or tensor is stored as a tuple
     text: str
     done: bool
     stats: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
-        _index(self, "token_ids")
+        _tokens(self, "token_ids")
         _str(self, "text", max_len=MAX_HEADER_BYTES // 2)
         if type(self.done) is not bool:
             raise _fail(self, "done", "a bool")
