@@ -179,9 +179,10 @@ def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
     from flowedge.daemon.commands import COMMANDS
     from flowedge.models.commands import models, split
+    from flowedge.plan.commands import plan
     from flowedge.transport.commands import keys
 
-    for command in (models, split, keys, *COMMANDS):
+    for command in (models, split, keys, plan, *COMMANDS):
         main.add_command(command)
 
 

@@ -40,7 +40,9 @@ class NodeConfig:
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     stages: int = 2                           # stage nodes in the plan (the head is node 0)
-    layers: list[int] = field(default_factory=list)   # layers per stage; empty = balanced
+    layers: list[int] = field(default_factory=list)   # layers per stage; empty = planned from the
+                                              # stages' devices and free memory (flowedge/plan/)
+    context: int = 4096                       # tokens of KV cache the planner reserves on every stage
     strategy: str = "flowspec"                # default for prompts that name none
     wire_dtype: str = "float16"               # hidden states on the wire
     quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
@@ -73,6 +75,8 @@ class NodeConfig:
             raise ConfigError(f"tree_size must be one of {list(TREE_SIZES)}, got {self.tree_size!r}")
         if self.stages < 1:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
+        if self.context < 1:
+            raise ConfigError(f"context must be >= 1, got {self.context}")
         if self.lookup_tokens < 0:
             raise ConfigError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.layers and len(self.layers) != self.stages:

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.daemon.plan import Plan, prepare_plan
+from flowedge.daemon.plan import Plan, Replanner, prepare_plan
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Compute, Continue, Done, Emit, Segment, Send
 from flowedge.errors import ConfigError, FlowedgeError, ProtocolError
@@ -95,6 +95,7 @@ class HeadNode:
         self.engine_ids = 0
         self.engines: dict[tuple[str, float | None], object] = {}   # (strategy, placement ratio)
         self.plan: Plan | None = None
+        self.replanner = Replanner(config, flowedge_home())   # the split for the devices that joined
         self.last_ping = 0.0
         self.was_ready = False
         self.shutdown_cluster = False
@@ -131,6 +132,7 @@ class HeadNode:
             if sock is not None:
                 sock.close(0)
         self.security.stop()
+        self.replanner.close()
         self.ctx.term()
 
     def _loop(self) -> None:
@@ -222,6 +224,13 @@ class HeadNode:
         """Once every slot has a node, tell each its layer range and next hop (again if that changed)."""
         if None in self.slots or self.plan is None:
             return
+        plan = self.replanner.plan_for(self.plan, [self.peers[i].hello for i in self.slots])
+        if plan is None:      # re-splitting for these devices; housekeeping asks again
+            return
+        if plan is not self.plan:
+            log.info("plan: layers %s for the stages that joined", [list(r) for r in plan.ranges])
+            self.plan, self.engines = plan, {}
+            self.sent_assign.clear()
         for k, identity in enumerate(self.slots, start=1):
             nxt = self.peers[self.slots[k]].data_addr if k < len(self.slots) else ""
             if self.sent_assign.get(k) == (identity, nxt):
@@ -519,6 +528,8 @@ class HeadNode:
     # ---- liveness -------------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if self.replanner.busy:
+            self._assign_all()
         if now - self.last_ping >= self.config.heartbeat_ms / 1000:
             self.last_ping = now
             beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)

@@ -1,15 +1,25 @@
 """The head's partition plan: which layers each stage serves, the shard files it hands out, and the
-models node 0 itself holds (embedding + lm_head of the base model, the draft model, the tokenizer)."""
+models node 0 itself holds (embedding + lm_head of the base model, the draft model, the tokenizer).
+
+When the head starts it splits by layer count (or by the configured `layers`), so it can load its own
+parts and serve a homogeneous cluster at once. Once every slot holds a stage, the stages' Hellos say
+which device each one is and how much memory it has free: `Replanner` then asks the planner
+(flowedge/plan/partition.py) for the split that fits every stage and makes the slowest one fastest, and
+re-splits in a background thread (cached per layer counts, `split_dir_for`) when that split fits where
+the current one does not, or is at least `MIN_GAIN` faster. A manual `layers` is never overridden.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import load_draft_model
-from flowedge.errors import ModelError
+from flowedge.errors import ConfigError, ModelError
 from flowedge.models.shards import Manifest, _layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
 
@@ -26,6 +36,10 @@ class Plan:
     draft_model: StageModel | None
     tokenizer: object
     base_config: object
+
+    @property
+    def counts(self) -> list[int]:
+        return [b - a for a, b in self.ranges]
 
 
 def split_dir_for(home: Path, base_dir: Path, counts: list[int]) -> Path:
@@ -59,3 +73,90 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
     draft = load_draft_model(resolve_model(config.draft), config.draft_quant) if config.draft else None
     return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out))
+
+
+MIN_GAIN = 0.03   # re-split for a bottleneck at least 3% faster (or when the current split does not fit)
+
+
+def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hellos: list) -> list[int] | None:
+    """Layer counts for the stages that joined (in slot order), or None to keep `current`: a manual
+    `layers`, a device no shipped profile describes, a plan too small a gain, or one that cannot fit
+    (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
+    from flowedge.plan.cluster import step_tokens_for
+    from flowedge.plan.partition import PlanError, PlanInputs, StageDevice, plan_partition
+    from flowedge.sim.profiles import load_link, load_named_device
+
+    if config.layers:
+        return None
+    try:
+        profiles = [load_named_device(h.device) for h in hellos]
+    except ConfigError as err:
+        log.info("keeping the split by layer count: %s", err)
+        return None
+    devices = tuple(StageDevice(p, h.free_memory_bytes or None) for p, h in zip(profiles, hellos))
+    inputs = PlanInputs(base_config, devices, quant=config.quant, context=config.context,
+                        step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
+                        last_stage_runs_head=config.lm_head_at == "last-stage",
+                        link=load_link(profiles[0].default_link))
+    try:
+        best = plan_partition(inputs)
+    except PlanError as err:
+        log.error("no split fits the stages that joined: %s", err)
+        return None
+    fits, now_s = inputs.evaluate(current)
+    if best.counts == current or (fits and best.bottleneck_s > now_s * (1 - MIN_GAIN)):
+        return None
+    log.info("planned split for %s: %s (bottleneck %.1f ms/step, was %s at %.1f ms%s)",
+             [h.device for h in hellos], best.counts, 1e3 * best.bottleneck_s, current, 1e3 * now_s,
+             "" if fits else ", which does not fit")
+    return best.counts
+
+
+class Replanner:
+    """Re-splits for the devices that joined, off the head's event loop (a split can take minutes)."""
+
+    def __init__(self, config: NodeConfig, home: Path) -> None:
+        self.config, self.home = config, home
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replan")
+        self.pending: tuple[list[int], Future] | None = None
+        self.decided: dict[tuple, list[int] | None] = {}   # per (stages that joined, current split)
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None
+
+    def plan_for(self, plan: Plan, hellos: list) -> Plan | None:
+        """The plan to assign now: `plan` if it stays, a re-split one once written, None while splitting."""
+        key = (tuple((h.node_id, h.device, h.free_memory_bytes) for h in hellos), tuple(plan.counts))
+        if key not in self.decided:
+            self.decided[key] = planned_counts(self.config, plan.base_config, plan.counts, hellos)
+        counts = self.decided[key]
+        if counts is None:
+            self.pending = None
+            return plan
+        if self.pending is None or self.pending[0] != counts:
+            self.pending = (counts, self.pool.submit(resplit, plan, counts, self.config, self.home))
+        future = self.pending[1]
+        if not future.done():
+            return None
+        self.pending = None
+        try:
+            return future.result()
+        except Exception as err:   # a failed split leaves the working plan in place
+            log.error("re-split to %s failed, keeping %s: %s", counts, plan.counts, err)
+            return plan
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def resplit(plan: Plan, counts: list[int], config: NodeConfig, home: Path) -> Plan:
+    """`plan` with the layers split as `counts` (the models node 0 holds are the same in every split)."""
+    from flowedge.models.resolve import resolve_model
+
+    base_dir = resolve_model(config.model)
+    out = split_dir_for(home, base_dir, counts)
+    manifest = ensure_split(base_dir, counts, out, config.model)
+    ranges = [(st.start, st.end) for st in manifest.stages]
+    return replace(plan, split_dir=out, ranges=ranges, shards=[stage_files(out, k) for k in range(1, len(ranges) + 1)],
+                   head_file=head_file(out))

@@ -1,0 +1,83 @@
+"""A planned cluster from names: model shape, stage devices, node 0's device. What `flowedge plan`, the
+daemon's head and the benchmarks share."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flowedge.engine.config import SpecConfig
+from flowedge.plan.memory import GiB, MemoryNeed, head_need, usable_bytes
+from flowedge.plan.partition import PartitionPlan, PlanError, PlanInputs, StageDevice, plan_partition
+from flowedge.plan.shapes import load_shape
+from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_device, load_link
+
+DRAFT_SHAPE = "qwen2.5-coder-0.5b"   # node 0's draft (the real pair's) unless told otherwise
+
+
+def step_tokens_for(strategy: str, spec: SpecConfig = SpecConfig()) -> int:
+    """Tokens one stage forward carries in the steady state: one for ar-pp, a full segment otherwise."""
+    return 1 if strategy == "ar-pp" else spec.l_max
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """A planned cluster as the simulator charges it."""
+
+    config: Any                          # the planned model's shape
+    plan: PartitionPlan
+    devices: tuple[StageDevice, ...]     # in stage order (the plan's)
+    head_device: DeviceProfile
+    link: LinkProfile
+    head_memory: MemoryNeed | None = None
+
+
+def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, PartitionPlan]:
+    """The plan for the given device order, or with `reorder` the best over which device kind is last:
+    only the last stage differs from the others (it also runs the lm_head), so that choice is the order."""
+    candidates = [inputs]
+    if reorder and inputs.last_stage_head:
+        seen = {inputs.devices[-1].profile.name}
+        for k, dev in enumerate(inputs.devices[:-1]):
+            if dev.profile.name not in seen:
+                seen.add(dev.profile.name)
+                rest = inputs.devices[:k] + inputs.devices[k + 1:]
+                candidates.append(replace(inputs, devices=rest + (dev,)))
+    best: tuple[PlanInputs, PartitionPlan] | None = None
+    error: PlanError | None = None
+    for cand in candidates:
+        try:
+            plan = plan_partition(cand)
+        except PlanError as err:
+            error = error or err
+            continue
+        if best is None or (plan.bottleneck_s, plan.latency_s) < (best[1].bottleneck_s, best[1].latency_s):
+            best = (cand, plan)
+    if best is None:
+        raise error or PlanError("no plan")
+    return best
+
+
+def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None = None,
+                 free_memory_bytes: Sequence[int | None] | None = None, quant: str = "int4",
+                 context: int = 4096, strategy: str = "flowspec", link: str | None = None,
+                 reorder: bool = True, path: str | None = None, draft: str | None = DRAFT_SHAPE,
+                 draft_quant: str = "int4", head_free_bytes: int | None = None) -> ClusterSpec:
+    """Plan `model` (a shipped shape name or a model directory) over stage `devices` (profile names)."""
+    config = load_shape(model)
+    profiles = [load_device(d) for d in devices]
+    free = list(free_memory_bytes) if free_memory_bytes is not None else [None] * len(profiles)
+    if len(free) != len(profiles):
+        raise PlanError(f"{len(free)} free-memory figures for {len(profiles)} devices")
+    head = load_device(head_device or devices[0])
+    lnk = load_link(link or profiles[0].default_link)
+    inputs = PlanInputs(config, tuple(StageDevice(p, f, path) for p, f in zip(profiles, free)), quant=quant,
+                        context=context, step_tokens=step_tokens_for(strategy), link=lnk)
+    inputs, plan = best_order_plan(inputs, reorder)
+    need = head_need(config, load_shape(draft) if draft else None, draft_quant, context, head)
+    room = usable_bytes(head, head_free_bytes)
+    if need.total_bytes > room:
+        raise PlanError(f"node 0 ({head.name}) needs {need.total_bytes / GiB:.2f} GiB (embedding + lm_head + "
+                        f"draft + KV + runtime), has {room / GiB:.2f} GiB usable: "
+                        f"{(need.total_bytes - room) / GiB:.2f} GiB missing")
+    return ClusterSpec(config, plan, inputs.devices, head, lnk, need)

@@ -1,0 +1,206 @@
+"""Assign contiguous layer ranges to stages so that every stage fits its memory and the slowest stage
+is as fast as possible.
+
+The rule (exact, not a heuristic): stage k, on device k in the given order, serves n_k >= 1 consecutive
+decoder layers with sum n_k = L. Its memory need is weights(n_k) at the configured quantization + the
+KV cache of n_k layers for the configured context + the runtime's footprint (+ the 16-bit lm_head on the
+last stage when it chooses tokens); it must not exceed what the device reported free when it joined (or
+its profile's memory less an OS reserve). Its time per pipeline step is the roofline cost of one forward
+of the strategy's segment (l_max tokens for the tree strategies, 1 for ar-pp) over n_k layers on the
+device's profile, plus sending the segment's hidden states over the link (+ the lm_head on a last stage
+that chooses tokens). In a pipeline the slowest stage sets the pace, so:
+
+1. minimise the bottleneck max_k t_k(n_k) subject to memory: dynamic programming over (stage, layers
+   placed) in O(S * L^2), all layers of a model being alike so t_k and the memory need depend on n_k only;
+2. among the partitions with that bottleneck, minimise the sum of stage times (the pipeline's latency,
+   which every round's first token and ar-pp pay): a second DP restricted to t_k(n_k) <= the optimum.
+
+prima.cpp's layer assignment (Halda) solves a related problem for a ring of devices that run one token at
+a time (it minimises the per-token latency, a sum, with memory and disk-offload limits); flowedge's stages
+work concurrently on different segments, so the bottleneck is the objective and the sum the tie-break.
+Layers may not be offloaded to disk here: a partition that does not fit in memory is an error (PlanError)
+that says how many bytes are missing on which devices.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowedge.errors import ConfigError
+from flowedge.plan.memory import GiB, MemoryNeed, stage_need, usable_bytes
+from flowedge.sim.costs import forward_time_s, lm_head_time_s, shape_of_layers, transfer_time_s
+from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_link
+from flowedge.sim.sizing import SIZING_CONTEXT
+
+HIDDEN_WIRE_BYTES = 2   # hidden states travel as fp16/bf16
+
+
+class PlanError(ConfigError):
+    """The model does not fit the devices (the message says how much memory is missing where)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageDevice:
+    """One stage's device: its profile, the free memory it reported (None: not known) and kernel path."""
+
+    profile: DeviceProfile
+    free_memory_bytes: int | None = None
+    path: str | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        return usable_bytes(self.profile, self.free_memory_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    device: str
+    start: int
+    end: int
+    memory: MemoryNeed
+    usable_bytes: int
+    step_s: float          # one pipeline step (segment forward + send) on this stage
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionPlan:
+    stages: tuple[StagePlan, ...]
+    step_tokens: int
+
+    @property
+    def counts(self) -> list[int]:
+        return [s.layers for s in self.stages]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(s.start, s.end) for s in self.stages]
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.step_s for s in self.stages)
+
+    @property
+    def latency_s(self) -> float:
+        return sum(s.step_s for s in self.stages)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What the planner needs: model shape, stage devices, quantization, context, the step's tokens."""
+
+    config: Any
+    devices: tuple[StageDevice, ...]
+    quant: str = "int4"
+    context: int = 4096
+    step_tokens: int = 16          # tokens per stage forward: l_max for tree strategies, 1 for ar-pp
+    last_stage_head: bool = True   # the last stage holds the lm_head (chooses tokens)
+    link: LinkProfile | None = None   # default: the first device's default link
+    last_stage_runs_head: bool | None = None   # its step includes the lm_head (default: last_stage_head)
+
+    def need(self, k: int, layers: int) -> MemoryNeed:
+        dev = self.devices[k]
+        return stage_need(self.config, layers, self.quant, self.context, dev.profile, dev.path,
+                          holds_head=self.last_stage_head and k == len(self.devices) - 1)
+
+    def step_s(self, k: int, layers: int) -> float:
+        dev, tokens = self.devices[k], self.step_tokens
+        link = self.link or load_link(self.devices[0].profile.default_link)
+        t = forward_time_s(dev.profile, shape_of_layers(self.config, 0, layers), tokens, SIZING_CONTEXT, dev.path)
+        t += transfer_time_s(link, tokens * int(self.config.hidden_size) * HIDDEN_WIRE_BYTES)
+        runs_head = self.last_stage_head if self.last_stage_runs_head is None else self.last_stage_runs_head
+        if runs_head and k == len(self.devices) - 1:
+            t += lm_head_time_s(dev.profile, self.config, tokens, dev.path)
+        return t
+
+    def evaluate(self, counts: Sequence[int]) -> tuple[bool, float]:
+        """(every stage fits, bottleneck seconds) of a given split: is re-splitting worth it?"""
+        fits = all(self.need(k, n).total_bytes <= self.devices[k].usable_bytes for k, n in enumerate(counts))
+        return fits, max(self.step_s(k, n) for k, n in enumerate(counts))
+
+
+def plan_partition(inputs: PlanInputs) -> PartitionPlan:
+    """The exact min-bottleneck, then min-latency, contiguous partition that fits (see module doc)."""
+    layers, stages = int(inputs.config.num_hidden_layers), len(inputs.devices)
+    if not 1 <= stages <= layers:
+        raise PlanError(f"cannot split {layers} layers over {stages} stages (each stage serves >= 1 layer)")
+    # step[k][n], fits[k][n]: stage k with n layers (all decoder layers cost the same)
+    step = [[0.0] + [inputs.step_s(k, n) for n in range(1, layers + 1)] for k in range(stages)]
+    fits = [[False] + [inputs.need(k, n).total_bytes <= inputs.devices[k].usable_bytes
+                       for n in range(1, layers + 1)] for k in range(stages)]
+    bottleneck = _min_bottleneck(step, fits, layers)
+    if bottleneck is None:
+        raise PlanError(_why_not(inputs, fits))
+    counts = _min_latency(step, fits, layers, bottleneck * (1 + 1e-9))
+    out, start = [], 0
+    for k, n in enumerate(counts):
+        out.append(StagePlan(inputs.devices[k].profile.name, start, start + n, inputs.need(k, n),
+                             inputs.devices[k].usable_bytes, step[k][n]))
+        start += n
+    return PartitionPlan(tuple(out), inputs.step_tokens)
+
+
+def _min_bottleneck(step: list[list[float]], fits: list[list[bool]], layers: int) -> float | None:
+    """best[j]: the smallest bottleneck placing j layers on the stages so far (inf: impossible)."""
+    best = [0.0] + [math.inf] * layers
+    for k in range(len(step)):
+        nxt = [math.inf] * (layers + 1)
+        for j in range(1, layers + 1):
+            for n in range(1, j + 1):
+                if fits[k][n] and best[j - n] < math.inf:
+                    nxt[j] = min(nxt[j], max(best[j - n], step[k][n]))
+        best = nxt
+    return best[layers] if best[layers] < math.inf else None
+
+
+def _min_latency(step: list[list[float]], fits: list[list[bool]], layers: int, cap_s: float) -> list[int]:
+    """Counts with every stage time <= cap_s minimising the sum of stage times (feasible by construction)."""
+    best: list[float] = [0.0] + [math.inf] * layers
+    choice: list[list[int]] = []
+    for k in range(len(step)):
+        nxt, pick = [math.inf] * (layers + 1), [0] * (layers + 1)
+        for j in range(1, layers + 1):
+            for n in range(1, j + 1):
+                if fits[k][n] and step[k][n] <= cap_s and best[j - n] + step[k][n] < nxt[j]:
+                    nxt[j], pick[j] = best[j - n] + step[k][n], n
+        best = nxt
+        choice.append(pick)
+    counts, j = [], layers
+    for k in reversed(range(len(step))):
+        counts.append(choice[k][j])
+        j -= choice[k][j]
+    return counts[::-1]
+
+
+def _why_not(inputs: PlanInputs, fits: list[list[bool]]) -> str:
+    """One message: the total shortfall and, per device, what it can hold and what one more layer needs."""
+    layers = int(inputs.config.num_hidden_layers)
+    name = getattr(inputs.config, "name", "the model")
+    caps = [max((n for n in range(1, layers + 1) if fits[k][n]), default=0) for k in range(len(fits))]
+    parts = []
+    for k, dev in enumerate(inputs.devices):
+        need = inputs.need(k, max(caps[k], 1)).total_bytes
+        parts.append(f"stage {k + 1} {dev.profile.name}: {dev.usable_bytes / GiB:.2f} GiB usable, holds "
+                     f"{caps[k]} layers" + ("" if caps[k] else f" (one layer needs {need / GiB:.2f} GiB)"))
+    # the shortfall: memory to hold every layer on the devices as they are (per-layer cost of the cheapest)
+    per_layer = min(inputs.need(k, 2).total_bytes - inputs.need(k, 1).total_bytes for k in range(len(fits)))
+    short_layers = max(0, layers - sum(caps))
+    empty = [k for k, c in enumerate(caps) if c == 0]
+    missing = short_layers * per_layer + sum(inputs.need(k, 1).total_bytes - inputs.devices[k].usable_bytes
+                                             for k in empty)
+    return (f"{name} ({layers} layers, quant {inputs.quant}, context {inputs.context}) does not fit: "
+            f"{missing / GiB:.2f} GiB missing ({short_layers} layers unplaced"
+            + (f"; stages {', '.join(str(k + 1) for k in empty)} cannot hold one layer" if empty else "")
+            + f"). " + "; ".join(parts)
+            + ". Add a device, free memory, or lower the quantization / context.")
+
+
+def stage_devices(profiles: Sequence[DeviceProfile], free_bytes: Sequence[int | None] | None = None,
+                  path: str | None = None) -> tuple[StageDevice, ...]:
+    free = list(free_bytes) if free_bytes is not None else [None] * len(profiles)
+    return tuple(StageDevice(p, f, path) for p, f in zip(profiles, free, strict=True))

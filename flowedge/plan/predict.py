@@ -1,0 +1,99 @@
+"""Predicted tokens/s of a planned cluster: the simulator run with the plan's per-stage devices and the
+planned model's shape, tokens taken from the real pair.
+
+The planned model (say LLaMA-2-70B) has no weights here, so its stages are shape-only: every Compute is
+charged by the roofline cost model for the planned model's layers on the stage's own device, and every
+hidden-state message by the planned model's hidden size; which tokens are drafted, accepted and sent
+comes from running the real pair (Qwen2.5-Coder 1.5B + 0.5B draft) under oracle verification. So the
+acceptance is the real pair's, the costs are the planned cluster's. Node 0 charges the real draft model
+on its own device. The analytic `ar_pp_tokens_per_s` needs no model at all: one token crosses every stage.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flowedge.engine.config import SpecConfig
+from flowedge.plan.cluster import ClusterSpec
+from flowedge.plan.partition import HIDDEN_WIRE_BYTES
+from flowedge.sim.cluster import CostModel
+from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
+                                shape_of_layers, transfer_time_s)
+from flowedge.sim.run import draft_path_for
+from flowedge.sim.sizing import SIZING_CONTEXT, tree_costs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STRATEGIES = ("ar-pp", "naive-pp", "pipedec", "flowspec")
+
+
+def ar_pp_tokens_per_s(cluster: ClusterSpec, context: int = SIZING_CONTEXT) -> float:
+    """Plain pipelined decoding: each token runs through every stage in turn, then the lm_head."""
+    cfg, hidden_bytes = cluster.config, int(cluster.config.hidden_size) * HIDDEN_WIRE_BYTES
+    t = sum(forward_time_s(d.profile, shape_of_layers(cfg, a, b), 1, context, d.path)
+            for d, (a, b) in zip(cluster.devices, cluster.plan.ranges))
+    t += len(cluster.devices) * transfer_time_s(cluster.link, hidden_bytes) + transfer_time_s(cluster.link, 64)
+    last = cluster.devices[-1]
+    return 1.0 / (t + lm_head_time_s(last.profile, cfg, 1, last.path))
+
+
+def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool, hidden_scale: float = 1.0,
+               spec: SpecConfig = SpecConfig()) -> CostModel:
+    """Charges for the planned cluster; `hidden_scale`: planned / simulated hidden size (message bytes)."""
+    cfg, devs = cluster.config, cluster.devices
+    shapes = [shape_of_layers(cfg, a, b) for a, b in cluster.plan.ranges]
+    head = cluster.head_device
+    draft_path = draft_path_for(head)
+
+    def compute_s(node: int, c) -> float:
+        if c.what == "lm_head":   # node 0, or the last stage when it chooses tokens
+            dev = head if node == 0 else devs[node - 1].profile
+            return lm_head_time_s(dev, cfg, c.tokens, None if node == 0 else devs[node - 1].path)
+        if node == 0:
+            return draft_time_s(head, draft_config, c.tokens, c.context, draft_path, draft_quantized) \
+                if c.what == "draft" else 0.0
+        return forward_time_s(devs[node - 1].profile, shapes[node - 1], c.tokens, c.context, devs[node - 1].path)
+
+    costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(cluster.link, int(n * hidden_scale)))
+    last = devs[-1]
+    costs.lm_head_segment_ratio = lm_head_segment_ratio(last.profile, cfg, spec.l_max, last.path)
+    costs.tree = tree_costs(cfg, draft_config, cluster.plan.ranges, [d.profile for d in devs], head,
+                            draft_path=draft_path, draft_quantized=draft_quantized, l_max=spec.l_max,
+                            topk=spec.topk)
+    return costs
+
+
+def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Sequence[str],
+             strategies: Sequence[str] = DEFAULT_STRATEGIES, max_new_tokens: int = 64) -> dict[str, dict]:
+    """{strategy: {tokens_per_s, mean_accept_len}} over `prompts`, on the real pair's tokens (oracle)."""
+    from flowedge.core.sampling import SamplingParams
+    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.sim.cluster import SimCluster
+    from flowedge.sim.run import Cluster, draft_quant_for
+
+    spec = SpecConfig()
+    draft_quant = draft_quant_for(cluster.head_device.name)
+    sim = Cluster(base_dir, draft_dir, len(cluster.devices) + 1, spec, verify="oracle", size_from_costs=True,
+                  draft_quant=draft_quant)
+    tok = load_tokenizer(base_dir)
+    ids = [encode_prompt(tok, p, chat=True) for p in prompts]
+    costs = cost_model(cluster, sim.draft_model.config, draft_quantized=draft_quant != "none",
+                       hidden_scale=int(cluster.config.hidden_size) / int(sim.config.hidden_size), spec=spec)
+    totals = {s: [0, 0.0, []] for s in strategies}    # tokens, simulated seconds, accept lengths
+    for i, prompt_ids in enumerate(ids):
+        for strategy in strategies:   # prompt-major: the oracle's path cache serves every strategy
+            head, stages = sim.build(strategy, costs)
+            res = SimCluster(head, stages, costs).run(i + 1, prompt_ids, max_new_tokens, SamplingParams())
+            totals[strategy][0] += len(res.done.token_ids)
+            totals[strategy][1] += res.sim_time_s
+            totals[strategy][2] += list(res.done.stats.accept_lens)
+        if sim.oracle is not None:
+            sim.oracle.clear()
+    out: dict[str, dict] = {}
+    for strategy, (tokens, seconds, accepts) in totals.items():
+        out[strategy] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
+                         "mean_accept_len": sum(accepts) / len(accepts) if accepts else None}
+        log.info("simulated %s: %.2f tok/s", strategy, out[strategy]["tokens_per_s"])
+    return out

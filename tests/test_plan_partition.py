@@ -1,0 +1,124 @@
+"""The planner: memory limits honoured, faster devices get more layers, the optimum is exact, and a
+model that cannot fit gets one clear error."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from flowedge.plan.cluster import plan_cluster
+from flowedge.plan.memory import GiB
+from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
+from flowedge.plan.shapes import list_shapes, load_shape, shape_from_dict
+from flowedge.sim.profiles import list_devices, load_device
+
+MIXED = ["agx-orin-64gb", "orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"]
+
+
+def _inputs(model, names, free_gib=None, **kw) -> PlanInputs:
+    free = [None if f is None else int(f * GiB) for f in free_gib] if free_gib else None
+    config = load_shape(model) if isinstance(model, str) else model
+    return PlanInputs(config, stage_devices([load_device(n) for n in names], free), **kw)
+
+
+def _fits(inputs: PlanInputs, plan) -> bool:
+    return all(s.memory.total_bytes <= s.usable_bytes for s in plan.stages)
+
+
+def test_shapes_ship_with_the_package():
+    assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "qwen2.5-coder-1.5b"} <= set(list_shapes())
+    assert load_shape("llama-2-70b").num_key_value_heads == 8
+
+
+def test_faster_devices_get_more_layers_and_every_stage_fits():
+    inputs = _inputs("llama-2-7b", ["orin-nano-8gb", "agx-orin-64gb", "orin-nano-8gb"], quant="int4")
+    plan = plan_partition(inputs)
+    counts = plan.counts
+    assert sum(counts) == 32 and counts[1] > counts[0] and counts[1] > counts[2]
+    assert _fits(inputs, plan)
+    assert plan.ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(plan.ranges, plan.ranges[1:]))
+
+
+def test_memory_limits_move_layers_off_a_fast_but_full_device():
+    free = plan_partition(_inputs("llama-2-7b", ["agx-orin-64gb", "orin-nano-8gb"], quant="int4"))
+    tight = _inputs("llama-2-7b", ["agx-orin-64gb", "orin-nano-8gb"], free_gib=[2.5, None], quant="int4")
+    plan = plan_partition(tight)
+    assert plan.counts[0] < free.counts[0]
+    assert _fits(tight, plan) and plan.stages[0].memory.total_bytes <= 2.5 * GiB
+    # FlowSpec's 13B setting: 16-bit weights do not fit four Orin Nanos, bitsandbytes 4-bit does
+    with pytest.raises(PlanError, match="does not fit"):
+        plan_partition(_inputs("llama-2-13b", ["orin-nano-8gb"] * 4, quant="none"))
+    nf4 = _inputs("llama-2-13b", ["orin-nano-8gb"] * 4, quant="nf4")
+    assert _fits(nf4, plan_partition(nf4))
+
+
+def test_a_model_that_cannot_fit_gets_one_error_naming_the_shortfall_and_the_devices():
+    with pytest.raises(PlanError) as err:
+        plan_partition(_inputs("llama-2-70b", ["orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"], quant="int4"))
+    text = str(err.value)
+    assert "\n" not in text and "does not fit" in text and "GiB missing" in text
+    assert "stage 3 rpi5-8gb" in text and "holds" in text
+    with pytest.raises(PlanError, match="cannot hold one layer"):
+        plan_partition(_inputs("llama-2-7b", ["orin-nano-8gb", "orin-nano-8gb"], free_gib=[6, 0.5]))
+
+
+def _brute_force(inputs: PlanInputs) -> float:
+    layers, stages = inputs.config.num_hidden_layers, len(inputs.devices)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        counts = [b - a for a, b in zip((0, *cuts), (*cuts, layers))]
+        fits, bottleneck = inputs.evaluate(counts)
+        if fits:
+            best = min(best, bottleneck)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_split_is_the_exact_minimum_bottleneck(seed):
+    rng = random.Random(seed)
+    config = shape_from_dict({"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                              "num_key_value_heads": rng.choice([4, 16]), "num_hidden_layers": rng.randint(6, 12),
+                              "vocab_size": 32000}, "test")
+    names = [rng.choice(list_devices()) for _ in range(rng.randint(2, 4))]
+    free = [rng.choice([None, 1.0, 1.5, 3.0]) for _ in names]
+    inputs = _inputs(config, names, free_gib=free, quant=rng.choice(["none", "int4"]),
+                     step_tokens=rng.choice([1, 16]))
+    expected = _brute_force(inputs)
+    if expected == float("inf"):
+        with pytest.raises(PlanError):
+            plan_partition(inputs)
+        return
+    plan = plan_partition(inputs)
+    assert _fits(inputs, plan) and plan.bottleneck_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_plan_cluster_puts_the_lm_head_on_the_best_last_stage_and_checks_node0():
+    cluster = plan_cluster("llama-2-7b", MIXED, quant="int4")
+    assert sorted(d.profile.name for d in cluster.devices) == sorted(MIXED)
+    assert cluster.devices[-1].profile.name != "rpi5-8gb"       # the slowest board never runs the lm_head
+    with pytest.raises(PlanError, match="node 0"):
+        plan_cluster("llama-2-7b", ["agx-orin-64gb"] * 2, head_device="rpi5-8gb", head_free_bytes=GiB)
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "flowedge", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_command_prints_stages_memory_and_the_analytic_speed():
+    proc = _plan_cli("--model", "llama-2-7b", "--devices", ",".join(MIXED), "--no-simulate", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert sum(s["count"] for s in report["stages"]) == 32
+    assert all(s["total_gib"] <= s["usable_gib"] for s in report["stages"])
+    assert report["predicted_tokens_per_s"]["ar-pp (analytic)"] > 0
+    table = _plan_cli("--model", "llama-2-13b", "--devices", "orin-nano-8gb,orin-nano-8gb", "--quant", "int4",
+                      "--no-simulate")
+    assert table.returncode == 0 and "bottleneck" in table.stdout and "orin-nano-8gb" in table.stdout
+    bad = _plan_cli("--model", "llama-2-70b", "--devices", "rpi5-8gb", "--no-simulate")
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: ") and "missing" in bad.stderr
+    assert "Traceback" not in bad.stderr
