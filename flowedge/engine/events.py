@@ -86,6 +86,7 @@ class Send:
 class Emit:
     """Tokens newly accepted for the user, in order."""
     tokens: list[int]
+    request_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +112,5 @@ class Stats:
 class Done:
     token_ids: list[int]
     stats: Stats
+    request_id: int | None = None
+    cancelled: bool = False    # stopped by `scheduler.Cancel`, not by max tokens or a stop token

@@ -245,11 +245,11 @@ class Head:
                 new = new[: i + 1]
                 break
         self.outputs += new
-        actions: list = [Emit(new)] if new else []
+        actions: list = [Emit(new, self.request_id)] if new else []
         if len(self.outputs) >= self.max_new or (new and new[-1] in self.stop_ids):
             self.finished = True
             actions += [Send(i, Finish(self.request_id)) for i in range(1, self.n_stages + 1)]
-            actions.append(Done(list(self.outputs), self.stats))
+            actions.append(Done(list(self.outputs), self.stats, self.request_id))
         return actions
 
     def context(self) -> list[int]:

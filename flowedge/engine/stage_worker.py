@@ -1,6 +1,12 @@
-"""The stage worker: one layer range, its KV cache, and the rules that keep it in step with the head.
+"""The stage worker: one layer range, a KV cache per request, and the rules that keep it in step with the head.
 
-Cache layout: [committed context (prefix_len entries)][draft entries, ids in `draft_ids`]. A segment is
+Several requests share a stage (SpecPipe-DB's dynamic batching): each has its own `RequestSlot` (KV cache,
+committed length, draft ids, prune version), created by its first prefill chunk and freed by `Finish`.
+Whatever segments of different requests are ready when the stage takes its messages run as one batched
+forward (`receive_all`): packed rows, a block-diagonal mask, per-request positions and KV (see
+`models/kv_cache.PackedKV`). One request alone runs exactly as before.
+
+Cache layout per request: [committed context (prefix_len entries)][draft entries, ids in `draft_ids`]. A segment is
 run only after every prune it was built against has been applied (`prune_version`); tokens that a newer
 prune already killed are dropped on arrival, so in-flight hidden states are pruned too. Every stage
 applies the same prunes in version order, hence identical caches across stages.
@@ -13,12 +19,15 @@ device: it also runs the draft model) and shrinks the return hop from H 16-bit v
 from __future__ import annotations
 
 import logging
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Finish, Prune, Segment, Send
+from flowedge.models.kv_cache import PackedKV
 from flowedge.models.stage import StageModel, bool_to_float_mask
 
 log = logging.getLogger(__name__)
@@ -40,146 +49,239 @@ def tree_rows(parent_of: torch.Tensor, seg_ids: torch.Tensor, columns: torch.Ten
     return (columns.view(1, -1, 1) == anc_ids.unsqueeze(1)).any(-1)      # [n, m]
 
 
+CLOSED_REMEMBERED = 4096   # finished request ids a stage remembers, so a late prefill cannot revive one
+
+
+@dataclass
+class RequestSlot:
+    """One request's state on a stage (mutable: it is the stage's bookkeeping, not a message)."""
+    request_id: int
+    cache: object                          # KVCache (LengthOnlyCache under oracle verification)
+    prefix_len: int = 0
+    round_id: int = 0
+    version: int = 0
+    last_prune: PruneSet | None = None
+    draft_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    parent_of: torch.Tensor = field(default_factory=lambda: torch.full((64,), -1, dtype=torch.long))
+    waiting: list[Segment] = field(default_factory=list)
+    pending_prunes: dict[int, Prune] = field(default_factory=dict)
+    chooses_tokens: bool = False           # return chosen tokens, not hidden states
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+
+    def next_ready(self) -> Segment | None:
+        """The oldest segment whose prunes have all been applied (FIFO per request keeps parents first)."""
+        for i, seg in enumerate(self.waiting):
+            if seg.prune_version <= self.version:
+                return self.waiting.pop(i)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """A segment prepared for the batched forward: its rows' mask over its own request's cache."""
+    slot: RequestSlot
+    seg: Segment
+    allowed: torch.Tensor     # [n, past + n] bool
+    past: int
+
+
 class StageWorker:
     def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False) -> None:
         self.index = index                  # 1..N
         self.model = model
         self.can_choose = can_choose        # holds the lm_head (or stands in for one: shape-only stages)
         self.next_node = 0 if index == n_stages else index + 1
-        self.request_id: int | None = None
-        self.cache = model.new_cache()
-        self._reset_request(None)
-        self.history: list[tuple[int, int]] = []   # (prune version, prefix_len after it): for tests
+        self.slots: dict[int, RequestSlot] = {}
+        self._closed: deque[int] = deque(maxlen=CLOSED_REMEMBERED)
+        self.history: list[tuple[int, int]] = []   # (prune version, prefix_len after it), all requests: tests
+        self.history_by_request: dict[int, list[tuple[int, int]]] = {}   # the same, per request (tests)
+        self.batch_sizes: list[int] = []           # requests per forward (for reports)
 
-    def _reset_request(self, request_id: int | None) -> None:
-        self.request_id = request_id
-        self.cache.truncate(0)
-        self.prefix_len = 0
-        self.round_id = 0
-        self.version = 0
-        self.last_prune: PruneSet | None = None
-        self.draft_ids = torch.empty(0, dtype=torch.long)
-        self.parent_of = torch.full((64,), -1, dtype=torch.long)
-        self.waiting: list[Segment] = []
-        self.pending_prunes: dict[int, Prune] = {}
-        self.chooses_tokens = False         # this request: return chosen tokens, not hidden states
-        self.params = SamplingParams()
-        self.generator: torch.Generator | None = None
+    # ---- inspection -----------------------------------------------------------------------------
+    def cache_lengths(self) -> dict[int, int]:
+        """KV entries held per live request."""
+        return {rid: slot.cache.length for rid, slot in self.slots.items()}
+
+    def history_of(self, request_id: int) -> list[tuple[int, int]]:
+        return self.history_by_request.get(request_id, [])
+
+    def cached_tokens(self) -> int:
+        return sum(self.cache_lengths().values())
 
     # ---- events ---------------------------------------------------------------------------------
     def receive(self, message: Segment | Prune | Finish) -> list:
-        if isinstance(message, Finish):
-            if message.request_id == self.request_id:
-                self._reset_request(None)
-            return []
-        if message.request_id != self.request_id:
-            if isinstance(message, Segment) and message.phase == "prefill":
-                self._reset_request(message.request_id)
-            else:
-                return []   # a finished or unknown request: nothing to do
-        if isinstance(message, Prune):
-            self.pending_prunes[message.version] = message
-        else:
-            self.waiting.append(message)
-        return self._drain()
+        return self.receive_all([message])
 
-    def _drain(self) -> list:
+    def receive_all(self, messages: list) -> list:
+        """Take every message that arrived while the stage was busy, then run what is ready: one batched
+        forward per wave, at most one segment per request in each (a request's own segments stay in order)."""
+        for m in messages:
+            self._accept(m)
         actions: list = []
-        progressed = True
-        while progressed:
-            progressed = False
-            nxt = self.pending_prunes.pop(self.version + 1, None)
-            if nxt is not None:
-                self._apply(nxt)
-                progressed = True
-            ready = [s for s in self.waiting if s.prune_version <= self.version]
-            if ready:
-                self.waiting = [s for s in self.waiting if s.prune_version > self.version]
-                for seg in ready:
-                    actions += self._run(seg)
-                progressed = True
-        return actions
+        while True:
+            batch = []
+            for slot in list(self.slots.values()):
+                self._apply_pending(slot)
+                seg = slot.next_ready()
+                if seg is not None:
+                    batch.append((slot, seg))
+            if not batch:
+                return actions
+            actions += self._run_batch(batch)
 
-    def _apply(self, p: Prune) -> None:
-        self.version = p.version
-        commit_pos, keep_pos = cache_reorder(self.draft_ids, p.prune)
+    def _accept(self, message) -> None:
+        rid = message.request_id
+        if isinstance(message, Finish):
+            self._free(rid)
+            return
+        starts = isinstance(message, Segment) and message.phase == "prefill" and int(message.positions[0]) == 0
+        if starts and rid not in self._closed:
+            self.slots[rid] = RequestSlot(rid, self.model.new_cache())   # a new request, or a replay from scratch
+        slot = self.slots.get(rid)
+        if slot is None:
+            return   # a finished, cancelled or unknown request: nothing to do
+        if isinstance(message, Prune):
+            slot.pending_prunes[message.version] = message
+        else:
+            slot.waiting.append(message)
+
+    def _free(self, request_id: int) -> None:
+        """The request is over (finished or cancelled): drop its KV cache and never revive it."""
+        self._closed.append(request_id)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            slot.cache.truncate(0)
+
+    def _apply_pending(self, slot: RequestSlot) -> None:
+        while (p := slot.pending_prunes.pop(slot.version + 1, None)) is not None:
+            self._apply(slot, p)
+
+    def _apply(self, slot: RequestSlot, p: Prune) -> None:
+        slot.version = p.version
+        commit_pos, keep_pos = cache_reorder(slot.draft_ids, p.prune)
         if p.end_round:
             keep_pos = keep_pos[:0]
-        base = torch.arange(self.prefix_len)
-        self.cache.keep(torch.cat([base, self.prefix_len + commit_pos, self.prefix_len + keep_pos]))
-        self.prefix_len += int(commit_pos.numel())
-        self.draft_ids = self.draft_ids[keep_pos]
+        base = torch.arange(slot.prefix_len)
+        slot.cache.keep(torch.cat([base, slot.prefix_len + commit_pos, slot.prefix_len + keep_pos]))
+        slot.prefix_len += int(commit_pos.numel())
+        slot.draft_ids = slot.draft_ids[keep_pos]
         if p.end_round:
-            self.round_id = p.round_id + 1
-            self.last_prune = None
-            self.parent_of.fill_(-1)
+            slot.round_id = p.round_id + 1
+            slot.last_prune = None
+            slot.parent_of.fill_(-1)
         else:
-            self.last_prune = p.prune
-        self.history.append((p.version, self.prefix_len))
+            slot.last_prune = p.prune
+        self.history.append((p.version, slot.prefix_len))
+        self.history_by_request.setdefault(slot.request_id, []).append((p.version, slot.prefix_len))
 
-    def _run(self, seg: Segment) -> list:
-        if seg.phase == "prefill":
-            return self._prefill(seg)
-        if seg.round_id != self.round_id:
-            return []   # built for a round that has ended: dead on arrival
-        live = live_in(seg.node_ids, self.last_prune) if self.last_prune is not None \
-            else torch.ones(len(seg), dtype=torch.bool)
-        seg = seg.select(live) if not bool(live.all()) else seg
+    # ---- the batched forward --------------------------------------------------------------------
+    def _prepare(self, slot: RequestSlot, seg: Segment) -> _Row | None:
+        """Drop rows a newer prune killed and build the segment's mask; None: dead on arrival."""
+        past = slot.cache.length
+        if seg.phase == "prefill":   # a prompt chunk: plain causal attention, committed at once
+            n = len(seg)
+            allowed = torch.ones(n, past + n, dtype=torch.bool)
+            allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+            return _Row(slot, seg, allowed, past)
+        if seg.round_id != slot.round_id:
+            return None   # built for a round that has ended
+        if slot.last_prune is not None:
+            live = live_in(seg.node_ids, slot.last_prune)
+            seg = seg.select(live) if not bool(live.all()) else seg
         n = len(seg)
         if n:
-            self._record_parents(seg)
-        past = self.cache.length
+            _record_parents(slot, seg)
         allowed = torch.zeros(n, past + n, dtype=torch.bool)
-        allowed[:, : self.prefix_len] = True
-        allowed[:, self.prefix_len:] = tree_rows(self.parent_of, seg.node_ids,
-                                                 torch.cat([self.draft_ids, seg.node_ids]))
-        hidden = self.model.forward_layers(seg.hidden, seg.positions,
-                                           bool_to_float_mask(allowed, seg.hidden.dtype), self.cache)
-        self.draft_ids = torch.cat([self.draft_ids, seg.node_ids])
-        actions: list = [Compute("stage", n, past, seg.phase)]
-        if self.chooses_tokens:
-            if n:
-                actions.append(Compute("lm_head", n, 0, seg.phase))
-            out = seg.select(torch.ones(n, dtype=torch.bool), hidden[:, :0], self._choose(hidden))
-        else:
-            out = seg.select(torch.ones(n, dtype=torch.bool), hidden)
-        return actions + [Send(self.next_node, out)]
+        allowed[:, : slot.prefix_len] = True
+        allowed[:, slot.prefix_len:] = tree_rows(slot.parent_of, seg.node_ids,
+                                                 torch.cat([slot.draft_ids, seg.node_ids]))
+        return _Row(slot, seg, allowed, past)
 
-    def _choose(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _run_batch(self, batch: list[tuple[RequestSlot, Segment]]) -> list:
+        rows = [r for slot, seg in batch if (r := self._prepare(slot, seg)) is not None]
+        if not rows:
+            return []
+        run = [r for r in rows if len(r.seg)]
+        hidden = self._forward(run) if run else []
+        self.batch_sizes.append(len(run))
+        n_total = sum(len(r.seg) for r in run)
+        phases = {r.seg.phase for r in run}
+        actions: list = [Compute("stage", n_total, sum(r.past for r in run),
+                                 phases.pop() if len(phases) == 1 else "batch")] if run else []
+        outs, lm_rows = [], 0
+        by_row = dict(zip((id(r) for r in run), hidden))
+        for r in rows:
+            h = by_row.get(id(r), r.seg.hidden)
+            out, chosen = self._finish_row(r, h)
+            outs.append(out)
+            lm_rows += chosen
+        if lm_rows:
+            actions.append(Compute("lm_head", lm_rows, 0, actions[0].phase if actions else ""))
+        return actions + [Send(self.next_node, out) for out in outs]
+
+    def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
+        """One forward over every row of every request: [sum n, H] packed, block-diagonal mask."""
+        hidden = torch.cat([r.seg.hidden for r in rows])
+        positions = torch.cat([r.seg.positions for r in rows])
+        caches = [r.slot.cache for r in rows]
+        sizes = [len(r.seg) for r in rows]
+        if len(rows) == 1:
+            mask, cache = rows[0].allowed, caches[0]
+        else:
+            mask, cache = block_diagonal([r.allowed for r in rows]), PackedKV(caches, sizes)
+        out = self.model.forward_layers(hidden, positions, bool_to_float_mask(mask, hidden.dtype), cache)
+        return list(out.split(sizes))
+
+    def _finish_row(self, r: _Row, hidden: torch.Tensor) -> tuple[Segment, int]:
+        """Book the forward into the request's state; returns the outgoing segment and lm_head rows spent."""
+        slot, seg, n = r.slot, r.seg, len(r.seg)
+        everything = torch.ones(n, dtype=torch.bool)
+        if seg.phase != "prefill":
+            slot.draft_ids = torch.cat([slot.draft_ids, seg.node_ids])
+            if not slot.chooses_tokens:
+                return seg.select(everything, hidden), 0
+            return seg.select(everything, hidden[:, :0], self._choose(slot, hidden)), n
+        slot.prefix_len += n
+        if int(seg.positions[0]) == 0:   # first chunk: does the head want this stage's token choices?
+            slot.chooses_tokens = self.can_choose and seg.sampling is not None
+            if slot.chooses_tokens:
+                slot.params, slot.generator = seg.sampling, make_generator(seg.sampling)
+        if not slot.chooses_tokens:
+            return seg.select(everything, hidden), 0
+        tokens = torch.full((n,), -1, dtype=torch.long)
+        tokens[-1:] = self._choose(slot, hidden[-1:])      # only the prompt's last row is ever read
+        return seg.select(everything, hidden[:, :0], tokens), 1
+
+    def _choose(self, slot: RequestSlot, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] final hidden states -> [n] tokens drawn from the base distribution (one independent
-        draw per row, vectorised); -1 rows when the model is shape-only (the simulator's oracle mode,
-        where the head reads the base logits itself but this stage is charged for the lm_head)."""
+        draw per row with the request's own generator); -1 rows when the model is shape-only (the
+        simulator's oracle mode, where the head reads the base logits itself but this stage is charged
+        for the lm_head)."""
         if not hasattr(self.model, "logits") or hidden.shape[0] == 0:
             return torch.full((hidden.shape[0],), -1, dtype=torch.long)
         logits = self.model.logits(hidden)               # [n, V] float32
-        if self.params.greedy:
+        if slot.params.greedy:
             return logits.argmax(dim=-1)                 # first maximum, as choose_token
-        return torch.multinomial(warp_probs(logits, self.params), 1, generator=self.generator).squeeze(1)
+        return torch.multinomial(warp_probs(logits, slot.params), 1, generator=slot.generator).squeeze(1)
 
-    def _prefill(self, seg: Segment) -> list:
-        """A prompt chunk: plain causal attention, committed at once (chunked prefill)."""
-        n, past = len(seg), self.cache.length
-        allowed = torch.ones(n, past + n, dtype=torch.bool)
-        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        hidden = self.model.forward_layers(seg.hidden, seg.positions,
-                                           bool_to_float_mask(allowed, seg.hidden.dtype), self.cache)
-        self.prefix_len += n
-        everything = torch.ones(n, dtype=torch.bool)
-        if int(seg.positions[0]) == 0:   # first chunk: does the head want this stage's token choices?
-            self.chooses_tokens = self.can_choose and seg.sampling is not None
-            if self.chooses_tokens:
-                self.params, self.generator = seg.sampling, make_generator(seg.sampling)
-        if not self.chooses_tokens:
-            return [Compute("stage", n, past, "prefill"), Send(self.next_node, seg.select(everything, hidden))]
-        tokens = torch.full((n,), -1, dtype=torch.long)
-        tokens[-1:] = self._choose(hidden[-1:])         # only the prompt's last row is ever read
-        return [Compute("stage", n, past, "prefill"), Compute("lm_head", 1, 0, "prefill"),
-                Send(self.next_node, seg.select(everything, hidden[:, :0], tokens))]
 
-    def _record_parents(self, seg: Segment) -> None:
-        top = int(seg.node_ids.max()) + 1
-        if top > self.parent_of.numel():
-            grown = torch.full((max(top, 2 * self.parent_of.numel()),), -1, dtype=torch.long)
-            grown[: self.parent_of.numel()] = self.parent_of
-            self.parent_of = grown
-        self.parent_of[seg.node_ids] = seg.parent_ids
+def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """[sum n_i, sum m_i] bool: each request's rows see only its own columns (its cache, then its rows)."""
+    rows = sum(b.shape[0] for b in blocks)
+    cols = sum(b.shape[1] for b in blocks)
+    out = torch.zeros(rows, cols, dtype=torch.bool)
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return out
+
+
+def _record_parents(slot: RequestSlot, seg: Segment) -> None:
+    top = int(seg.node_ids.max()) + 1
+    if top > slot.parent_of.numel():
+        grown = torch.full((max(top, 2 * slot.parent_of.numel()),), -1, dtype=torch.long)
+        grown[: slot.parent_of.numel()] = slot.parent_of
+        slot.parent_of = grown
+    slot.parent_of[seg.node_ids] = seg.parent_ids

@@ -73,3 +73,32 @@ class KVCache:
         k = self._k[self._first]
         per_entry = k.shape[1] * k.shape[3] * k.element_size() * 2
         return per_entry * self.length * len(self.layer_ids)
+
+
+class PackedKV:
+    """Several requests' caches seen as one by a batched forward (SpecPipe-DB's dynamic batching).
+
+    The forward's rows are the requests' new tokens packed in order (`sizes` each); `update` appends each
+    request's slice of the new K/V to that request's own cache and returns the requests' full K/V
+    concatenated along the sequence axis, so the attention columns are [request 0's cache + new rows,
+    request 1's ...] and a block-diagonal mask keeps every request to its own columns. The price is one
+    copy of the batch's cached K/V per layer and step (measured in docs/bench/README.md: small next to
+    streaming the weights); a paged store would avoid it but needs its own attention kernel."""
+
+    def __init__(self, caches: list, sizes: list[int]) -> None:
+        if len(caches) != len(sizes):
+            raise ValueError(f"{len(caches)} caches for {len(sizes)} row groups")
+        self.caches, self.sizes = caches, sizes
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.caches)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: [1, H_kv, sum(sizes), D] -> [1, H_kv, sum(length_i + size_i), D]
+        ks, vs = [], []
+        for cache, part_k, part_v in zip(self.caches, k.split(self.sizes, dim=2), v.split(self.sizes, dim=2)):
+            kk, vv = cache.update(part_k, part_v, layer_idx)
+            ks.append(kk)
+            vs.append(vv)
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Compute, Continue, Done, Emit, Finish, Prune, Segment, Send
 from flowedge.sim.sizing import TreeCosts
 from flowedge.sim.trace import Trace, TraceEvent
@@ -54,19 +55,78 @@ class SimResult:
     trace: Trace
 
 
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """A request arriving at node 0 at `arrival_s`; `cancel_s`: its client goes away then."""
+    request_id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    params: SamplingParams = SamplingParams()
+    arrival_s: float = 0.0
+    cancel_s: float | None = None
+
+
+@dataclass
+class RequestTiming:
+    """When one request's tokens came out, on the virtual clock."""
+    arrival_s: float
+    emits: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens in that Emit)
+    done: Done | None = None
+    finish_s: float | None = None
+
+    def token_gaps_s(self) -> list[float]:
+        """Time between tokens: an Emit of k tokens after a gap g counts as k gaps of g/k (speculative
+        decoding hands out tokens in bursts; this is the per-token pace the client sees)."""
+        gaps, last = [], None
+        for t, k in self.emits:
+            if last is not None and k:
+                gaps += [(t - last) / k] * k
+            last = t
+        return gaps
+
+
+@dataclass
+class MultiResult:
+    requests: dict[int, RequestTiming]
+    sim_time_s: float
+    trace: Trace
+
+
 class SimCluster:
+    """Node 0 handles one message at a time; a stage takes every message that arrived while it was busy
+    at once (`StageWorker.receive_all`), which is what lets it batch several requests' segments."""
+
     def __init__(self, head, stages: list, costs: CostModel | None = None) -> None:
         self.nodes = [head, *stages]
         self.costs = costs or CostModel.free()
 
     def run(self, request_id: int, prompt_ids: list[int], max_new_tokens: int, params,
             on_tokens: Callable[[list[int]], None] | None = None, max_events: int = 2_000_000) -> SimResult:
+        """One request through a plain Head (today's single-request path)."""
+        from flowedge.engine.scheduler import MultiHead
+
+        head = self.nodes[0]
+        self.nodes[0] = MultiHead.around(head)
+        try:
+            sink = (lambda rid, tokens: on_tokens(tokens)) if on_tokens else None
+            res = self.run_many([SimRequest(request_id, tuple(prompt_ids), max_new_tokens, params)], sink,
+                                max_events)
+        finally:
+            self.nodes[0] = head
+        timing = res.requests[request_id]
+        return SimResult(timing.done, timing.finish_s, res.trace)
+
+    def run_many(self, requests: list[SimRequest], on_tokens: Callable[[int, list[int]], None] | None = None,
+                 max_events: int = 2_000_000) -> MultiResult:
+        """Several requests through a `MultiHead` on node 0; returns each one's token timings."""
+        from flowedge.engine.scheduler import Cancel, Submit
+
         trace = Trace()
         busy_until = [0.0] * len(self.nodes)
         link_free: dict[tuple[int, int], float] = {}
         queue: list = []
         order = itertools.count()
-        state = {"done": None, "t": 0.0}
+        timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
 
         def execute(node: int, t: float, actions: list) -> float:
             for a in actions:
@@ -87,17 +147,22 @@ class SimCluster:
                                              len(a.message) if isinstance(a.message, Segment) else 0, nbytes))
                     heapq.heappush(queue, (end, next(order), a.to, a.message))
                 elif isinstance(a, Emit):
+                    timings[a.request_id].emits.append((t, len(a.tokens)))
                     if on_tokens:
-                        on_tokens(a.tokens)
+                        on_tokens(a.request_id, a.tokens)
                 elif isinstance(a, Continue):
                     t = execute(node, t, self.nodes[node].receive(a.event))
                 elif isinstance(a, Done):
-                    state["done"], state["t"] = a, t
+                    timings[a.request_id].done, timings[a.request_id].finish_s = a, t
             return t
 
-        busy_until[0] = execute(0, 0.0, self.nodes[0].start(request_id, prompt_ids, max_new_tokens, params))
+        for r in requests:
+            heapq.heappush(queue, (r.arrival_s, next(order), 0,
+                                   Submit(r.request_id, tuple(r.prompt_ids), r.max_new_tokens, r.params)))
+            if r.cancel_s is not None:
+                heapq.heappush(queue, (r.cancel_s, next(order), 0, Cancel(r.request_id)))
         events = 0
-        while queue and state["done"] is None:
+        while queue and any(tm.done is None for tm in timings.values()):
             t, seq, node, msg = heapq.heappop(queue)
             if t < busy_until[node]:
                 heapq.heappush(queue, (busy_until[node], seq, node, msg))
@@ -105,14 +170,26 @@ class SimCluster:
             events += 1
             if events > max_events:
                 raise RuntimeError("simulation did not finish: event budget exhausted")
-            busy_until[node] = execute(node, t, self.nodes[node].receive(msg))
-        if state["done"] is None:
-            raise RuntimeError("simulation stalled: the pipeline went idle before the request finished")
+            if node == 0:
+                busy_until[0] = execute(0, t, self.nodes[0].receive(msg))
+            else:
+                busy_until[node] = execute(node, t, self.nodes[node].receive_all([msg, *_take_arrived(queue, node, t)]))
+        if any(tm.done is None for tm in timings.values()):
+            raise RuntimeError("simulation stalled: the pipeline went idle before every request finished")
         # Let stages see the Finish messages so their caches are released.
         for _, _, node, msg in sorted(queue):
             if isinstance(msg, Finish) and node:
                 self.nodes[node].receive(msg)
-        return SimResult(state["done"], state["t"], trace)
+        return MultiResult(timings, max(tm.finish_s for tm in timings.values()), trace)
+
+
+def _take_arrived(queue: list, node: int, t: float) -> list:
+    """Pop every message for `node` that has arrived by `t`, in arrival (then send) order."""
+    mine = sorted(e for e in queue if e[2] == node and e[0] <= t)
+    if mine:
+        queue[:] = [e for e in queue if not (e[2] == node and e[0] <= t)]
+        heapq.heapify(queue)
+    return [e[3] for e in mine]
 
 
 def _lane(node: int) -> str:

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from flowedge.core.sampling import SamplingParams, choose_token, make_generator
+from flowedge.models.kv_cache import PackedKV
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
 
 log = logging.getLogger(__name__)
@@ -119,10 +120,13 @@ class ShapeOnlyStage:
         return LengthOnlyCache()
 
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       cache: LengthOnlyCache) -> torch.Tensor:
-        # hidden: [n, H]; mask: [n, cache.length + n] -> [n, H] (unchanged)
-        if mask.shape != (hidden.shape[0], cache.length + hidden.shape[0]):
+                       cache) -> torch.Tensor:
+        # hidden: [n, H]; mask: [n, cache.length + n] -> [n, H] (unchanged); cache: LengthOnlyCache or a
+        # PackedKV of them (a batched forward: each request's cache grows by its own rows)
+        caches, sizes = (cache.caches, cache.sizes) if isinstance(cache, PackedKV) else ([cache], [hidden.shape[0]])
+        if mask.shape != (hidden.shape[0], sum(c.length for c in caches) + hidden.shape[0]):
             raise ValueError(f"mask {tuple(mask.shape)} does not match {hidden.shape[0]} tokens after "
-                             f"{cache.length} cached")
-        cache.length += hidden.shape[0]
+                             f"{sum(c.length for c in caches)} cached")
+        for c, n in zip(caches, sizes):
+            c.length += n
         return hidden

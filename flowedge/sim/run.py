@@ -7,12 +7,13 @@ from pathlib import Path
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.drafter import Drafter, load_draft_model
 from flowedge.engine.head import Head
+from flowedge.engine.scheduler import BatchConfig, MultiHead
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
-from flowedge.sim.cluster import CostModel, SimCluster
+from flowedge.sim.cluster import CostModel, SimCluster, SimRequest
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
 from flowedge.sim.sizing import sized_spec_for, tree_costs
 
@@ -122,18 +123,51 @@ class Cluster:
         self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
 
     def build(self, strategy_name: str, costs: CostModel | None = None) -> tuple[Head, list[StageWorker]]:
+        make_head = self.head_factory(strategy_name, costs, own_oracle=False)
+        n = len(self.stage_models)
+        return make_head(), [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+
+    def head_factory(self, strategy_name: str, costs: CostModel | None = None, own_oracle: bool = True):
+        """A function making one request's Head: its own strategy, draft cache and (oracle mode) path
+        cache, over the shared models. `own_oracle`: requests interleave, so one shared path cache would
+        re-run each request's whole context on every switch."""
         strategy = make_strategy(strategy_name)
         spec = self.spec
         if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
                 and costs.tree is not None:
             spec = sized_spec_for(spec, costs.tree)
-        drafter = Drafter(self.draft_model) if strategy.needs_draft else None
         if strategy.needs_draft and self.draft_model is None:
             raise ConfigError(f"strategy {strategy_name} needs a draft model")
         n = len(self.stage_models)
-        head = Head(self.head_model, drafter, strategy, n, spec, stop_ids(self.config), self.oracle,
-                    lm_head_at=spec.lm_head_for(strategy, costs.lm_head_segment_ratio if costs else None))
-        return head, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+        lm_head_at = spec.lm_head_for(strategy, costs.lm_head_segment_ratio if costs else None)
+        stops = stop_ids(self.config)
+
+        def make_head() -> Head:
+            oracle = PathOracle(self.oracle.model) if own_oracle and self.oracle is not None else self.oracle
+            drafter = Drafter(self.draft_model) if strategy.needs_draft else None
+            return Head(self.head_model, drafter, make_strategy(strategy_name), n, spec, stops, oracle,
+                        lm_head_at=lm_head_at)
+        make_head.spec = spec
+        return make_head
+
+    def build_many(self, strategy_name: str, batch: BatchConfig, costs: CostModel | None = None
+                   ) -> tuple[MultiHead, list[StageWorker]]:
+        """Node 0's multi-request scheduler and fresh stage workers (per-request KV slots, batched forwards)."""
+        make_head = self.head_factory(strategy_name, costs)
+        spec = make_head.spec
+        n = len(self.stage_models)
+        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
+        multi = MultiHead(make_head, n, batch, tree_reserve=reserve)
+        return multi, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+
+    def generate_many(self, strategy: str, requests: list[SimRequest], batch: BatchConfig,
+                      device: str | None = None, link: str | None = None, path: str | None = None):
+        """Several requests, arriving and possibly cancelled as `requests` say, through one pipeline."""
+        for r in requests:
+            check_context(len(r.prompt_ids), r.max_new_tokens, self.config.max_position_embeddings)
+        costs = self.costs(device, link, path)
+        multi, stages = self.build_many(strategy, batch, costs)
+        return SimCluster(multi, stages, costs).run_many(requests), multi, stages
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:
