@@ -137,9 +137,13 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
                    "(last stage, except naive-pp's one batched call on node 0).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
+@click.option("--concurrency", default=None,
+              help="Comma-separated numbers of concurrent requests (e.g. 1,2,4,8): every prompt arrives at once "
+                   "and up to that many share the pipeline with dynamic batching; 1 = one at a time. Writes "
+                   "table.md and concurrency.png (sim driver).")
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
-          segment_size, draft_width, lookup_tokens, lm_head_at, out_dir, threads):
+          segment_size, draft_width, lookup_tokens, lm_head_at, out_dir, threads, concurrency):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -164,6 +168,16 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)
     say = lambda s: click.echo(s, err=True)  # noqa: E731
+    if concurrency:
+        levels = _levels(concurrency)
+        if driver != "sim":
+            raise ConfigError("--concurrency runs on the sim driver")
+        from flowedge.bench.concurrency import run_concurrency
+
+        run_concurrency(cfg, prompts, levels, Path(out_dir), say=say)
+        click.echo((Path(out_dir) / "table.md").read_text())
+        click.echo(f"results: {out_dir}/results.json, plot: {out_dir}/concurrency.png", err=True)
+        return
     if driver == "zmq":
         from flowedge.bench.zmq_driver import run_bench_zmq
 
@@ -173,6 +187,18 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     click.echo((Path(out_dir) / "table.md").read_text())
     click.echo(f"results: {out_dir}/results.json" + (f", timeline: {out_dir}/timeline.png" if driver == "sim" else ""),
                err=True)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    from flowedge.errors import ConfigError
+
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--concurrency takes comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ConfigError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
 
 
 def _attach_commands() -> None:

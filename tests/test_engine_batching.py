@@ -48,6 +48,8 @@ def test_concurrent_requests_match_sequential_greedy(tiny_pair, references, node
             assert all(p == head.prefix_at_version[v] for v, p in st.history_of(i + 1))
     # the stages really batched several requests into one forward, and hold no KV afterwards
     assert max(max(st.batch_sizes) for st in stages) >= 2
+    if multi.batcher is not None:   # node 0 shared draft forwards between requests too
+        assert max(multi.batcher.batch_sizes) >= 2
     assert all(st.cached_tokens() == 0 and not st.slots for st in stages)
 
 
@@ -170,3 +172,25 @@ def test_a_single_request_runs_as_before(tiny_pair, references):
                                       device="orin-nano-8gb")
     assert single.done.token_ids == res.requests[1].done.token_ids == references[0]
     assert res.sim_time_s == pytest.approx(single.sim_time_s, rel=1e-9)
+
+
+def test_draft_batcher_shares_forwards_and_keeps_each_tree(tiny_pair):
+    """Three requests' tree builds side by side: the draft calls run as shared forwards (each charged
+    once), and every request gets the tree it would have got alone."""
+    from functools import partial
+
+    from flowedge.engine.draft_batch import DraftBatcher
+    from flowedge.engine.drafter import Drafter, TreeShape, load_draft_model
+
+    _, draft = tiny_pair
+    model = load_draft_model(draft, "none")
+    shape = TreeShape(topk=4, depth=3)
+    alone = [Drafter(model).build(p, shape) for p in PROMPTS[:3]]
+    batcher = DraftBatcher(model)
+    drafters = [Drafter(model, batcher) for _ in PROMPTS[:3]]
+    trees = batcher.run_step([partial(d.build, p, shape) for d, p in zip(drafters, PROMPTS[:3])])
+    assert batcher.batch_sizes == [3, 3, 3]   # the prompt call, then one per level, for all three at once
+    assert sum(len(d.drain_calls()) for d in drafters) == len(batcher.batch_sizes)
+    for a, b in zip(alone, trees):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.allclose(a.log_scores, b.log_scores, atol=1e-4)

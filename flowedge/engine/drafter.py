@@ -57,8 +57,9 @@ class TreeShape:
 
 
 class Drafter:
-    def __init__(self, model: StageModel) -> None:
+    def __init__(self, model: StageModel, batcher=None) -> None:
         self.model = model
+        self.batcher = batcher   # engine/draft_batch.DraftBatcher: calls shared with other requests' drafters
         self.cache = model.new_cache()
         self.forwards = 0
         self._calls: list[tuple[int, int, float]] = []
@@ -272,6 +273,12 @@ class Drafter:
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """One draft forward; returns log-probs [n, V] and records (tokens, context, seconds)."""
+        if self.batcher is not None:
+            logp, charge = self.batcher.forward(self.cache, tokens, positions, allowed)
+            self.forwards += 1
+            if charge is not None:
+                self._calls.append(charge)
+            return logp
         t0 = time.perf_counter()
         past = self.cache.length
         h = self.model.embed(tokens)

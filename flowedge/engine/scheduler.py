@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from flowedge.core.sampling import SamplingParams
@@ -33,6 +34,7 @@ class BatchConfig:
     """How many requests share the pipeline, and the KV tokens each stage may hold for all of them."""
     max_concurrent: int = 4
     kv_budget_tokens: int | None = None   # None: limited by max_concurrent only
+    batch_drafts: bool = True             # node 0 runs the requests' draft calls as shared forwards
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
@@ -64,9 +66,10 @@ class Routed:
 
 
 class MultiHead:
-    def __init__(self, make_head: Callable[[], object], n_stages: int, config: BatchConfig = BatchConfig(),
-                 tree_reserve: int = 0) -> None:
+    def __init__(self, make_head: Callable[[Submit], object], n_stages: int, config: BatchConfig = BatchConfig(),
+                 tree_reserve: int = 0, batcher=None) -> None:
         self.make_head, self.n_stages, self.config = make_head, n_stages, config
+        self.batcher = batcher                # engine/draft_batch.DraftBatcher shared by the heads' drafters
         self.tree_reserve = tree_reserve      # draft entries a request can hold on a stage at once
         self.heads: dict[int, object] = {}    # running requests
         self.queue: deque[Submit] = deque()
@@ -76,7 +79,7 @@ class MultiHead:
     @classmethod
     def around(cls, head) -> "MultiHead":
         """One request at a time through an existing Head (the single-request drivers)."""
-        return cls(lambda: head, head.n_stages, BatchConfig(max_concurrent=1))
+        return cls(lambda sub: head, head.n_stages, BatchConfig(max_concurrent=1))
 
     # ---- inspection -----------------------------------------------------------------------------
     @property
@@ -111,6 +114,28 @@ class MultiHead:
             return []   # a finished or cancelled request's straggler
         return self._wrap(rid, head.receive(inner))
 
+    def receive_all(self, events: list) -> list:
+        """Every event that reached node 0 while it was busy. Submits and cancels first; then one handler
+        per request (its events in order, its follow-ups run inline) — side by side through the draft
+        batcher, so the requests' draft calls share forwards. Actions come out request after request."""
+        actions: list = []
+        per_request: dict[int, list] = {}
+        for ev in events:
+            if isinstance(ev, (Submit, Cancel)):
+                actions += self.receive(ev)
+            elif isinstance(ev, Routed):
+                per_request.setdefault(ev.request_id, []).append(ev.event)
+            elif isinstance(ev, Segment):
+                per_request.setdefault(ev.request_id, []).append(ev)
+            else:
+                raise TypeError(f"MultiHead cannot handle {type(ev).__name__}")
+        live = [(rid, evs) for rid, evs in per_request.items() if rid in self.heads]
+        handlers = [partial(_handle_inline, self.heads[rid], evs) for rid, evs in live]
+        results = self.batcher.run_step(handlers) if self.batcher is not None else [h() for h in handlers]
+        for (rid, _), head_actions in zip(live, results):
+            actions += self._wrap(rid, head_actions)
+        return actions
+
     def _submit(self, sub: Submit) -> list:
         if sub.request_id in self.heads or any(q.request_id == sub.request_id for q in self.queue):
             raise ConfigError(f"request id {sub.request_id} is already in use")
@@ -132,7 +157,7 @@ class MultiHead:
         actions: list = []
         while self.queue and self._fits(self.queue[0]):
             sub = self.queue.popleft()
-            head = self.make_head()
+            head = self.make_head(sub)
             self.heads[sub.request_id] = head
             self.reserved[sub.request_id] = self.footprint(sub)
             log.debug("admitted request %d (%d running, %d queued)", sub.request_id, len(self.heads),
@@ -171,3 +196,22 @@ class MultiHead:
         while len(self.ended) > ENDED_REMEMBERED:
             self.ended.pop(next(iter(self.ended)))
         return self._admit()
+
+
+def _handle_inline(head, events: list) -> list:
+    """One request's events through its head, follow-ups (`Continue`) spliced in where they were asked
+    for: the same order of work as a driver running each Continue on the spot."""
+    actions: list = []
+    for ev in events:
+        actions += _splice(head, head.receive(ev))
+    return actions
+
+
+def _splice(head, actions: list) -> list:
+    out: list = []
+    for a in actions:
+        if isinstance(a, Continue):
+            out += _splice(head, head.receive(a.event))
+        else:
+            out.append(a)
+    return out

@@ -28,7 +28,7 @@ from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Finish, Prune, Segment, Send
 from flowedge.models.kv_cache import PackedKV
-from flowedge.models.stage import StageModel, bool_to_float_mask
+from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +264,6 @@ class StageWorker:
         if slot.params.greedy:
             return logits.argmax(dim=-1)                 # first maximum, as choose_token
         return torch.multinomial(warp_probs(logits, slot.params), 1, generator=slot.generator).squeeze(1)
-
-
-def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """[sum n_i, sum m_i] bool: each request's rows see only its own columns (its cache, then its rows)."""
-    rows = sum(b.shape[0] for b in blocks)
-    cols = sum(b.shape[1] for b in blocks)
-    out = torch.zeros(rows, cols, dtype=torch.bool)
-    r = c = 0
-    for b in blocks:
-        out[r:r + b.shape[0], c:c + b.shape[1]] = b
-        r, c = r + b.shape[0], c + b.shape[1]
-    return out
 
 
 def _record_parents(slot: RequestSlot, seg: Segment) -> None:

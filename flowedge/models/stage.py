@@ -234,6 +234,18 @@ def causal_mask(n: int, past: int) -> torch.Tensor:
     return allowed
 
 
+def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """[sum n_i, sum m_i] bool: each request's rows see only its own columns (its cache, then its rows)."""
+    rows = sum(b.shape[0] for b in blocks)
+    cols = sum(b.shape[1] for b in blocks)
+    out = torch.zeros(rows, cols, dtype=torch.bool)
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return out
+
+
 def read_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())

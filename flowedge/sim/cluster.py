@@ -93,8 +93,9 @@ class MultiResult:
 
 
 class SimCluster:
-    """Node 0 handles one message at a time; a stage takes every message that arrived while it was busy
-    at once (`StageWorker.receive_all`), which is what lets it batch several requests' segments."""
+    """Every node takes all the messages that arrived while it was busy at once: a stage batches several
+    requests' segments into one forward (`StageWorker.receive_all`), node 0 their draft calls
+    (`MultiHead.receive_all`)."""
 
     def __init__(self, head, stages: list, costs: CostModel | None = None) -> None:
         self.nodes = [head, *stages]
@@ -171,7 +172,7 @@ class SimCluster:
             if events > max_events:
                 raise RuntimeError("simulation did not finish: event budget exhausted")
             if node == 0:
-                busy_until[0] = execute(0, t, self.nodes[0].receive(msg))
+                busy_until[0] = execute(0, t, self.nodes[0].receive_all([msg, *_take_arrived(queue, 0, t)]))
             else:
                 busy_until[node] = execute(node, t, self.nodes[node].receive_all([msg, *_take_arrived(queue, node, t)]))
         if any(tm.done is None for tm in timings.values()):

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from flowedge.engine.config import SpecConfig
+from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.drafter import Drafter, load_draft_model
 from flowedge.engine.head import Head
 from flowedge.engine.scheduler import BatchConfig, MultiHead
@@ -118,19 +120,22 @@ class Cluster:
             self.stage_models = [StageModel.load(base_dir, StageParts(a, b, head=k == len(self.ranges) - 1))
                                  for k, (a, b) in enumerate(self.ranges)]
         self.draft_quant = draft_quant
+        self.prompt_oracles: dict[tuple[int, ...], PathOracle] = {}
         self.draft_model = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
         self.spec = spec
         self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
 
     def build(self, strategy_name: str, costs: CostModel | None = None) -> tuple[Head, list[StageWorker]]:
-        make_head = self.head_factory(strategy_name, costs, own_oracle=False)
+        make_head, _ = self.head_factory(strategy_name, costs, own_oracle=False)
         n = len(self.stage_models)
-        return make_head(), [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+        return make_head(None), [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
 
-    def head_factory(self, strategy_name: str, costs: CostModel | None = None, own_oracle: bool = True):
-        """A function making one request's Head: its own strategy, draft cache and (oracle mode) path
-        cache, over the shared models. `own_oracle`: requests interleave, so one shared path cache would
-        re-run each request's whole context on every switch."""
+    def head_factory(self, strategy_name: str, costs: CostModel | None = None, own_oracle: bool = True,
+                     batcher: DraftBatcher | None = None) -> tuple[Callable, SpecConfig]:
+        """A function making one request's Head (from its `Submit`): its own strategy, draft cache and
+        (oracle mode) path cache, over the shared models. `own_oracle`: requests interleave, so one shared
+        path cache would re-run each request's whole context on every switch; each prompt gets its own
+        (`prompt_oracle`), which also keeps its logits across runs of the same prompt."""
         strategy = make_strategy(strategy_name)
         spec = self.spec
         if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
@@ -142,22 +147,28 @@ class Cluster:
         lm_head_at = spec.lm_head_for(strategy, costs.lm_head_segment_ratio if costs else None)
         stops = stop_ids(self.config)
 
-        def make_head() -> Head:
-            oracle = PathOracle(self.oracle.model) if own_oracle and self.oracle is not None else self.oracle
-            drafter = Drafter(self.draft_model) if strategy.needs_draft else None
+        def make_head(sub) -> Head:
+            oracle = self.prompt_oracle(sub.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
+            drafter = Drafter(self.draft_model, batcher) if strategy.needs_draft else None
             return Head(self.head_model, drafter, make_strategy(strategy_name), n, spec, stops, oracle,
                         lm_head_at=lm_head_at)
-        make_head.spec = spec
-        return make_head
+        return make_head, spec
+
+    def prompt_oracle(self, prompt_ids) -> PathOracle:
+        """Oracle mode: the path cache for requests with this prompt (created on first use)."""
+        key = tuple(prompt_ids)
+        if key not in self.prompt_oracles:
+            self.prompt_oracles[key] = PathOracle(self.oracle.model)
+        return self.prompt_oracles[key]
 
     def build_many(self, strategy_name: str, batch: BatchConfig, costs: CostModel | None = None
                    ) -> tuple[MultiHead, list[StageWorker]]:
         """Node 0's multi-request scheduler and fresh stage workers (per-request KV slots, batched forwards)."""
-        make_head = self.head_factory(strategy_name, costs)
-        spec = make_head.spec
+        batcher = DraftBatcher(self.draft_model) if self.draft_model is not None and batch.batch_drafts else None
+        make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)
         reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
-        multi = MultiHead(make_head, n, batch, tree_reserve=reserve)
+        multi = MultiHead(make_head, n, batch, tree_reserve=reserve, batcher=batcher)
         return multi, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
 
     def generate_many(self, strategy: str, requests: list[SimRequest], batch: BatchConfig,
