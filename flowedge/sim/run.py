@@ -164,7 +164,8 @@ class Cluster:
     def build_many(self, strategy_name: str, batch: BatchConfig, costs: CostModel | None = None
                    ) -> tuple[MultiHead, list[StageWorker]]:
         """Node 0's multi-request scheduler and fresh stage workers (per-request KV slots, batched forwards)."""
-        batcher = DraftBatcher(self.draft_model) if self.draft_model is not None and batch.batch_drafts else None
+        drafts = make_strategy(strategy_name).needs_draft and self.draft_model is not None
+        batcher = DraftBatcher(self.draft_model) if drafts and batch.batch_drafts else None
         make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)
         reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
