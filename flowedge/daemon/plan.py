@@ -83,7 +83,7 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
     `layers`, a device no shipped profile describes, a plan too small a gain, or one that cannot fit
     (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
     from flowedge.plan.cluster import step_tokens_for
-    from flowedge.plan.partition import PlanError, PlanInputs, StageDevice, plan_partition
+    from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
     from flowedge.sim.profiles import load_link, load_named_device
 
     if config.layers:
@@ -93,7 +93,7 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
     except ConfigError as err:
         log.info("keeping the split by layer count: %s", err)
         return None
-    devices = tuple(StageDevice(p, h.free_memory_bytes or None) for p, h in zip(profiles, hellos))
+    devices = stage_devices(profiles, [h.free_memory_bytes or None for h in hellos], quant=config.quant)
     inputs = PlanInputs(base_config, devices, quant=config.quant, context=config.context,
                         step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
                         last_stage_runs_head=config.lm_head_at == "last-stage",

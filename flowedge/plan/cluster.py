@@ -8,7 +8,8 @@ from typing import Any
 
 from flowedge.engine.config import SpecConfig
 from flowedge.plan.memory import GiB, MemoryNeed, head_need, usable_bytes
-from flowedge.plan.partition import PartitionPlan, PlanError, PlanInputs, StageDevice, plan_partition
+from flowedge.plan.partition import (PartitionPlan, PlanError, PlanInputs, StageDevice, plan_partition,
+                                     stage_devices)
 from flowedge.plan.shapes import load_shape
 from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_device, load_link
 
@@ -66,12 +67,9 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
     """Plan `model` (a shipped shape name or a model directory) over stage `devices` (profile names)."""
     config = load_shape(model)
     profiles = [load_device(d) for d in devices]
-    free = list(free_memory_bytes) if free_memory_bytes is not None else [None] * len(profiles)
-    if len(free) != len(profiles):
-        raise PlanError(f"{len(free)} free-memory figures for {len(profiles)} devices")
     head = load_device(head_device or devices[0])
     lnk = load_link(link or profiles[0].default_link)
-    inputs = PlanInputs(config, tuple(StageDevice(p, f, path) for p, f in zip(profiles, free)), quant=quant,
+    inputs = PlanInputs(config, stage_devices(profiles, free_memory_bytes, path, quant), quant=quant,
                         context=context, step_tokens=step_tokens_for(strategy), link=lnk)
     inputs, plan = best_order_plan(inputs, reorder)
     need = head_need(config, load_shape(draft) if draft else None, draft_quant, context, head)

@@ -63,7 +63,8 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
     head = cluster.head_memory
     return {"model": model, "layers": int(cluster.config.num_hidden_layers), "quant": quant, "context": context,
             "link": cluster.link.name, "step_tokens": cluster.plan.step_tokens, "stages": stages,
-            "node0": {"device": cluster.head_device.name, "total_gib": round(head.total_bytes / GiB, 2) if head else None},
+            "node0": {"device": cluster.head_device.name,
+                      "total_gib": round(head.total_bytes / GiB, 2) if head else None},
             "bottleneck_ms": round(1e3 * cluster.plan.bottleneck_s, 2),
             "pipeline_latency_ms": round(1e3 * cluster.plan.latency_s, 2)}
 

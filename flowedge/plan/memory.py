@@ -21,6 +21,26 @@ RUNTIME_OVERHEAD_BYTES = int(0.75 * GiB)
 OS_RESERVE_BYTES = 1 * GiB
 
 
+# The profile path a stage's kernels take for a quantization, first one the device has (else its default).
+QUANT_PATHS = {"int4": ("torch-int4",), "auto": ("torch-int4",), "nf4": ("hf-bnb4",),
+               "none": ("torch-fp16", "hf-fp16", "cpu-fp32")}
+
+
+def path_for_quant(device: DeviceProfile, quant: str) -> str:
+    """The kernel path that runs `quant` weights on `device` (a CPU runs unquantized weights in fp32)."""
+    default = resolve_path(device, None, 1)
+    if quant == "none" and default.bytes_per_param >= 2.0:
+        return device.default_path
+    return next((p for p in QUANT_PATHS.get(quant, ()) if device.has_path(p)), device.default_path)
+
+
+def weight_bytes_per_param(device: DeviceProfile, quant: str, path: str | None) -> float:
+    """Resident bytes per weight: the quantized layout, or for `none` the path's compute dtype."""
+    if quant == "none":
+        return resolve_path(device, path, 1).act_bytes
+    return quant_bytes(quant)
+
+
 def quant_bytes(quant: str) -> float:
     try:
         return QUANT_BYTES_PER_PARAM[quant]
@@ -51,7 +71,7 @@ def stage_need(config: Any, layers: int, quant: str, context: int, device: Devic
                path: str | None = None, holds_head: bool = False) -> MemoryNeed:
     """A stage serving `layers` decoder layers; `holds_head`: the last stage also holds the final norm and
     lm_head (16-bit) to choose tokens itself."""
-    weights = shape_of_layers(config, 0, layers).params * quant_bytes(quant)
+    weights = shape_of_layers(config, 0, layers).params * weight_bytes_per_param(device, quant, path)
     if holds_head:
         weights += shape_of_head(config).params * HEAD_BYTES_PER_PARAM
     return MemoryNeed(int(weights), kv_bytes(config, layers, context, device, path), RUNTIME_OVERHEAD_BYTES)

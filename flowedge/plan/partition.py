@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowedge.errors import ConfigError
-from flowedge.plan.memory import GiB, MemoryNeed, stage_need, usable_bytes
+from flowedge.plan.memory import GiB, MemoryNeed, path_for_quant, stage_need, usable_bytes
 from flowedge.sim.costs import forward_time_s, lm_head_time_s, shape_of_layers, transfer_time_s
 from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_link
 from flowedge.sim.sizing import SIZING_CONTEXT
@@ -201,6 +201,9 @@ def _why_not(inputs: PlanInputs, fits: list[list[bool]]) -> str:
 
 
 def stage_devices(profiles: Sequence[DeviceProfile], free_bytes: Sequence[int | None] | None = None,
-                  path: str | None = None) -> tuple[StageDevice, ...]:
+                  path: str | None = None, quant: str = "int4") -> tuple[StageDevice, ...]:
+    """StageDevices whose kernel path is `path`, else the one each device runs `quant` weights on."""
     free = list(free_bytes) if free_bytes is not None else [None] * len(profiles)
-    return tuple(StageDevice(p, f, path) for p, f in zip(profiles, free, strict=True))
+    if len(free) != len(profiles):
+        raise PlanError(f"{len(free)} free-memory figures for {len(profiles)} devices")
+    return tuple(StageDevice(p, f, path or path_for_quant(p, quant)) for p, f in zip(profiles, free))

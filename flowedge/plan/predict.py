@@ -39,13 +39,19 @@ def ar_pp_tokens_per_s(cluster: ClusterSpec, context: int = SIZING_CONTEXT) -> f
     return 1.0 / (t + lm_head_time_s(last.profile, cfg, 1, last.path))
 
 
+def _stage_path(cluster: ClusterSpec) -> str | None:
+    """The stages' kernel path when node 0 has it too (it drafts on the same kernels, as in sim/run.py)."""
+    path = cluster.devices[0].path
+    return path if path and cluster.head_device.has_path(path) else None
+
+
 def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool, hidden_scale: float = 1.0,
                spec: SpecConfig = SpecConfig()) -> CostModel:
     """Charges for the planned cluster; `hidden_scale`: planned / simulated hidden size (message bytes)."""
     cfg, devs = cluster.config, cluster.devices
     shapes = [shape_of_layers(cfg, a, b) for a, b in cluster.plan.ranges]
     head = cluster.head_device
-    draft_path = draft_path_for(head)
+    draft_path = draft_path_for(head, _stage_path(cluster))
 
     def compute_s(node: int, c) -> float:
         if c.what == "lm_head":   # node 0, or the last stage when it chooses tokens
@@ -74,7 +80,7 @@ def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Seq
     from flowedge.sim.run import Cluster, draft_quant_for
 
     spec = SpecConfig()
-    draft_quant = draft_quant_for(cluster.head_device.name)
+    draft_quant = draft_quant_for(cluster.head_device.name, _stage_path(cluster))
     sim = Cluster(base_dir, draft_dir, len(cluster.devices) + 1, spec, verify="oracle", size_from_costs=True,
                   draft_quant=draft_quant)
     tok = load_tokenizer(base_dir)

@@ -110,7 +110,8 @@ def _index(msg: Message, name: str, n: int | None = None, optional: bool = False
     t = getattr(msg, name)
     if optional and t is None:
         return 0
-    if not is_tensor(t) or t.is_floating_point() or t.is_complex() or t.dtype == sys.modules["torch"].bool or t.dim() != 1:
+    if not is_tensor(t) or t.is_floating_point() or t.is_complex() or t.dim() != 1 \
+            or t.dtype == sys.modules["torch"].bool:
         raise _fail(msg, name, "a 1-D integer tensor")
     if n is not None and t.numel() != n:
         raise _fail(msg, name, f"a tensor of length {n}")
