@@ -36,6 +36,8 @@ from flowedge.transport.security import Security
 
 log = logging.getLogger(__name__)
 
+MAX_BATCH_MESSAGES = 256   # most messages taken off the sockets for one batched step
+
 HELLO_TIMEOUT_MS = 5000
 
 
@@ -143,6 +145,7 @@ class StageNode:
                      psutil.Process().memory_info().rss / 1e6)
         self.assign = assign
         self.worker.index = assign.stage_index
+        self.worker.reset()   # request ids are the head's: a (re)assignment starts them afresh
         if self.data_out is not None:
             self.data_out.close(0)
         self.data_out = self.ctx.socket(zmq.PUSH)
@@ -190,13 +193,32 @@ class StageNode:
         poller.register(self.data_in, zmq.POLLIN)
         while not self.stop.is_set():
             ready = dict(poller.poll(100))
-            if self.ctrl in ready:
-                self._on_ctrl(self._recv_ctrl(0))
-            if self.data_in in ready:
-                self._on_data()
+            if ready:
+                self._take_arrived()
             self._beat()
             if time.monotonic() - self.last_head > self.config.stage_timeout_s:
                 raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:.0f} s")
+
+    def _take_arrived(self) -> None:
+        """Everything queued on both sockets, then one `receive_all`: segments of several requests that
+        arrived while the last forward ran go through the next one together (dynamic batching)."""
+        events: list = []
+        while len(events) < MAX_BATCH_MESSAGES and not self.stop.is_set():
+            got = False
+            if self.ctrl.poll(0):
+                got = True
+                msg = self._recv_ctrl(0)
+                if isinstance(msg, proto.Assign) and events:   # a new assignment: finish the old work first
+                    self._handle_all(events)
+                    events = []
+                events += self._on_ctrl(msg)
+            if self.data_in.poll(0):
+                got = True
+                events += self._on_data()
+            if not got:
+                break
+        if events:
+            self._handle_all(events)
 
     def _recv_ctrl(self, timeout_ms: int) -> proto.Message | None:
         try:
@@ -211,32 +233,36 @@ class StageNode:
             self.stop.set()
         return msg
 
-    def _on_ctrl(self, msg: proto.Message | None) -> None:
+    def _on_ctrl(self, msg: proto.Message | None) -> list:
+        """Control messages are handled here; engine messages come back as events for the worker."""
         if msg is None or isinstance(msg, (proto.Heartbeat, proto.Shutdown, proto.Welcome)):
-            return
+            return []
         if isinstance(msg, proto.Assign):
             self._take(msg)
         elif isinstance(msg, proto.Refuse):
             raise Rejoin(f"the head dropped this node: {msg.reason}")
         elif isinstance(msg, (proto.Prune, proto.Reset, proto.Segment)):
-            self._handle(wire.from_wire(msg, self.worker.model.dtype))
+            return [wire.from_wire(msg, self.worker.model.dtype)]
         else:
             log.warning("ignoring unexpected %s from the head", msg.TYPE)
+        return []
 
-    def _on_data(self) -> None:
+    def _on_data(self) -> list:
         try:
             msg = recv_msg(self.data_in, 0)
         except ProtocolError as err:
             log.warning("dropped a malformed data message: %s", err)
-            return
+            return []
+        if msg is None:
+            return []
         if not isinstance(msg, (proto.Segment, proto.Prune, proto.Reset)):
             log.warning("ignoring %s on the data port", getattr(msg, "TYPE", msg))
-            return
-        self._handle(wire.from_wire(msg, self.worker.model.dtype))
+            return []
+        return [wire.from_wire(msg, self.worker.model.dtype)]
 
-    def _handle(self, event) -> None:
+    def _handle_all(self, events: list) -> None:
         t0 = time.perf_counter()
-        actions = self.worker.receive(event)
+        actions = self.worker.receive_all(events)
         for a in actions:
             if isinstance(a, Send):
                 self.wire.send(self.data_out, wire.to_wire(a.message, self.assign.hidden_wire))

@@ -98,6 +98,12 @@ class StageWorker:
         self.history_by_request: dict[int, list[tuple[int, int]]] = {}   # the same, per request (tests)
         self.batch_sizes: list[int] = []           # requests per forward (for reports)
 
+    def reset(self) -> None:
+        """Forget every request (a new assignment: the head may be a new process reusing request ids)."""
+        for rid in list(self.slots):
+            self._free(rid)
+        self._closed.clear()
+
     # ---- inspection -----------------------------------------------------------------------------
     def cache_lengths(self) -> dict[int, int]:
         """KV entries held per live request."""
