@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "Client"]
+__all__ = ["__version__", "Client", "AsyncClient"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from flowedge.daemon.client import Client
 
         return Client
+    if name == "AsyncClient":
+        from flowedge.daemon.async_client import AsyncClient
+
+        return AsyncClient
     raise AttributeError(name)

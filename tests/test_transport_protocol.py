@@ -48,6 +48,11 @@ SAMPLES = [
     p.PromptRequest(request_id=1, text="def fib(n):", max_new_tokens=32, temperature=0.7, top_k=10,
                     top_p=0.9, seed=5),
     p.PromptRequest(request_id=2, token_ids=torch.tensor([151_000, 3]), max_new_tokens=4),
+    p.PromptRequest(request_id=3, messages=[{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "hi"}], max_new_tokens=4,
+                    stop=["\n\n", "END"]),
+    p.PromptRequest(request_id=4, text="def f(", max_new_tokens=4, raw=True),
+    p.Cancel(request_id=3),
     p.TokenChunk(request_id=1, token_ids=torch.tensor([9, 10]), text="ab", done=True,
                  stats={"tokens_per_s": 3.5}),
     p.ErrorReply(request_id=1, message="context overflow"),
@@ -85,12 +90,12 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 2]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 3]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
 def test_message_types_are_unique_and_complete() -> None:
-    assert len(p.MESSAGE_TYPES) == 17
+    assert len(p.MESSAGE_TYPES) == 18
     assert {type(m) for m in SAMPLES} == set(p.MESSAGE_TYPES.values())
 
 
@@ -164,6 +169,20 @@ def test_equality_compares_tensors_by_value() -> None:
         lambda: p.PromptRequest(request_id=1, max_new_tokens=4),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, top_p=1.5),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, top_k=0),
+        lambda: p.PromptRequest(request_id=1, text="x", messages=[{"role": "user", "content": "x"}],
+                                max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, messages=[], max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, messages=[{"role": "wizard", "content": "x"}], max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, messages=[{"role": "user", "content": 3}], max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, messages=[{"role": "user"}], max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, messages=[{"role": "user", "content": "x"}] * 1025,
+                                max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop=[""]),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop=["x" * 257]),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop=["a"] * 17),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop="END"),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, raw=1),
+        lambda: p.Cancel(request_id=-1),
         lambda: p.TokenChunk(request_id=1, token_ids=torch.arange(2), text="", done=1),
         lambda: p.StatusReply(nodes=[1, 2]),
     ],
@@ -185,7 +204,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.2"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.3"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

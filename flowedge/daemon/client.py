@@ -78,45 +78,33 @@ class Client:
         return msg
 
     # ---- requests -------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], *, max_new_tokens: int = 64, temperature: float = 0.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               strategy: str = "") -> Iterator[str]:
-        """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the totals."""
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+               system: str | None = None, stop: list[str] | str | None = None, raw: bool = False,
+               max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None, strategy: str = "") -> Iterator[str]:
+        """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the totals.
+
+        `prompt` is a user turn (through the chat template) or, with `raw`, the model's text as is;
+        `messages` a whole conversation; `system` a system turn before either; `stop` strings end the
+        answer (cut off). Leaving the loop early cancels the request at the head."""
         self._hello()
         rid = next(self._ids)
-        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        send_msg(self.sock, proto.PromptRequest(
-            request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, temperature=temperature,
-            top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy))
-        t0 = time.monotonic()
-        tokens: list[int] = []
-        pieces: list[str] = []
-        first_token_s = None
-        while True:
-            msg = self._recv()
-            if getattr(msg, "request_id", rid) != rid:
-                continue   # a late reply to an earlier, abandoned request
-            if isinstance(msg, proto.ErrorReply):
-                raise RequestFailed(msg.message)
-            if not isinstance(msg, proto.TokenChunk):
-                continue
-            tokens += msg.token_ids
-            if msg.token_ids and first_token_s is None:
-                first_token_s = time.monotonic() - t0
-            if msg.text:
-                pieces.append(msg.text)
-                yield msg.text
-            if msg.done:
-                wall = time.monotonic() - t0
-                self.last_result = {
-                    **(msg.stats or {}), "text": "".join(pieces), "token_ids": tokens,
-                    "client_wall_s": round(wall, 4),
-                    "wall_tokens_per_s": round(len(tokens) / wall, 3) if wall > 0 else None,
-                    "first_token_s": round(first_token_s, 4) if first_token_s is not None else None,
-                }
-                return
+        send_msg(self.sock, prompt_request(rid, prompt, messages=messages, system=system, stop=stop, raw=raw,
+                                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                           top_p=top_p, seed=seed, strategy=strategy))
+        answer = Answer()
+        try:
+            while not answer.done:
+                msg = self._recv()
+                piece = answer.take(msg, rid)
+                if piece:
+                    yield piece
+        finally:
+            if not answer.done:
+                send_msg(self.sock, proto.Cancel(request_id=rid))
+        self.last_result = answer.result
 
-    def generate(self, prompt: str | list[int], **kwargs) -> dict:
+    def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:
         """The whole answer at once (same keys as `flowedge generate --json`, plus wall-clock figures)."""
         for _ in self.stream(prompt, **kwargs):
             pass
@@ -135,6 +123,65 @@ class Client:
         self._hello()
         send_msg(self.sock, proto.Shutdown(reason=reason))
         time.sleep(0.1)
+
+
+def prompt_request(rid: int, prompt: str | list[int] | None, *, messages: list[dict] | None = None,
+                   system: str | None = None, stop: list[str] | str | None = None, raw: bool = False,
+                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                   top_p: float | None = None, seed: int | None = None, strategy: str = "") -> proto.PromptRequest:
+    """The PromptRequest for one call of `stream` (shared by Client and AsyncClient); ProtocolError on
+    a request that cannot be sent (the message validates itself)."""
+    if (prompt is None) == (messages is None):
+        raise FlowedgeError("give exactly one of a prompt or messages")
+    if raw and (messages is not None or system is not None):
+        raise FlowedgeError("raw mode sends the prompt as is: no messages, no system prompt")
+    text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, list(prompt))
+    if system is not None:
+        if ids is not None:
+            raise FlowedgeError("a system prompt needs a text prompt or messages, not token ids")
+        turns = list(messages) if messages is not None else [{"role": "user", "content": text}]
+        messages, text = [{"role": "system", "content": system}, *turns], None
+    return proto.PromptRequest(
+        request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, messages=messages,
+        stop=[stop] if isinstance(stop, str) else list(stop or ()), raw=raw, temperature=temperature,
+        top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy)
+
+
+class Answer:
+    """One request's replies folded into pieces and totals (the same for both clients)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []
+        self.first_token_s: float | None = None
+        self.done = False
+        self.result: dict | None = None
+
+    def take(self, msg: proto.Message, rid: int) -> str:
+        """The text piece `msg` adds ("" if none); RequestFailed for the head's error reply."""
+        if getattr(msg, "request_id", rid) != rid:
+            return ""   # a late reply to an earlier, abandoned request
+        if isinstance(msg, proto.ErrorReply):
+            self.done = True
+            raise RequestFailed(msg.message)
+        if not isinstance(msg, proto.TokenChunk):
+            return ""
+        self.tokens += msg.token_ids
+        if msg.token_ids and self.first_token_s is None:
+            self.first_token_s = time.monotonic() - self.t0
+        if msg.text:
+            self.pieces.append(msg.text)
+        if msg.done:
+            self.done = True
+            wall = time.monotonic() - self.t0
+            self.result = {
+                **(msg.stats or {}), "text": "".join(self.pieces), "token_ids": self.tokens,
+                "client_wall_s": round(wall, 4),
+                "wall_tokens_per_s": round(len(self.tokens) / wall, 3) if wall > 0 else None,
+                "first_token_s": round(self.first_token_s, 4) if self.first_token_s is not None else None,
+            }
+        return msg.text
 
 
 def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,

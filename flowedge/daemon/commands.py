@@ -166,7 +166,7 @@ def down(port) -> None:
 
 
 @click.command()
-@click.argument("text")
+@click.argument("text", required=False)
 @HEAD_OPTION
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
@@ -174,18 +174,26 @@ def down(port) -> None:
 @click.option("--top-p", default=1.0, type=float, help="1 = off.")
 @click.option("--seed", default=None, type=int)
 @click.option("--strategy", default="", help="Default: the head's configured strategy.")
+@click.option("--system", default=None, help="A system prompt before the user's turn (chat template).")
+@click.option("--stop", multiple=True, help="End the answer where this text appears (repeatable; cut off).")
+@click.option("--conversation", "conversation_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help='A JSON list of {"role": "system"|"user"|"assistant", "content": ...} turns (instead of TEXT).')
+@click.option("--raw", is_flag=True, help="Send TEXT to the model as is, without the chat template.")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds of silence before giving up.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (as `generate --json`, plus wall-clock tok/s).")
 @KEYS_OPTION
 @INSECURE_OPTION
-def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy, timeout, as_json, keys_dir,
-           insecure) -> None:
-    """Send TEXT to a running cluster and stream the answer."""
+def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy, system, stop, conversation_file,
+           raw, timeout, as_json, keys_dir, insecure) -> None:
+    """Send TEXT (or a --conversation) to a running cluster and stream the answer."""
     from flowedge.daemon.client import Client
 
+    messages = _conversation(conversation_file) if conversation_file else None
+    if (text is None) == (messages is None):
+        raise ConfigError("give either TEXT or --conversation FILE")
     with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=timeout) as client:
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=seed, strategy=strategy)
+                      seed=seed, strategy=strategy, system=system, stop=list(stop), raw=raw, messages=messages)
         if as_json:
             click.echo(json.dumps(client.generate(text, **kwargs)))
             return
@@ -194,6 +202,16 @@ def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy
         click.echo()
         res = client.last_result
         click.echo(f"[{res['new_tokens']} tokens, {res['wall_tokens_per_s']:.2f} tok/s]", err=True)
+
+
+def _conversation(path: str) -> list[dict]:
+    try:
+        turns = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--conversation {path}: not a JSON file: {err}") from None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ConfigError(f'--conversation {path}: want a JSON list of {{"role": ..., "content": ...}} maps')
+    return turns
 
 
 @click.command()

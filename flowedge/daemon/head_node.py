@@ -27,6 +27,7 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.plan import Plan, Replanner, prepare_plan
+from flowedge.daemon.prompting import StopText, prompt_ids
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Compute, Continue, Done, Emit, Segment, Send
 from flowedge.errors import ConfigError, FlowedgeError, ProtocolError
@@ -68,6 +69,7 @@ class Request:
     pieces: list[str] = field(default_factory=list)
     started: float = 0.0
     last_progress: float = 0.0
+    stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
 
 
 class HeadNode:
@@ -100,6 +102,8 @@ class HeadNode:
         self.was_ready = False
         self.shutdown_cluster = False
         self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
+        self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
+        self.last_stats: dict = {}
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -181,7 +185,7 @@ class HeadNode:
             proto.Heartbeat: self._on_heartbeat, proto.Ready: self._on_ready,
             proto.ShardRequest: self._on_shard_request, proto.PromptRequest: self._on_prompt,
             proto.StatusRequest: self._on_status, proto.Shutdown: self._on_shutdown,
-            proto.Hello: self._on_hello_again,
+            proto.Hello: self._on_hello_again, proto.Cancel: self._on_cancel,
         }.get(type(msg))
         if handler is None:
             log.warning("ignoring %s from %s", msg.TYPE, peer.hello.node_id)
@@ -307,7 +311,7 @@ class HeadNode:
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,
             "queue": len(self.queue) + (self.active is not None), "strategy": self.config.strategy,
-            "wire": self.wire.snapshot(),
+            "wire": self.wire.snapshot(), "served": dict(self.served), "last_request": self.last_stats,
         }]
         for k, identity in enumerate(self.slots, start=1):
             p = self.peers.get(identity) if identity else None
@@ -361,11 +365,12 @@ class HeadNode:
 
     def _start(self, req: Request) -> None:
         from flowedge.engine.local import check_context
-        from flowedge.runner import TextStream, encode_prompt
+        from flowedge.runner import TextStream
 
         m, plan = req.msg, self.plan
         params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
-        ids = encode_prompt(plan.tokenizer, m.text, chat=True) if m.text is not None else list(m.token_ids)
+        ids = prompt_ids(plan.tokenizer, m)
+        req.stop = StopText(m.stop)
         check_context(len(ids), m.max_new_tokens, plan.base_config.max_position_embeddings)
         req.strategy = m.strategy or self.config.strategy
         req.engine = self._engine(req.strategy)
@@ -461,6 +466,8 @@ class HeadNode:
     def _execute(self, actions: list) -> None:
         req = self.active
         for a in actions:
+            if self.active is not req:
+                return   # finished, stopped or cancelled by an earlier action of this batch
             if isinstance(a, Send):
                 msg = wire.to_wire(a.message, self.config.wire_dtype)
                 if isinstance(a.message, Segment):
@@ -472,8 +479,11 @@ class HeadNode:
             elif isinstance(a, Emit):
                 req.text(a.tokens)
                 self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
-                                                        token_ids=list(a.tokens), text=self._pieces(req),
-                                                        done=False))
+                                                        token_ids=list(a.tokens),
+                                                        text=req.stop.feed(self._pieces(req)), done=False))
+                if req.stop.hit:   # a stop string: the answer ends here, the stages drop its KV
+                    self._finish(req, Done(list(req.engine.outputs), req.engine.stats))
+                    self._reset_stages(req.engine_id)
             elif isinstance(a, Continue):
                 self._execute(req.engine.receive(a.event))
             elif isinstance(a, Done):
@@ -504,26 +514,51 @@ class HeadNode:
             "head_overhead_ms_per_step": round(1000 * sum(st.overhead_s) / max(1, len(st.overhead_s)), 3),
             "lm_head_at": req.engine.lm_head_at, "stage_chosen_tokens": st.stage_chosen,
             "tree_depth": req.engine.config.tree_depth, "tree_nodes": req.engine.config.tree_nodes,
+            "finish_reason": "stop" if req.stop.hit or n < req.msg.max_new_tokens else "length",
         }
         if st.accept_lens:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)
             stats["verifications"] = len(st.accept_lens)
         self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
                                                 token_ids=(),
-                                                text=self._flushed(req), done=True, stats=stats))
+                                                text=req.stop.finish(self._flushed(req)), done=True, stats=stats))
         log.info("request %d done: %d tokens in %.2f s (%.2f tok/s)", req.engine_id, n, wall,
                  n / wall if wall else 0.0)
         self.active = None
+        self.served["requests"] += 1
+        self.served["tokens"] += n
+        self.last_stats = stats
 
     def _abort(self, why: str) -> None:
         req, self.active = self.active, None
         if req is None:
             return
         log.error("request %d aborted: %s", req.engine_id, why)
+        self.served["failed"] += 1
         self._send(req.client, proto.ErrorReply(request_id=req.msg.request_id, message=f"request aborted: {why}"))
+        self._reset_stages(req.engine_id)
+
+    def _reset_stages(self, engine_id: int) -> None:
+        """Every stage drops what it holds for the request (KV cache, tree)."""
         for identity in self.slots:
             if identity is not None:
-                self._send(identity, proto.Reset(request_id=req.engine_id))
+                self._send(identity, proto.Reset(request_id=engine_id))
+
+    def _on_cancel(self, peer: Peer, msg: proto.Cancel) -> None:
+        """The client gave up on a request: drop it from the queue, or stop it and free its KV."""
+        mine = lambda r: r.client == peer.identity and r.msg.request_id == msg.request_id  # noqa: E731
+        queued = len(self.queue)
+        self.queue = deque(r for r in self.queue if not mine(r))
+        req = self.active
+        if req is not None and mine(req):
+            self.active = None
+            self._reset_stages(req.engine_id)
+            log.info("request %d cancelled by its client %s", req.engine_id, peer.hello.node_id)
+        elif len(self.queue) < queued:
+            log.info("a queued request of %s cancelled by its client", peer.hello.node_id)
+        else:
+            return
+        self.served["cancelled"] += 1
 
     # ---- liveness -------------------------------------------------------------------------------
     def _housekeeping(self) -> None:

@@ -24,7 +24,8 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)   # 1.2: token segments from the last stage, head file
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)   # 1.2: token segments from the last stage, head file;
+#                                               1.3: prompt messages/stop/raw, Cancel
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20

@@ -346,11 +346,20 @@ class Reset(Message):
 
 
 # ---------------------------------------------------------------- client <-> head
+MAX_MESSAGES = 1024          # turns in one conversation
+MAX_STOPS = 16               # stop strings in one request
+MAX_STOP_CHARS = 256         # characters in one stop string
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 @dataclass(**_MSG)
 class PromptRequest(Message):
-    """Client -> head: generate up to `max_new_tokens` after `text` or `token_ids` (exactly one).
+    """Client -> head: generate up to `max_new_tokens` after `text`, `token_ids` or `messages` (exactly one).
 
     `top_k`/`top_p` None means no such filter; `seed` None means a random seed.
+    1.3: `messages` is a conversation ([{"role": "system"|"user"|"assistant", "content": str}]) put
+    through the model's chat template; `raw` sends `text` to the model as is (no template); `stop`
+    ends the answer where its text first contains one of these strings (the stop string is cut off).
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -364,20 +373,53 @@ class PromptRequest(Message):
     top_p: float | None = None
     seed: int | None = None
     strategy: str = "flowspec"
+    messages: list[dict[str, str]] | None = None
+    stop: list[str] = field(default_factory=list)
+    raw: bool = False
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
         _ints(self, "max_new_tokens", lo=1, hi=1 << 20)
-        if (self.text is None) == (self.token_ids is None):
-            raise ProtocolError("prompt carries exactly one of text or token_ids")
+        if sum(x is not None for x in (self.text, self.token_ids, self.messages)) != 1:
+            raise ProtocolError("prompt carries exactly one of text, token_ids or messages")
         if self.text is not None:
             _str(self, "text", max_len=MAX_HEADER_BYTES // 2)
         _tokens(self, "token_ids", optional=True)
+        if self.messages is not None:
+            _messages(self)
         _float(self, "temperature", 0.0, 100.0)
         _ints(self, "top_k", lo=1, hi=1 << 31, optional=True)
         _float(self, "top_p", 1e-9, 1.0, optional=True)
         _ints(self, "seed", optional=True)
         _str(self, "strategy", max_len=64)
+        if not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOPS or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise _fail(self, "stop", f"at most {MAX_STOPS} non-empty strings of <= {MAX_STOP_CHARS} characters")
+        object.__setattr__(self, "stop", list(self.stop))
+        if type(self.raw) is not bool:
+            raise _fail(self, "raw", "a bool")
+
+
+def _messages(msg: PromptRequest) -> None:
+    turns = msg.messages
+    if not isinstance(turns, (list, tuple)) or not 0 < len(turns) <= MAX_MESSAGES or not all(
+            isinstance(t, dict) and set(t) == {"role", "content"} and t["role"] in CHAT_ROLES
+            and isinstance(t["content"], str) for t in turns):
+        raise _fail(msg, "messages", f"1..{MAX_MESSAGES} maps {{role: one of {list(CHAT_ROLES)}, content: str}}")
+    if sum(len(t["content"]) for t in turns) > MAX_HEADER_BYTES // 2:
+        raise _fail(msg, "messages", f"at most {MAX_HEADER_BYTES // 2} characters of content in all")
+    object.__setattr__(msg, "messages", [dict(t) for t in turns])
+
+
+@dataclass(**_MSG)
+class Cancel(Message):
+    """Client -> head (1.3): stop my request `request_id` (queued or running) and free its KV cache."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: int
+
+    def __post_init__(self) -> None:
+        _ints(self, "request_id")
 
 
 @dataclass(**_MSG)
