@@ -8,8 +8,8 @@
 
 Each AsyncClient is one DEALER socket; one request at a time per client (open one per concurrent
 request: they are cheap, and several can share a `zmq.asyncio.Context`). A stream that is abandoned
-(the loop left early, the task cancelled) sends `Cancel` so the head stops the request and frees its
-KV cache.
+(the task cancelled, the generator closed, the client closed or its next request started) sends
+`Cancel`, so the head stops the request and frees its KV cache.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class AsyncClient:
         self.sock.connect(tcp(host, port))
         self._ids = itertools.count(1)
         self._welcomed = False
+        self._open: int | None = None      # the request id of a stream not yet finished
         self.last_result: dict | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -59,9 +60,19 @@ class AsyncClient:
         self.close()
 
     def close(self) -> None:
+        """Cancel an abandoned stream's request at the head, then close the socket."""
+        self._cancel_open()
         self.sock.close(0)
         if self._own_ctx:
             self.ctx.term()
+
+    def _cancel_open(self) -> None:
+        if self._open is not None and not self.sock.closed:
+            try:
+                self.sock.send_multipart(proto.Cancel(request_id=self._open).to_frames(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass   # the head is gone: nothing left to cancel
+        self._open = None
 
     async def _send(self, msg: proto.Message) -> None:
         await self.sock.send_multipart(msg.to_frames(), copy=False)
@@ -90,9 +101,11 @@ class AsyncClient:
     async def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:
         """Text pieces as the head accepts tokens (same arguments as `Client.stream`); afterwards
         `last_result` holds the totals. Leaving early or being cancelled cancels the request."""
+        self._cancel_open()   # a stream abandoned without being closed
         await self._hello()
         rid = next(self._ids)
         await self._send(prompt_request(rid, prompt, **kwargs))
+        self._open = rid
         answer = Answer()
         try:
             while not answer.done:
@@ -100,8 +113,10 @@ class AsyncClient:
                 if piece:
                     yield piece
         finally:
-            if not answer.done and not self.sock.closed:
-                self.sock.send_multipart(proto.Cancel(request_id=rid).to_frames(), flags=zmq.NOBLOCK)
+            if answer.done:
+                self._open = None
+            else:
+                self._cancel_open()
         self.last_result = answer.result
 
     async def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:

@@ -243,24 +243,35 @@ def status(head, as_json, keys_dir, insecure) -> None:
 @click.command("http")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT for the HTTP API.")
 @HEAD_OPTION
+@click.option("--api-key", "api_keys", multiple=True,
+              help="A bearer key clients must send (repeatable; also FLOWEDGE_API_KEYS=k1,k2). Required "
+                   "whenever --listen is not a loopback address.")
+@click.option("--api-key-file", default=None, type=click.Path(dir_okay=False),
+              help="A file of API keys, one a line.")
+@click.option("--read-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds to wait for the rest of a request body.")
+@click.option("--request-timeout", default=300.0, show_default=True, type=float,
+              help="Seconds of silence from the head before an answer fails.")
 @KEYS_OPTION
 @INSECURE_OPTION
-def http(listen, head, keys_dir, insecure) -> None:
-    """Serve the HTTP API (POST /v1/generate, GET /v1/status) in front of a head."""
-    from flowedge.daemon.http_api import serve_http
+def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, keys_dir, insecure) -> None:
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics) in front of a head."""
+    from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
 
     _daemon_logging()
-    try:
-        server = serve_http(listen, head, keys_dir, insecure)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot listen on {listen}: {err}") from None
-    log.info("HTTP API on http://%s/v1/generate for the head at %s", listen, head)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    host, port = split_listen(listen)
+    settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
+                           api_keys=load_api_keys(api_keys, api_key_file), read_timeout_s=read_timeout,
+                           request_timeout_s=request_timeout)
+    from flowedge.api.server import build_server
+
+    server = build_server(settings, host, port)
+    log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,
+             f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key: loopback only")
+    server.run()
+    if not server.started:
+        raise ConfigError(f"cannot listen on {listen} (see the log above)")
 
 
 def _int_list(text: str | None) -> list[int]:

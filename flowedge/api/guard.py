@@ -1,0 +1,107 @@
+"""Bearer API keys, and the request-body guard in front of every route.
+
+The guard reads the whole body before the app sees it: a Content-Length that is not a number, is
+larger than the limit, or promises bytes that never come is answered 400/413 at once or after
+`read_timeout_s`, never left hanging. The body is then replayed to the app; later `receive` calls
+go to the server, so a client that disconnects mid-stream is still noticed.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from flowedge.api.settings import ApiSettings
+
+OPEN_PATHS = ("/health",)   # for load balancers and systemd checks: tells only whether it serves
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def send_json(send, status: int, obj: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def key_ok(header: str | None, api_keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header carries one of the keys (constant-time comparison)."""
+    if not api_keys:
+        return True
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in api_keys)
+
+
+class RequestGuard:
+    """ASGI middleware: API keys, then the body (see the module docstring)."""
+
+    def __init__(self, app, settings: ApiSettings, on_refused=lambda status: None) -> None:
+        self.app, self.settings, self.on_refused = app, settings, on_refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"] not in OPEN_PATHS and not key_ok(headers.get("authorization"), self.settings.api_keys):
+            self.on_refused(401)
+            return await send_json(send, 401, error_body(
+                "missing or wrong API key: send `Authorization: Bearer KEY`", code="invalid_api_key"),
+                [(b"www-authenticate", b"Bearer")])
+        refusal = self._check_length(headers.get("content-length"))
+        if refusal is not None:
+            self.on_refused(refusal[0])
+            return await send_json(send, *refusal)
+        try:
+            body = await self._read_body(receive)
+        except ValueError as err:
+            status = 413 if "over" in str(err) else 400
+            self.on_refused(status)
+            return await send_json(send, status, error_body(str(err)))
+        if body is None:
+            return   # the client left before sending its body
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _check_length(self, value: str | None) -> tuple[int, dict] | None:
+        if value is None:
+            return None
+        if not value.strip().isdigit():
+            return 400, error_body(f"Content-Length must be a number of bytes, got {value[:40]!r}")
+        if int(value) > self.settings.max_body_bytes:
+            return 413, error_body(f"request body over {self.settings.max_body_bytes} bytes")
+        return None
+
+    async def _read_body(self, receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.settings.read_timeout_s)
+            except TimeoutError:
+                raise ValueError(f"request body incomplete after {self.settings.read_timeout_s:g} s "
+                                 f"(fewer bytes than its Content-Length?)") from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                raise ValueError(f"request body over {self.settings.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)

@@ -1,0 +1,145 @@
+"""OpenAI request bodies (validated by pydantic) and the answers built from a flowedge result.
+
+Only what flowedge can honour is accepted: one choice (`n` = 1), text content (a list of text parts
+is joined), sampling by temperature/top_p/seed, stop strings. Fields OpenAI clients may send that do
+not change the answer (`user`, `stream_options` without usage, ...) are ignored. `strategy` (an
+extension, e.g. `extra_body={"strategy": "ar-pp"}`) picks the head's strategy.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 16
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def turn(self) -> dict[str, str]:
+        """The {role, content} turn the head's chat template gets (developer = system)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = ""
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    strategy: str = Field("", max_length=64)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or ())
+        if len(stops) > MAX_STOPS or not all(0 < len(s) <= 256 for s in stops):
+            raise ValueError(f"at most {MAX_STOPS} non-empty stop strings of <= 256 characters")
+        return stops
+
+    def client_kwargs(self, default_max_tokens: int) -> dict:
+        return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                    top_p=self.top_p, seed=self.seed, stop=self.stop or [], strategy=self.strategy)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+
+    def client_kwargs(self, default_max_tokens: int) -> dict:
+        kwargs = super().client_kwargs(default_max_tokens)
+        if self.max_completion_tokens is not None:
+            kwargs["max_new_tokens"] = self.max_completion_tokens
+        return {**kwargs, "messages": [m.turn() for m in self.messages]}
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1, le=1 << 20)   # OpenAI's default for completions
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (batch several requests instead)")
+            return v[0]
+        return v
+
+    def client_kwargs(self, default_max_tokens: int) -> dict:
+        kwargs = super().client_kwargs(default_max_tokens)
+        if isinstance(self.prompt, str):
+            return {**kwargs, "prompt": self.prompt, "raw": True}
+        return {**kwargs, "prompt": list(self.prompt)}
+
+
+# ---------------------------------------------------------------- answers
+class Reply:
+    """One answer's identity (id, creation time, model) and the objects built for it."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, result: dict, prefix: str = "") -> dict:
+        text, reason = prefix + result.get("text", ""), result.get("finish_reason", "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(result), "flowedge": stats(result)}
+
+    def chunk(self, text: str | None, reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+    def usage_chunk(self, result: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(result)}
+
+
+def usage(result: dict) -> dict:
+    prompt, new = int(result.get("prompt_tokens", 0)), int(result.get("new_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
+def stats(result: dict) -> dict:
+    """flowedge's own figures about the answer (an extra field OpenAI clients ignore)."""
+    keys = ("strategy", "tokens_per_s", "wall_s", "mean_accept_len", "steps", "rounds", "first_token_s")
+    return {k: result[k] for k in keys if k in result}

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP API against a real tiny-model cluster (3 processes, loopback), driven by
+the official `openai` client, httpx and raw sockets. Temperature 0 and float32 on the wire, so every
+answer must equal plain greedy decoding of the same prompt ids."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_port_pair, logs, wait_for_text
+from flowedge import AsyncClient
+from flowedge.api.server import build_server
+from flowedge.api.settings import ApiSettings
+from flowedge.daemon import local_cluster
+from flowedge.daemon.client import Client, wait_ready
+from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.daemon.prompting import chat_ids
+from flowedge.runner import GenerateRequest, run_generate
+
+KEY = "test-key-0123456789abcdef"
+PROMPT = "zzzz"
+MAX_NEW = 30
+LONG_PROMPT = "1 2 3 4"   # the tiny model does not stop by itself on this one
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    base, draft = tiny_pair
+    chat = run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", MAX_NEW))
+    raw = run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", MAX_NEW, chat=False))
+    assert chat["new_tokens"] >= 20 and raw["new_tokens"] >= 20   # the comparisons cover real decoding
+    return {"chat": chat, "raw": raw}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_pair, tmp_path_factory):
+    """A cluster and the HTTP API in front of it; /health is asked before the cluster is ready."""
+    base, draft = tiny_pair
+    with flowedge_home(tmp_path_factory.mktemp("home")):
+        spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
+                                wire_dtype="float32", device="orin-nano-8gb")
+        cluster = local_cluster.start(spec)
+        settings = ApiSettings(head=spec.addr, api_keys=(KEY,), read_timeout_s=1.0, request_timeout_s=60)
+        server = build_server(settings, "127.0.0.1", 0, log_level="warning")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.05)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            base_url = f"http://127.0.0.1:{port}"
+            health_before = httpx.get(base_url + "/health", timeout=10)
+            wait_ready(spec.addr, READY_TIMEOUT_S, alive=cluster.alive)
+            yield {"cluster": cluster, "url": base_url, "port": port, "health_before": health_before,
+                   "model": str(base)}
+        finally:
+            server.should_exit = True
+            thread.join(10)
+            cluster.stop()
+
+
+@pytest.fixture()
+def oai(stack):
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_health_is_503_until_the_cluster_is_ready(stack):
+    assert stack["health_before"].status_code == 503
+    r = httpx.get(stack["url"] + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+
+
+def test_openai_client_models_and_chat(stack, oai, reference):
+    assert [m.id for m in oai.models.list().data] == [stack["model"]]
+    msgs = [{"role": "user", "content": PROMPT}]
+    whole = oai.chat.completions.create(model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0)
+    want = reference["chat"]
+    assert whole.choices[0].message.content == want["text"]
+    assert whole.choices[0].finish_reason == ("length" if want["new_tokens"] == MAX_NEW else "stop")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (want["prompt_tokens"], want["new_tokens"])
+    chunks = list(oai.chat.completions.create(model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want["new_tokens"]
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_openai_client_completions_are_raw(oai, reference):
+    want = reference["raw"]
+    whole = oai.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
+    assert whole.choices[0].text == want["text"] and whole.usage.prompt_tokens == want["prompt_tokens"]
+    pieces = [c.choices[0].text for c in oai.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW,
+                                                                 temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == want["text"]
+
+
+def test_system_prompt_and_turns_go_through_the_chat_template(oai, tiny_pair):
+    from transformers import AutoTokenizer
+
+    turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "abc"},
+             {"role": "assistant", "content": "def"}, {"role": "user", "content": PROMPT}]
+    ids = chat_ids(AutoTokenizer.from_pretrained(tiny_pair[0]), turns)
+    chat = oai.chat.completions.create(model="m", messages=turns, max_tokens=MAX_NEW, temperature=0)
+    assert chat.usage.prompt_tokens == len(ids)
+    # the same ids sent as a token prompt give the same answer: the head built exactly these ids
+    same = oai.completions.create(model="m", prompt=ids, max_tokens=MAX_NEW, temperature=0)
+    assert same.choices[0].text == chat.choices[0].message.content
+    one = oai.chat.completions.create(model="m", messages=turns[-1:], max_tokens=MAX_NEW, temperature=0)
+    assert one.usage.prompt_tokens < len(ids)
+
+
+def test_stop_sequences_cut_the_answer(oai, reference):
+    text = reference["chat"]["text"]
+    stop = text[8:11]
+    cut = text[:text.find(stop)]
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
+                                    temperature=0, stop=[stop])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < reference["chat"]["new_tokens"]
+    streamed = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=MAX_NEW, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+
+
+def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        oai.completions.create(model="m", prompt="x", max_tokens=5000, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=7)
+    r = httpx.post(stack["url"] + "/v1/chat/completions", content=b'{"messages": [', headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    bad = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="not-the-key-not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    for path in ("/v1/models", "/metrics", "/v1/status"):
+        assert httpx.get(stack["url"] + path).status_code == 401
+    r = httpx.post(stack["url"] + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401
+
+
+def _raw_request(port: int, head: bytes, body: bytes) -> tuple[bytes, float]:
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return data, time.monotonic() - t0
+
+
+def test_a_bad_content_length_is_answered_not_hung(stack):
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + auth
+    short, took = _raw_request(stack["port"], start + b"Content-Length: 100\r\n\r\n", b'{"prompt": "x"}')
+    assert short.startswith(b"HTTP/1.1 400") and took < 5, (short, took)   # read timeout 1 s
+    junk, took = _raw_request(stack["port"], start + b"Content-Length: lots\r\n\r\n", b'{"prompt": "x"}')
+    assert junk.startswith(b"HTTP/1.1 400") and took < 2, (junk, took)
+
+
+def test_metrics_parse_and_count(stack, oai):
+    oai.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=0)
+    text = httpx.get(stack["url"] + "/metrics", headers=_auth()).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str, **labels) -> float:   # a counter's family drops the sample's _total
+        family = families[name.removesuffix("_total")]
+        return sum(s.value for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("flowedge_http_requests_total", endpoint="/v1/completions", outcome="ok") >= 1
+    assert value("flowedge_http_requests_total", outcome="unauthorized") >= 0
+    assert value("flowedge_tokens_generated_total") >= 5
+    assert value("flowedge_cluster_ready") == 1 and value("flowedge_head_up") == 1
+    assert value("flowedge_requests_in_flight") == 0 and value("flowedge_queue_depth") == 0
+    assert value("flowedge_mean_accepted_length") > 0 and value("flowedge_tokens_per_second") > 0
+    stages = {s.labels["stage"] for s in families["flowedge_stage_busy_fraction"].samples}
+    assert stages == {"1", "2"}
+    assert "flowedge_stage_step_ms" in families and "flowedge_failures" in families
+
+
+def _served(stack) -> dict:
+    with Client(stack["cluster"].spec.addr, timeout_s=10) as c:
+        return c.status()[0]["served"]
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled_at_the_head(stack, oai, reference):
+    before = _served(stack)["cancelled"]
+    body = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body, headers=_auth(),
+                      timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _served(stack)["cancelled"] == before + 1, logs(stack["cluster"].run_dir)
+    assert wait_for_text(stack["cluster"].run_dir / "head.log", "cancelled by its client", 5)
+    # the head serves the next request at once, and correctly
+    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
+                                    temperature=0)
+    assert r.choices[0].message.content == reference["chat"]["text"]
+
+
+def test_async_client_streams_and_cancels(stack, reference):
+    addr = stack["cluster"].spec.addr
+
+    async def run() -> tuple[str, dict]:
+        async with AsyncClient(addr, timeout_s=30) as c:
+            text = "".join([p async for p in c.stream(PROMPT, max_new_tokens=MAX_NEW)])
+            result = c.last_result
+            async for _ in c.stream(LONG_PROMPT, max_new_tokens=1500):
+                break   # leaving the loop cancels the request
+            return text, result
+
+    before = _served(stack)["cancelled"]
+    text, result = asyncio.run(run())
+    assert text == reference["chat"]["text"] and result["token_ids"] == reference["chat"]["token_ids"]
+    deadline = time.monotonic() + 10
+    while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _served(stack)["cancelled"] == before + 1
+
+
+def test_prompt_cli_system_stop_conversation(stack, reference, tmp_path):
+    addr = stack["cluster"].spec.addr
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps([{"role": "user", "content": PROMPT}]))
+    out = flowedge_cli("prompt", "--conversation", str(conv), "--head", addr, "--max-new-tokens", str(MAX_NEW),
+                       "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == reference["chat"]["token_ids"]
+    stop = reference["chat"]["text"][8:11]
+    out = flowedge_cli("prompt", PROMPT, "--stop", stop, "--head", addr, "--max-new-tokens", str(MAX_NEW), "--json")
+    res = json.loads(out.stdout)
+    assert res["finish_reason"] == "stop" and res["text"] == reference["chat"]["text"].split(stop)[0]
+    out = flowedge_cli("prompt", PROMPT, "--system", "be terse", "--head", addr, "--max-new-tokens", "2", "--json")
+    assert json.loads(out.stdout)["prompt_tokens"] == reference["chat"]["prompt_tokens"] + len("system: be terse\n")
+
+
+def test_http_refuses_to_listen_beyond_loopback_without_a_key():
+    out = flowedge_cli("http", "--listen", "0.0.0.0:0", env={"FLOWEDGE_API_KEYS": ""}, timeout=60)
+    assert out.returncode == 1 and "refusing to listen on 0.0.0.0 without an API key" in out.stderr

@@ -1,0 +1,118 @@
+"""The HTTP API's parts without a cluster: stop strings, prompt building, API keys, request bodies."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flowedge.api.app import create_app
+from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
+from flowedge.daemon.prompting import PromptError, StopText, chat_ids, prompt_ids
+from flowedge.errors import ConfigError
+from flowedge.transport import protocol as proto
+
+KEY = "k" * 24
+
+
+def _feed(stops, pieces):
+    cut = StopText(stops)
+    return "".join(cut.feed(p) for p in pieces) + cut.finish(), cut.hit
+
+
+@pytest.mark.parametrize("stops,pieces,want,hit", [
+    ([], ["ab", "cd"], "abcd", False),
+    (["cd"], ["ab", "cd", "ef"], "ab", True),
+    (["cd"], ["abc", "def"], "ab", True),              # the stop string spans two pieces
+    (["xyz"], ["abx", "y"], "abxy", False),            # a held-back prefix is released at the end
+    (["END", "b"], ["aEN", "Db"], "a", True),          # the earliest stop wins
+    (["\n\n"], ["line\n", "\nnext"], "line", True),
+])
+def test_stop_text_cuts_at_the_first_stop_string(stops, pieces, want, hit):
+    assert _feed(stops, pieces) == (want, hit)
+
+
+def test_stop_text_never_shows_a_stop_string_early():
+    cut = StopText(["abc"])
+    assert cut.feed("xxab") == "xx" and cut.held == "ab"
+    assert cut.feed("d") == "abd" and not cut.hit
+
+
+def test_prompt_ids_follow_the_chat_template(tiny_pair):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    rendered = "system: be brief\nuser: hi\nassistant: hello\nuser: more\nassistant: "   # the tiny template
+    want = tok(rendered, add_special_tokens=False)["input_ids"]
+    req = proto.PromptRequest(request_id=1, messages=turns, max_new_tokens=4)
+    assert prompt_ids(tok, req) == chat_ids(tok, turns) == want
+    one = proto.PromptRequest(request_id=1, text="hi", max_new_tokens=4)
+    assert prompt_ids(tok, one) == tok("user: hi\nassistant: ", add_special_tokens=False)["input_ids"]
+    raw = proto.PromptRequest(request_id=1, text="hi", max_new_tokens=4, raw=True)
+    assert prompt_ids(tok, raw) == tok("hi")["input_ids"]
+    tok.chat_template = None
+    with pytest.raises(PromptError, match="no chat template"):
+        chat_ids(tok, turns)
+
+
+def test_api_keys_and_exposure(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text(f"# ops\n{'f' * 20}\n\n")
+    keys = load_api_keys((KEY,), str(f), env={"FLOWEDGE_API_KEYS": f"{'e' * 16}, {KEY}"})
+    assert keys == (KEY, "e" * 16, "f" * 20)
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_api_keys(("short",), env={})
+    check_exposure("127.0.0.1", ())
+    check_exposure("::1", ())
+    check_exposure("0.0.0.0", keys)
+    for host in ("0.0.0.0", "192.168.1.5", "::", "gateway.local"):
+        with pytest.raises(ConfigError, match="without an API key"):
+            check_exposure(host, ())
+
+
+@pytest.fixture(scope="module")
+def api():
+    """The app in front of a head that is not there: everything up to the head is checked."""
+    settings = ApiSettings(head="127.0.0.1:9", api_keys=(KEY,), status_timeout_s=0.3, request_timeout_s=0.5)
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {KEY}"
+        yield client
+
+
+def test_bad_bodies_are_400_with_openai_errors(api):
+    cases = [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b"[]"),
+        ("/v1/chat/completions", b'{"messages": []}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": [""]}'),
+        ("/v1/completions", b'{"prompt": ["a", "b"]}'),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}'),
+    ]
+    for path, body in cases:
+        r = api.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"], body
+
+
+def test_an_unreachable_head_is_503_and_health_says_so(api):
+    r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and "cannot reach" in r.json()["error"]["message"]
+    assert api.get("/health").status_code == 503
+    assert api.get("/v1/models").status_code == 503
+
+
+def test_requests_without_the_key_are_401(api):
+    for key in (None, "Bearer wrong-key-wrong-key", f"Basic {KEY}"):
+        headers = {"Authorization": key} if key else {}
+        r = api.get("/v1/models", headers=headers) if key else TestClient(api.app).get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", key
+    assert TestClient(api.app).get("/health").status_code == 503   # open, and honest: no head
+
+
+def test_content_length_over_the_limit_is_413(api):
+    r = api.post("/v1/completions", content=b"x" * ((1 << 20) + 1), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
