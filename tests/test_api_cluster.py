@@ -22,6 +22,7 @@ from flowedge.daemon import local_cluster
 from flowedge.daemon.client import Client, wait_ready
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.daemon.prompting import chat_ids
+from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"
@@ -57,7 +58,10 @@ def stack(tiny_pair, tmp_path_factory):
             port = server.servers[0].sockets[0].getsockname()[1]
             base_url = f"http://127.0.0.1:{port}"
             health_before = httpx.get(base_url + "/health", timeout=10)
-            wait_ready(spec.addr, READY_TIMEOUT_S, alive=cluster.alive)
+            try:
+                wait_ready(spec.addr, READY_TIMEOUT_S, alive=cluster.alive)
+            except FlowedgeError as err:
+                raise AssertionError(f"cluster did not start: {err}\n{logs(cluster.run_dir)}") from None
             yield {"cluster": cluster, "url": base_url, "port": port, "health_before": health_before,
                    "model": str(base)}
         finally:
@@ -256,3 +260,10 @@ def test_prompt_cli_system_stop_conversation(stack, reference, tmp_path):
 def test_http_refuses_to_listen_beyond_loopback_without_a_key():
     out = flowedge_cli("http", "--listen", "0.0.0.0:0", env={"FLOWEDGE_API_KEYS": ""}, timeout=60)
     assert out.returncode == 1 and "refusing to listen on 0.0.0.0 without an API key" in out.stderr
+
+
+def test_status_watch_redraws_in_place(stack):
+    out = flowedge_cli("status", "--watch", "--interval", "0.2", "--iterations", "2", "--head",
+                       stack["cluster"].spec.addr)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\x1b[H\x1b[J") == 2 and "tokens/s" in out.stdout and "stage-2" in out.stdout

@@ -116,3 +116,18 @@ def test_requests_without_the_key_are_401(api):
 def test_content_length_over_the_limit_is_413(api):
     r = api.post("/v1/completions", content=b"x" * ((1 << 20) + 1), headers={"Content-Type": "application/json"})
     assert r.status_code == 413
+
+
+def test_status_view_renders_rates_from_two_replies():
+    from flowedge.daemon.status_view import render
+
+    def reply(tokens: int) -> list[dict]:
+        return [{"node_id": "head", "role": "head", "queue": 2, "ready": True, "load": 0.9,
+                 "served": {"requests": 3, "tokens": tokens, "failed": 0, "cancelled": 1},
+                 "last_request": {"tokens_per_s": 4.5, "mean_accept_len": 2.25, "strategy": "flowspec"}},
+                {"node_id": "s1", "role": "stage", "stage": 1, "layers": [0, 14], "load": 0.4,
+                 "step_ms_median": 12.5, "ready": True}]
+
+    text = render(reply(300), reply(100), 4.0)
+    assert "tokens/s 50.00" in text and "queue 2" in text and "accepted length 2.25" in text
+    assert "cancelled 1" in text and "12.5" in text and "[0, 14)" in text

@@ -217,27 +217,29 @@ def _conversation(path: str) -> list[dict]:
 @click.command()
 @HEAD_OPTION
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--watch", is_flag=True, help="Refresh in place: per-node load, tokens/s, acceptance, queue.")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes (--watch).")
+@click.option("--iterations", default=None, type=int, hidden=True, help="Stop after this many refreshes.")
 @KEYS_OPTION
 @INSECURE_OPTION
-def status(head, as_json, keys_dir, insecure) -> None:
+def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> None:
     """Show every node: address, role, layer range, model, memory, load, last heartbeat."""
+    from flowedge.daemon import status_view
     from flowedge.daemon.client import Client
 
     with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=10.0) as client:
+        if watch:
+            try:
+                status_view.watch(client.status, lambda text: click.echo(text, color=True), interval, iterations)
+            except KeyboardInterrupt:
+                pass
+            return
         nodes = client.status()
     if as_json:
         click.echo(json.dumps(nodes))
         return
-    click.echo(f"{'node':<18} {'role':<6} {'layers':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
-               f"{'seen s':>6} {'step ms':>8}  state")
-    for n in nodes:
-        layers = n.get("layers")
-        layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
-        step = n.get("step_ms_median")
-        state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
-        click.echo(f"{n.get('node_id') or '-':<18} {n['role']:<6} {layers[:12]:<12} {n.get('address', ''):<22} "
-                   f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
-                   f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
+    click.echo(status_view.render(nodes))
 
 
 @click.command("http")

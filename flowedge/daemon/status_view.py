@@ -1,0 +1,61 @@
+"""`flowedge status`: the table of nodes, and `--watch`, the same refreshed in place with rates.
+
+`render` is pure (status replies in, text out) so it is tested without a terminal; `watch` redraws
+with two ANSI sequences (cursor home, clear to the end), which every terminal and `watch`-like
+multiplexer understands.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+CLEAR = "\x1b[H\x1b[J"
+
+
+def node_table(nodes: list[dict]) -> list[str]:
+    lines = [f"{'node':<18} {'role':<6} {'layers':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
+             f"{'seen s':>6} {'step ms':>8}  state"]
+    for n in nodes:
+        layers = n.get("layers")
+        layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
+        step = n.get("step_ms_median")
+        state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
+        lines.append(f"{n.get('node_id') or '-':<18} {n['role']:<6} {layers[:12]:<12} {n.get('address', ''):<22} "
+                     f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
+                     f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
+    return lines
+
+
+def summary(nodes: list[dict], before: list[dict] | None, interval_s: float) -> str:
+    """One line about the work: queue, tokens/s over the last interval, the last answer's figures."""
+    head = nodes[0] if nodes else {}
+    served = head.get("served") or {}
+    rate = "-"
+    if before and interval_s > 0:
+        made = served.get("tokens", 0) - ((before[0].get("served") or {}).get("tokens", 0))
+        rate = f"{max(0, made) / interval_s:.2f}"
+    last = head.get("last_request") or {}
+    accept = last.get("mean_accept_len")
+    return (f"queue {head.get('queue', 0)}   tokens/s {rate}   served {served.get('requests', 0)} "
+            f"(failed {served.get('failed', 0)}, cancelled {served.get('cancelled', 0)})   last answer: "
+            f"{last.get('tokens_per_s', '-')} tok/s, accepted length {accept if accept is not None else '-'}, "
+            f"{last.get('strategy', '-')}")
+
+
+def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
+    return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s)])
+
+
+def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,
+          iterations: int | None = None) -> None:
+    """Redraw the status every `interval_s` until interrupted (or `iterations` redraws)."""
+    before, t_before = None, time.monotonic()
+    count = 0
+    while iterations is None or count < iterations:
+        nodes = fetch()
+        now = time.monotonic()
+        echo(CLEAR + render(nodes, before, now - t_before) + f"\n\nevery {interval_s:g} s; Ctrl-C stops")
+        before, t_before = nodes, now
+        count += 1
+        if iterations is None or count < iterations:
+            time.sleep(interval_s)
