@@ -267,3 +267,15 @@ def test_status_watch_redraws_in_place(stack):
                        stack["cluster"].spec.addr)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("\x1b[H\x1b[J") == 2 and "tokens/s" in out.stdout and "stage-2" in out.stdout
+
+
+def test_a_client_that_leaves_a_whole_answer_is_cancelled_too(stack):
+    before = _served(stack)["cancelled"]
+    body = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
+            "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack["url"] + "/v1/chat/completions", json=body, headers=_auth(), timeout=1.0)
+    deadline = time.monotonic() + 10
+    while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _served(stack)["cancelled"] == before + 1

@@ -13,6 +13,7 @@ disconnects is cancelled at the head (AsyncClient sends `Cancel`).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -166,6 +167,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         c = client()
         metrics.in_flight.inc()
         pieces = c.stream(**kwargs)
+        if not body.stream:
+            return await whole(request, reply, pieces, c, endpoint)
         try:
             first = await anext(pieces, None)
         except (FlowedgeError, ProtocolError) as err:
@@ -174,18 +177,31 @@ def create_app(settings: ApiSettings) -> FastAPI:
         except BaseException:
             await _close(pieces, c, metrics)
             raise
-        if not body.stream:
-            try:
-                text = (first or "") + "".join([p async for p in pieces])
-            except (FlowedgeError, ProtocolError) as err:
-                raise classify(err) from None
-            finally:
-                await _close(pieces, c, metrics)
-            result = c.last_result or {}
-            metrics.answered(result)
-            metrics.requests.labels(endpoint, "ok").inc()
-            return JSONResponse(reply.whole({**result, "text": text}))
         return EventStream(events(reply, first, pieces, c, body.include_usage, endpoint))
+
+    async def whole(request: Request, reply: Reply, pieces: AsyncIterator[str], c: AsyncClient,
+                    endpoint: str) -> Response:
+        """The answer in one JSON body; a client that disconnects meanwhile has its request cancelled."""
+        collect = asyncio.ensure_future(_join(pieces))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                collect.cancel()   # the generator's cleanup sends Cancel to the head
+                await asyncio.gather(collect, return_exceptions=True)
+                metrics.requests.labels(endpoint, "cancelled").inc()
+                log.info("%s: the client went away; request cancelled at the head", endpoint)
+                return Response(status_code=499)
+            text = collect.result()
+        except (FlowedgeError, ProtocolError) as err:
+            raise classify(err) from None
+        finally:
+            gone.cancel()
+            await _close(pieces, c, metrics)
+        result = c.last_result or {}
+        metrics.answered(result)
+        metrics.requests.labels(endpoint, "ok").inc()
+        return JSONResponse(reply.whole({**result, "text": text}))
 
     async def events(reply: Reply, first: str | None, pieces: AsyncIterator[str], c: AsyncClient,
                      include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
@@ -226,6 +242,16 @@ def create_app(settings: ApiSettings) -> FastAPI:
         return await answer(request, body, chat=False)
 
     return app
+
+
+async def _join(pieces: AsyncIterator[str]) -> str:
+    return "".join([p async for p in pieces])
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the HTTP client has gone (the body was already read by the guard)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _close(pieces, c: AsyncClient, metrics: ApiMetrics) -> None:
