@@ -82,24 +82,25 @@ def sse(obj: dict | str) -> bytes:
     return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
 
 
-def create_app(settings: ApiSettings) -> FastAPI:
-    metrics = ApiMetrics()
-    ctx = zmq.asyncio.Context()
+def unavailable(head: str) -> ApiError:
+    return ApiError(503, f"the head at {head} does not answer", "service_unavailable", "unavailable")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        ctx.destroy(linger=0)
 
-    app = FastAPI(title="flowedge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.settings, app.state.metrics = settings, metrics
+class Routes:
+    """The endpoints' handlers, sharing the settings, the metrics and one zmq.asyncio context."""
 
-    def client(timeout_s: float | None = None) -> AsyncClient:
-        return AsyncClient(settings.head, keys_dir=settings.keys_dir, insecure=settings.insecure,
-                           timeout_s=timeout_s or settings.request_timeout_s, context=ctx)
+    def __init__(self, settings: ApiSettings) -> None:
+        self.settings = settings
+        self.metrics = ApiMetrics()
+        self.ctx = zmq.asyncio.Context()
 
-    async def head_status() -> list[dict] | None:
-        c = client(settings.status_timeout_s)
+    def client(self, timeout_s: float | None = None) -> AsyncClient:
+        s = self.settings
+        return AsyncClient(s.head, keys_dir=s.keys_dir, insecure=s.insecure,
+                           timeout_s=timeout_s or s.request_timeout_s, context=self.ctx)
+
+    async def head_status(self) -> list[dict] | None:
+        c = self.client(self.settings.status_timeout_s)
         try:
             return await c.status()
         except (FlowedgeError, ProtocolError):
@@ -107,81 +108,80 @@ def create_app(settings: ApiSettings) -> FastAPI:
         finally:
             c.close()
 
-    def refused(status: int) -> None:
-        metrics.requests.labels("-", "unauthorized" if status == 401 else "client_error").inc()
+    def refused(self, status: int) -> None:
+        self.metrics.requests.labels("-", "unauthorized" if status == 401 else "client_error").inc()
 
-    app.add_middleware(RequestGuard, settings=settings, on_refused=refused)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
+    # ---- error handlers -----------------------------------------------------------------------
+    async def bad_body(self, request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid request body")
-        metrics.requests.labels(request.url.path, "client_error").inc()
+        self.metrics.requests.labels(request.url.path, "client_error").inc()
         return JSONResponse(error_body(message, param=where or None), status_code=400)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        metrics.requests.labels(request.url.path, err.outcome).inc()
+    async def api_error(self, request: Request, err: ApiError) -> JSONResponse:
+        self.metrics.requests.labels(request.url.path, err.outcome).inc()
         if err.outcome in ("unavailable", "failed"):
-            metrics.failures.labels(err.outcome).inc()
+            self.metrics.failures.labels(err.outcome).inc()
         return JSONResponse(error_body(str(err), err.kind), status_code=err.status)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        nodes = await head_status()
+    # ---- cluster --------------------------------------------------------------------------------
+    async def health(self) -> JSONResponse:
+        nodes = await self.head_status()
         ready = bool(nodes and nodes[0].get("ready"))
         body = {"status": "ready" if ready else ("not ready" if nodes else "head unreachable")}
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        metrics.cluster(await head_status())
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_text(self) -> Response:
+        self.metrics.cluster(await self.head_status())
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/status")
-    async def status() -> JSONResponse:
-        nodes = await head_status()
+    async def status(self) -> JSONResponse:
+        nodes = await self.head_status()
         if nodes is None:
-            raise ApiError(503, f"the head at {settings.head} does not answer", "service_unavailable",
-                           "unavailable")
+            raise unavailable(self.settings.head)
         return JSONResponse({"nodes": nodes})
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        nodes = await head_status()
+    async def models(self) -> JSONResponse:
+        nodes = await self.head_status()
         if not nodes:
-            raise ApiError(503, f"the head at {settings.head} does not answer", "service_unavailable",
-                           "unavailable")
+            raise unavailable(self.settings.head)
         return JSONResponse({"object": "list", "data": [
             {"id": str(nodes[0].get("model", "")), "object": "model", "created": 0, "owned_by": "flowedge"}]})
 
-    async def model_name() -> str:
-        nodes = await head_status()
-        return str(nodes[0].get("model", "")) if nodes else ""
+    # ---- generation -----------------------------------------------------------------------------
+    async def chat_completions(self, request: Request, body: ChatRequest) -> Response:
+        return await self.answer(request, body, chat=True)
 
-    async def answer(request: Request, body: ChatRequest | CompletionRequest, chat: bool) -> Response:
-        kwargs = body.client_kwargs(settings.default_max_tokens)
-        reply = Reply(chat, body.model or await model_name())
-        endpoint = request.url.path
-        c = client()
-        metrics.in_flight.inc()
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        if body.echo:
+            raise ApiError(400, "echo is not supported", "invalid_request_error", "client_error")
+        return await self.answer(request, body, chat=False)
+
+    async def answer(self, request: Request, body: ChatRequest | CompletionRequest, chat: bool) -> Response:
+        kwargs = body.client_kwargs(self.settings.default_max_tokens)
+        if not body.model:
+            nodes = await self.head_status()
+            body.model = str(nodes[0].get("model", "")) if nodes else ""
+        reply = Reply(chat, body.model)
+        c = self.client()
+        self.metrics.in_flight.inc()
         pieces = c.stream(**kwargs)
         if not body.stream:
-            return await whole(request, reply, pieces, c, endpoint)
+            return await self.whole(request, reply, pieces, c)
         try:
             first = await anext(pieces, None)
         except (FlowedgeError, ProtocolError) as err:
-            await _close(pieces, c, metrics)
+            await self.close(pieces, c)
             raise classify(err) from None
         except BaseException:
-            await _close(pieces, c, metrics)
+            await self.close(pieces, c)
             raise
-        return EventStream(events(reply, first, pieces, c, body.include_usage, endpoint))
+        return EventStream(self.events(request.url.path, reply, first, pieces, c, body.include_usage))
 
-    async def whole(request: Request, reply: Reply, pieces: AsyncIterator[str], c: AsyncClient,
-                    endpoint: str) -> Response:
+    async def whole(self, request: Request, reply: Reply, pieces: AsyncIterator[str], c: AsyncClient) -> Response:
         """The answer in one JSON body; a client that disconnects meanwhile has its request cancelled."""
+        endpoint = request.url.path
         collect = asyncio.ensure_future(_join(pieces))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -189,7 +189,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             if not collect.done():
                 collect.cancel()   # the generator's cleanup sends Cancel to the head
                 await asyncio.gather(collect, return_exceptions=True)
-                metrics.requests.labels(endpoint, "cancelled").inc()
+                self.metrics.requests.labels(endpoint, "cancelled").inc()
                 log.info("%s: the client went away; request cancelled at the head", endpoint)
                 return Response(status_code=499)
             text = collect.result()
@@ -197,14 +197,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
             raise classify(err) from None
         finally:
             gone.cancel()
-            await _close(pieces, c, metrics)
+            await self.close(pieces, c)
         result = c.last_result or {}
-        metrics.answered(result)
-        metrics.requests.labels(endpoint, "ok").inc()
+        self.metrics.answered(result)
+        self.metrics.requests.labels(endpoint, "ok").inc()
         return JSONResponse(reply.whole({**result, "text": text}))
 
-    async def events(reply: Reply, first: str | None, pieces: AsyncIterator[str], c: AsyncClient,
-                     include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
+    async def events(self, endpoint: str, reply: Reply, first: str | None, pieces: AsyncIterator[str],
+                     c: AsyncClient, include_usage: bool) -> AsyncIterator[bytes]:
+        """The answer as server-sent events; an error after the first byte is an error event."""
         outcome = "cancelled"
         try:
             if reply.chat:
@@ -218,7 +219,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             if include_usage:
                 yield sse(reply.usage_chunk(result))
             yield sse("[DONE]")
-            metrics.answered(result)
+            self.metrics.answered(result)
             outcome = "ok"
         except (FlowedgeError, ProtocolError) as err:
             api = classify(err)
@@ -226,21 +227,38 @@ def create_app(settings: ApiSettings) -> FastAPI:
             yield sse(error_body(str(err), api.kind))
             yield sse("[DONE]")
         finally:
-            metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.requests.labels(endpoint, outcome).inc()
             if outcome == "cancelled":
                 log.info("%s: the client went away mid-stream; request cancelled at the head", endpoint)
-            await _close(pieces, c, metrics)
+            await self.close(pieces, c)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatRequest) -> Response:
-        return await answer(request, body, chat=True)
+    async def close(self, pieces: AsyncIterator[str], c: AsyncClient) -> None:
+        """End one request: its stream (sends Cancel if it had not finished), its socket, the in-flight count."""
+        try:
+            await pieces.aclose()
+        finally:
+            c.close()
+            self.metrics.in_flight.dec()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        if body.echo:
-            raise ApiError(400, "echo is not supported", "invalid_request_error", "client_error")
-        return await answer(request, body, chat=False)
 
+def create_app(settings: ApiSettings) -> FastAPI:
+    routes = Routes(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        routes.ctx.destroy(linger=0)
+
+    app = FastAPI(title="flowedge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.routes = routes
+    app.add_middleware(RequestGuard, settings=settings, on_refused=routes.refused)
+    app.add_exception_handler(RequestValidationError, routes.bad_body)
+    app.add_exception_handler(ApiError, routes.api_error)
+    for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
+                          ("/v1/status", routes.status), ("/v1/models", routes.models)):
+        app.add_api_route(path, handler, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     return app
 
 
@@ -252,12 +270,3 @@ async def _disconnected(request: Request) -> None:
     """Returns once the HTTP client has gone (the body was already read by the guard)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _close(pieces, c: AsyncClient, metrics: ApiMetrics) -> None:
-    """End one request: its stream (sends Cancel if it had not finished), its socket, the in-flight count."""
-    try:
-        await pieces.aclose()
-    finally:
-        c.close()
-        metrics.in_flight.dec()
