@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._welcomed = False
         self._open: int | None = None      # the request id of a stream not yet finished
+        self._name = f"client-{os.getpid()}"
+        self.heartbeat_s = 1.0              # the head's heartbeat interval, from its Welcome
         self.last_result: dict | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -78,16 +81,27 @@ class AsyncClient:
         await self.sock.send_multipart(msg.to_frames(), copy=False)
 
     async def _recv(self, timeout_s: float | None = None) -> proto.Message:
+        """The next message that is not a heartbeat. While a request is open this client heartbeats the
+        head every `heartbeat_s`, so the head knows it is still listening."""
         wait_s = self.timeout_s if timeout_s is None else timeout_s
-        if not await self.sock.poll(int(wait_s * 1000), zmq.POLLIN):
-            raise FlowedgeError(f"the head at {self.addr} went silent for {wait_s:.0f} s")
-        return proto.decode(await self.sock.recv_multipart(copy=False))
+        deadline = time.monotonic() + wait_s
+        last_beat = time.monotonic()
+        while True:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise FlowedgeError(f"the head at {self.addr} went silent for {wait_s:.0f} s")
+            if self._open is not None and time.monotonic() - last_beat >= self.heartbeat_s:
+                await self._send(proto.Heartbeat(node_id=self._name, load=0.0, rss_bytes=0))
+                last_beat = time.monotonic()
+            if await self.sock.poll(int(1000 * min(left_s, self.heartbeat_s)), zmq.POLLIN):
+                msg = proto.decode(await self.sock.recv_multipart(copy=False))
+                if not isinstance(msg, proto.Heartbeat):
+                    return msg
 
     async def _hello(self) -> None:
         if self._welcomed:
             return
-        await self._send(proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
-                                     free_memory_bytes=0))
+        await self._send(proto.Hello(node_id=self._name, role="client", device="client", free_memory_bytes=0))
         try:
             reply = await self._recv(min(self.timeout_s, HELLO_TIMEOUT_S))
         except (FlowedgeError, ProtocolError) as err:
@@ -96,6 +110,7 @@ class AsyncClient:
             raise FlowedgeError(f"the head at {self.addr} refused this client: {reply.reason}")
         if not isinstance(reply, proto.Welcome):
             raise FlowedgeError(f"the head at {self.addr} answered HELLO with {reply.TYPE}")
+        self.heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
         self._welcomed = True
 
     async def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:
