@@ -1,6 +1,10 @@
 """The HTTP API's parts without a cluster: stop strings, prompt building, API keys, request bodies."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -131,3 +135,15 @@ def test_status_view_renders_rates_from_two_replies():
     text = render(reply(300), reply(100), 4.0)
     assert "tokens/s 50.00" in text and "queue 2" in text and "accepted length 2.25" in text
     assert "cancelled 1" in text and "12.5" in text and "[0, 14)" in text
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_http_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = "flowedge-http.service"
+    text = (Path(__file__).parent.parent / "systemd" / unit).read_text()
+    assert "FLOWEDGE_API_KEYS" in text and "EnvironmentFile=" in text
+    # verify checks that ExecStart's program exists: point it at one that does on this machine.
+    (tmp_path / unit).write_text(text.replace("/opt/flowedge/.venv/bin/flowedge", shutil.which("true") or "/bin/true"))
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / unit)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and unit not in out.stdout + out.stderr, out.stdout + out.stderr
