@@ -210,7 +210,8 @@ class StageWorker:
             return []
         run = [r for r in rows if len(r.seg)]
         hidden = self._forward(run) if run else []
-        self.batch_sizes.append(len(run))
+        if run:
+            self.batch_sizes.append(len(run))
         n_total = sum(len(r.seg) for r in run)
         phases = {r.seg.phase for r in run}
         actions: list = [Compute("stage", n_total, sum(r.past for r in run),
