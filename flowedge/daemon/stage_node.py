@@ -280,7 +280,9 @@ class StageNode:
         recent = self.step_s[-256:]
         stats = {"steps": len(self.step_s),
                  "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
-                 "threads": torch.get_num_threads(), "wire": self.wire.snapshot()}
+                 "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
+                 "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
+                 "requests": len(self.worker.slots) if self.worker is not None else 0}
         send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
                                             rss_bytes=psutil.Process().memory_info().rss, stats=stats))
         self.busy_s, self.last_beat = 0.0, now
