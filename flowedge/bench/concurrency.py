@@ -104,19 +104,22 @@ def concurrency_table(results: dict) -> str:
     cfg = results["config"]
     rows = results["rows"]
     one = {r["strategy"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["strategy"] == "ar-pp"}
     lines = [f"Config: model={cfg['model']}, draft={cfg['draft']}, {len(cfg['prompts'])} prompts arriving together "
              f"({', '.join(cfg['prompts'])}), max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, "
              f"nodes={cfg['nodes']}, profile={cfg['profile']}, verify={cfg['verify']}, driver={cfg['driver']}",
              "",
-             "| Strategy | concurrent | tok/s (all requests) | × one at a time | p50 between tokens (ms) "
+             "| Strategy | concurrent | tok/s (all requests) | × one at a time | × ar-pp (same concurrency) "
+             "| p50 between tokens (ms) "
              "| p99 between tokens (ms) | mean first token (s) | requests per stage forward | requests per draft call "
              "| matches AR |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = one.get(r["strategy"])
         ratio = f"{r['tokens_per_s'] / base:.2f}×" if base else "–"
         match = "–" if r["matches_ar"] is None else ("yes" if r["matches_ar"] else "**NO**")
-        lines.append(f"| {r['strategy']} | {r['concurrency']} | {r['tokens_per_s']:.2f} | {ratio} | "
+        vs_ar = f"{r['tokens_per_s'] / ar[r['concurrency']]:.2f}×" if r["concurrency"] in ar else "–"
+        lines.append(f"| {r['strategy']} | {r['concurrency']} | {r['tokens_per_s']:.2f} | {ratio} | {vs_ar} | "
                      f"{r['p50_tbt_ms']:.0f} | {r['p99_tbt_ms']:.0f} | {r['mean_ttft_s']:.2f} | "
                      f"{r['mean_batch']:.2f} | {_num(r['mean_draft_batch'])} | {match} |")
     return "\n".join(lines) + "\n"

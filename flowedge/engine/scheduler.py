@@ -115,9 +115,11 @@ class MultiHead:
         return self._wrap(rid, head.receive(inner))
 
     def receive_all(self, events: list) -> list:
-        """Every event that reached node 0 while it was busy. Submits and cancels first; then one handler
-        per request (its events in order, its follow-ups run inline) — side by side through the draft
-        batcher, so the requests' draft calls share forwards. Actions come out request after request."""
+        """Every event that reached node 0 while it was busy, its own follow-ups (`Continue`) included: a
+        driver hands those back together with whatever arrived meanwhile, so one request's pipeline fill
+        and another's verification share a step. Submits and cancels first; then one handler per request
+        (its events in order) — side by side through the draft batcher, so the requests' draft calls share
+        forwards. Actions come out request after request."""
         actions: list = []
         per_request: dict[int, list] = {}
         for ev in events:
@@ -130,7 +132,7 @@ class MultiHead:
             else:
                 raise TypeError(f"MultiHead cannot handle {type(ev).__name__}")
         live = [(rid, evs) for rid, evs in per_request.items() if rid in self.heads]
-        handlers = [partial(_handle_inline, self.heads[rid], evs) for rid, evs in live]
+        handlers = [partial(_handle, self.heads[rid], evs) for rid, evs in live]
         results = self.batcher.run_step(handlers) if self.batcher is not None else [h() for h in handlers]
         for (rid, _), head_actions in zip(live, results):
             actions += self._wrap(rid, head_actions)
@@ -198,20 +200,9 @@ class MultiHead:
         return self._admit()
 
 
-def _handle_inline(head, events: list) -> list:
-    """One request's events through its head, follow-ups (`Continue`) spliced in where they were asked
-    for: the same order of work as a driver running each Continue on the spot."""
+def _handle(head, events: list) -> list:
+    """One request's events through its head, in order (its follow-ups come back as `Continue`s)."""
     actions: list = []
     for ev in events:
-        actions += _splice(head, head.receive(ev))
+        actions += head.receive(ev)
     return actions
-
-
-def _splice(head, actions: list) -> list:
-    out: list = []
-    for a in actions:
-        if isinstance(a, Continue):
-            out += _splice(head, head.receive(a.event))
-        else:
-            out.append(a)
-    return out

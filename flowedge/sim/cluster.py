@@ -128,6 +128,7 @@ class SimCluster:
         queue: list = []
         order = itertools.count()
         timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
+        follow_ups: list = []
 
         def execute(node: int, t: float, actions: list) -> float:
             for a in actions:
@@ -152,9 +153,29 @@ class SimCluster:
                     if on_tokens:
                         on_tokens(a.request_id, a.tokens)
                 elif isinstance(a, Continue):
-                    t = execute(node, t, self.nodes[node].receive(a.event))
+                    follow_ups.append(a.event)
                 elif isinstance(a, Done):
                     timings[a.request_id].done, timings[a.request_id].finish_s = a, t
+            return t
+
+        def step_node0(t: float, events: list) -> float:
+            """Node 0 takes one piece of work per request per step: its follow-ups (`Continue`) first,
+            depth-first, then its messages in arrival order — the order of work it would have alone — while
+            the steps interleave the requests, so one request's pipeline fill and another's verification
+            share a step and their draft calls share forwards."""
+            work: dict[int, list] = {}
+            for m in events:
+                work.setdefault(m.request_id, []).append(m)
+            while work:
+                step = [chain.pop(0) for chain in work.values()]
+                work = {rid: chain for rid, chain in work.items() if chain}
+                follow_ups.clear()
+                t = execute(0, t, self.nodes[0].receive_all(step))
+                for rid in dict.fromkeys(e.request_id for e in follow_ups):
+                    work[rid] = [e for e in follow_ups if e.request_id == rid] + work.get(rid, [])
+                if work:
+                    for m in _take_arrived(queue, 0, t):
+                        work.setdefault(m.request_id, []).append(m)
             return t
 
         for r in requests:
@@ -172,7 +193,7 @@ class SimCluster:
             if events > max_events:
                 raise RuntimeError("simulation did not finish: event budget exhausted")
             if node == 0:
-                busy_until[0] = execute(0, t, self.nodes[0].receive_all([msg, *_take_arrived(queue, 0, t)]))
+                busy_until[0] = step_node0(t, [msg, *_take_arrived(queue, 0, t)])
             else:
                 busy_until[node] = execute(node, t, self.nodes[node].receive_all([msg, *_take_arrived(queue, node, t)]))
         if any(tm.done is None for tm in timings.values()):
