@@ -125,7 +125,7 @@ def test_system_prompt_and_turns_go_through_the_chat_template(oai, tiny_pair):
     assert one.usage.prompt_tokens < len(ids)
 
 
-def test_stop_sequences_cut_the_answer(oai, reference):
+def test_stop_sequences_cut_the_answer(stack, oai, reference):
     text = reference["chat"]["text"]
     stop = text[8:11]
     cut = text[:text.find(stop)]
@@ -136,6 +136,7 @@ def test_stop_sequences_cut_the_answer(oai, reference):
     streamed = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=MAX_NEW, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+    assert _stages_hold_nothing(stack)   # the stopped request's KV is gone from every stage
 
 
 def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
@@ -194,12 +195,25 @@ def test_metrics_parse_and_count(stack, oai):
     assert value("flowedge_mean_accepted_length") > 0 and value("flowedge_tokens_per_second") > 0
     stages = {s.labels["stage"] for s in families["flowedge_stage_busy_fraction"].samples}
     assert stages == {"1", "2"}
+    assert {s.labels["stage"] for s in families["flowedge_stage_kv_tokens"].samples} == {"1", "2"}
     assert "flowedge_stage_step_ms" in families and "flowedge_failures" in families
 
 
 def _served(stack) -> dict:
     with Client(stack["cluster"].spec.addr, timeout_s=10) as c:
         return c.status()[0]["served"]
+
+
+def _stages_hold_nothing(stack, timeout_s: float = 5.0) -> bool:
+    """Every stage's heartbeat reports no KV entries and no requests (within a few heartbeats)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with Client(stack["cluster"].spec.addr, timeout_s=10) as c:
+            stages = c.status()[1:]
+        if all(n.get("kv_tokens") == 0 and n.get("requests") == 0 for n in stages):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_a_client_that_disconnects_mid_stream_is_cancelled_at_the_head(stack, oai, reference):
@@ -214,6 +228,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled_at_the_head(stack, oa
     while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _served(stack)["cancelled"] == before + 1, logs(stack["cluster"].run_dir)
+    assert _stages_hold_nothing(stack), logs(stack["cluster"].run_dir)   # KV freed on every stage
     assert wait_for_text(stack["cluster"].run_dir / "head.log", "cancelled", 5)   # the head logs the cancel
     # the head serves the next request at once, and correctly
     r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
@@ -239,6 +254,7 @@ def test_async_client_streams_and_cancels(stack, reference):
     while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _served(stack)["cancelled"] == before + 1
+    assert _stages_hold_nothing(stack)
 
 
 def test_prompt_cli_system_stop_conversation(stack, reference, tmp_path):
@@ -279,3 +295,4 @@ def test_a_client_that_leaves_a_whole_answer_is_cancelled_too(stack):
     while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _served(stack)["cancelled"] == before + 1
+    assert _stages_hold_nothing(stack)

@@ -44,6 +44,10 @@ class ApiMetrics:
                           "heartbeat", ["stage", "node"], registry=r)
         self.step_ms = Gauge("flowedge_stage_step_ms", "Median step time of the stage", ["stage", "node"],
                              registry=r)
+        self.kv_tokens = Gauge("flowedge_stage_kv_tokens", "KV cache entries the stage holds", ["stage", "node"],
+                               registry=r)
+        self.stage_requests = Gauge("flowedge_stage_requests", "Requests the stage holds state for",
+                                    ["stage", "node"], registry=r)
         self.rss = Gauge("flowedge_node_rss_bytes", "Resident memory of each node", ["stage", "node"], registry=r)
 
     def answered(self, result: dict) -> None:
@@ -65,7 +69,7 @@ class ApiMetrics:
 
     def cluster(self, nodes: list[dict] | None) -> None:
         """Refresh the gauges read from the head's status (None: the head did not answer)."""
-        for gauge in (self.busy, self.step_ms, self.rss, self.head_served):
+        for gauge in (self.busy, self.step_ms, self.kv_tokens, self.stage_requests, self.rss, self.head_served):
             gauge.clear()
         self.head_up.set(nodes is not None)
         if not nodes:
@@ -84,8 +88,10 @@ class ApiMetrics:
             if n.get("role") != "stage" or n.get("missing"):
                 continue
             self.busy.labels(*labels).set(n.get("load") or 0.0)
-            if isinstance(n.get("step_ms_median"), (int, float)):
-                self.step_ms.labels(*labels).set(n["step_ms_median"])
+            for gauge, key in ((self.step_ms, "step_ms_median"), (self.kv_tokens, "kv_tokens"),
+                               (self.stage_requests, "requests")):
+                if isinstance(n.get(key), (int, float)):
+                    gauge.labels(*labels).set(n[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
