@@ -1,6 +1,7 @@
 """Installable anywhere: the wheel carries its data files, and a text client never imports torch."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -55,7 +56,9 @@ def _fresh_venv(path: Path) -> Path:
 @pytest.mark.packaging
 def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pair):
     src = _source_copy(tmp_path / "src")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src),
+    # offline when this venv has setuptools (torch pulls it in); else pip fetches it for an isolated build
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(src),
                     "-w", str(tmp_path / "wheels")], check=True, timeout=300, cwd=tmp_path)
     wheel = next((tmp_path / "wheels").glob("flowedge-*.whl"))
     python = _fresh_venv(tmp_path / "venv")
