@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import msgpack
 import pytest
@@ -157,3 +158,58 @@ def test_foreign_keys_and_wrong_version_are_refused_without_disturbing_a_request
     assert result["ids"] == references[PROMPTS[2]]
     with Client(addr) as c:
         assert all(n["ready"] for n in c.status())
+
+
+def test_bogus_peer_messages_are_dropped_counted_and_survived(cluster, references):
+    """A key holder sends a 5,000-character message type to the head, and a self-parent segment, a
+    wrong-width segment and an overlapping prune to stage 1: both answer or drop, `status` counts the
+    stage's drops, and the next request is still exact."""
+    if cluster.spec.nodes != 3:
+        pytest.skip("run once")
+    import torch
+
+    from flowedge.transport import protocol as proto
+
+    ctx = zmq.Context()
+    try:
+        keys = security.load_keys()
+        head = ctx.socket(zmq.DEALER)
+        head.linger = 0
+        security.secure_client(head, keys)
+        head.connect(f"tcp://{cluster.spec.addr}")
+        send_msg(head, Hello(node_id="fuzzer", role="client", device="x", free_memory_bytes=0))
+        assert recv_msg(head, 10_000) is not None
+        head.send_multipart([msgpack.packb({"v": [1, 2], "type": "x" * 5000, "tensors": {}})])
+        reply = recv_msg(head, 10_000)
+        assert isinstance(reply, proto.ErrorReply) and len(reply.message) < 300, reply
+        with Client(cluster.spec.addr) as c:
+            stage1 = next(n for n in c.status() if n.get("stage") == 1)
+        data = ctx.socket(zmq.PUSH)
+        data.linger = 0
+        security.secure_client(data, keys)
+        data.connect(stage1["address"])
+
+        def seg(node, parent, width):
+            return proto.Segment(request_id=99, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=0,
+                                 node_ids=torch.tensor([node]), parent_ids=torch.tensor([parent]),
+                                 positions=torch.tensor([5]), hidden=torch.zeros(1, width),
+                                 hidden_wire="float32")
+        send_msg(data, seg(3, 3, 64))
+        send_msg(data, seg(3, 1, 65))
+        send_msg(data, proto.Prune(request_id=99, round_id=0, version=1, horizon=4,
+                                   commit_ids=torch.tensor([1]), keep_ids=torch.tensor([1, 2])))
+        deadline = time.monotonic() + 20
+        dropped: dict = {}
+        while time.monotonic() < deadline and sum(dropped.values()) < 3:
+            time.sleep(0.5)
+            with Client(cluster.spec.addr) as c:
+                dropped = next(n for n in c.status() if n.get("stage") == 1).get("dropped", {})
+        assert dropped == {"segment_parents": 1, "segment_width": 1, "prune_overlap": 1}, dropped
+        data.close(0)
+        head.close(0)
+    finally:
+        ctx.term()
+    text = flowedge_cli("status", "--head", cluster.spec.addr).stdout
+    assert "dropped 3 (prune_overlap 1, segment_parents 1, segment_width 1)" in text, text
+    with Client(cluster.spec.addr, timeout_s=60) as client:
+        assert client.generate(PROMPTS[0], max_new_tokens=MAX_NEW)["token_ids"] == references[PROMPTS[0]]

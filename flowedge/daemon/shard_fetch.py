@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from flowedge.errors import ChecksumError, ProtocolError
+from flowedge.errors import ChecksumError, ModelError, ProtocolError
+from flowedge.filenames import is_plain_file_name
 from flowedge.models.shards import MANIFEST, Manifest
 from flowedge.transport import protocol as proto
 
@@ -82,6 +83,9 @@ def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardReques
 
     `receive(timeout)` returns the next ShardChunk (None on timeout); chunks may come back in any
     order. Returns the cache directory holding a loadable split for this stage."""
+    bad = [name for name in assign.side_files if not is_plain_file_name(name)]
+    if bad:   # Assign refuses these on decode already; a stage never writes outside its cache entry
+        raise ProtocolError(f"assignment names side file {proto.quote(bad[0])}: only plain file names")
     final = cache_root(home) / assign.shard_sha256
     tmp = final.parent / f".{assign.shard_sha256}.part-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +106,10 @@ def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardReques
 def _stage_file_name(split_dir: Path, assign: proto.Assign) -> str:
     if not (split_dir / MANIFEST).is_file():
         raise ProtocolError("assignment carries no manifest.json: cannot place the shard")
-    manifest = Manifest.load(split_dir)
+    try:
+        manifest = Manifest.load(split_dir)   # refuses file names that would leave the cache entry
+    except ModelError as err:
+        raise ProtocolError(f"the head's manifest: {err}") from None
     for spec in manifest.stages:
         if spec.sha256 == assign.shard_sha256:
             return spec.file

@@ -25,7 +25,8 @@ import zmq
 
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.engine.events import Compute, Send
+from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.errors import FlowedgeError, ProtocolError
 from flowedge.models.shards import Manifest
@@ -68,6 +69,8 @@ class StageNode:
         self.data_out: zmq.Socket | None = None
         self.assign: proto.Assign | None = None
         self.worker: StageWorker | None = None
+        self.inbox: StageInbox | None = None
+        self.drops = DropLog(log)   # dropped messages and failed requests, counted for `flowedge status`
         self.step_s: list[float] = []
         self.busy_s = 0.0
         self.last_beat = time.monotonic()
@@ -146,6 +149,7 @@ class StageNode:
         self.assign = assign
         self.worker.index = assign.stage_index
         self.worker.reset()   # request ids are the head's: a (re)assignment starts them afresh
+        self.inbox = StageInbox(self.worker, plan_for(self.worker, assign.hidden_wire), self.drops)
         if self.data_out is not None:
             self.data_out.close(0)
         self.data_out = self.ctx.socket(zmq.PUSH)
@@ -196,6 +200,7 @@ class StageNode:
             if ready:
                 self._take_arrived()
             self._beat()
+            self.drops.tick()
             if time.monotonic() - self.last_head > self.config.stage_timeout_s:
                 raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:.0f} s")
 
@@ -224,7 +229,7 @@ class StageNode:
         try:
             msg = recv_msg(self.ctrl, timeout_ms)
         except ProtocolError as err:
-            log.warning("dropped a malformed message from the head: %s", err)
+            self.drops.drop("malformed", f"from the head: {err}")
             return None
         if msg is not None:
             self.last_head = time.monotonic()
@@ -242,7 +247,7 @@ class StageNode:
         elif isinstance(msg, proto.Refuse):
             raise Rejoin(f"the head dropped this node: {msg.reason}")
         elif isinstance(msg, (proto.Prune, proto.Reset, proto.Segment)):
-            return [wire.from_wire(msg, self.worker.model.dtype)]
+            return self._admit(msg)
         else:
             log.warning("ignoring unexpected %s from the head", msg.TYPE)
         return []
@@ -251,24 +256,28 @@ class StageNode:
         try:
             msg = recv_msg(self.data_in, 0)
         except ProtocolError as err:
-            log.warning("dropped a malformed data message: %s", err)
+            self.drops.drop("malformed", f"data port: {err}")
             return []
         if msg is None:
             return []
         if not isinstance(msg, (proto.Segment, proto.Prune, proto.Reset)):
-            log.warning("ignoring %s on the data port", getattr(msg, "TYPE", msg))
+            self.drops.drop("unexpected_type", f"{msg.TYPE} on the data port")
             return []
-        return [wire.from_wire(msg, self.worker.model.dtype)]
+        return self._admit(msg)
+
+    def _admit(self, msg: proto.Message) -> list:
+        """The message as an engine event if it passes the boundary checks (else dropped and counted)."""
+        event = self.inbox.admit(msg)
+        return [] if event is None else [event]
 
     def _handle_all(self, events: list) -> None:
         t0 = time.perf_counter()
-        actions = self.worker.receive_all(events)
-        for a in actions:
-            if isinstance(a, Send):
-                self.wire.send(self.data_out, wire.to_wire(a.message, self.assign.hidden_wire))
+        done = self.inbox.run(events)
+        for out in done.sends:
+            self.wire.send(self.data_out, out)
         dt = time.perf_counter() - t0
         self.busy_s += dt
-        if any(isinstance(a, Compute) for a in actions):
+        if done.computed:
             self.step_s.append(dt)
 
     def _beat(self) -> None:
@@ -282,7 +291,8 @@ class StageNode:
                  "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
                  "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
                  "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
-                 "requests": len(self.worker.slots) if self.worker is not None else 0}
+                 "requests": len(self.worker.slots) if self.worker is not None else 0,
+                 "dropped": self.drops.snapshot()}
         send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
                                             rss_bytes=psutil.Process().memory_info().rss, stats=stats))
         self.busy_s, self.last_beat = 0.0, now

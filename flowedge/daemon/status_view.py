@@ -20,6 +20,10 @@ def node_table(nodes: list[dict]) -> list[str]:
         layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
         step = n.get("step_ms_median")
         state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
+        dropped = n.get("dropped")
+        if isinstance(dropped, dict) and dropped:   # messages the node refused, by rule
+            state += f"; dropped {sum(dropped.values())} (" + ", ".join(
+                f"{rule} {count}" for rule, count in sorted(dropped.items())) + ")"
         lines.append(f"{n.get('node_id') or '-':<18} {n['role']:<6} {layers[:12]:<12} {n.get('address', ''):<22} "
                      f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
                      f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")

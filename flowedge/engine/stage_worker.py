@@ -36,17 +36,18 @@ log = logging.getLogger(__name__)
 def tree_rows(parent_of: torch.Tensor, seg_ids: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """[n, m] bool: column id is the segment node itself or one of its ancestors.
 
-    parent_of: [ids] parent id per node id (-1 = committed context); walks all rows one level per
-    iteration, so the loop runs tree-depth times, not once per token."""
-    anc = [seg_ids]
+    parent_of: [ids] parent id per node id (-1 = committed context); seg_ids and columns are ids below
+    len(parent_of). Walks all rows one level per iteration (tree-depth times, not once per token) and
+    marks the ids met in an [n, ids + 1] table, so memory never grows with the depth. A chain visits
+    an id at most once, so the walk ends after len(parent_of) levels even if a peer made a cycle."""
+    marks = torch.zeros(seg_ids.numel(), parent_of.numel() + 1, dtype=torch.bool)  # column 0: context
     cur = seg_ids
-    while True:
-        cur = torch.where(cur >= 0, parent_of[cur.clamp(min=0)], cur)
+    for _ in range(parent_of.numel() + 1):
+        marks.scatter_(1, (cur + 1).view(-1, 1), True)
         if bool((cur < 0).all()):
             break
-        anc.append(cur)
-    anc_ids = torch.stack(anc, dim=1)                                   # [n, depth]
-    return (columns.view(1, -1, 1) == anc_ids.unsqueeze(1)).any(-1)      # [n, m]
+        cur = torch.where(cur >= 0, parent_of[cur.clamp(min=0)], cur)
+    return marks[:, columns + 1]
 
 
 CLOSED_REMEMBERED = 4096   # finished request ids a stage remembers, so a late prefill cannot revive one

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
+from flowedge.filenames import is_plain_file_name
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ class Manifest:
                    stages=stages)
 
     def _check(self) -> None:
+        for name in [self.head.file, *(s.file for s in self.stages)]:
+            if not is_plain_file_name(name):   # the manifest may come from a peer: stay in this directory
+                raise ModelError(f"manifest names file {name[:60]!r}: only plain file names are allowed")
         expected = 0
         for i, stage in enumerate(self.stages):
             if stage.index != i or stage.start != expected or stage.end <= stage.start:

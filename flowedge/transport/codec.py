@@ -30,6 +30,8 @@ MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
 MAX_LIST_ITEMS = 4096
+MAX_TEXT_CHARS = 4096        # free-text fields (reasons, error messages): longer text is cut, not refused
+MAX_QUOTE_CHARS = 60         # how much of a peer's value an error message quotes
 ROLES = ("head", "stage", "client")
 # The engine's segment phases (flowedge.engine.events.Segment.phase).
 SEGMENT_KINDS = ("prefill", "draft", "init-segment", "expansion", "ar", "level")
@@ -62,10 +64,21 @@ def check_version(peer: Sequence[int]) -> None:
         )
 
 
+def bounded(text: str, max_chars: int = MAX_TEXT_CHARS) -> str:
+    """`text` cut to at most `max_chars` characters (an ellipsis marks the cut). Every error text that
+    may quote peer input goes through this before it becomes a Refuse or ErrorReply."""
+    text = str(text)
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+
+def quote(value: Any) -> str:
+    """A short repr of a peer's value for an error message."""
+    return bounded(repr(value), MAX_QUOTE_CHARS)
+
+
 # ---------------------------------------------------------------- validators (raise ProtocolError)
 def _fail(msg: Message, name: str, want: str) -> ProtocolError:
-    value = repr(getattr(msg, name))
-    return ProtocolError(f"{msg.TYPE}.{name} must be {want}, got {value[:60]}")
+    return ProtocolError(f"{msg.TYPE}.{name} must be {want}, got {quote(getattr(msg, name))}")
 
 
 def _ints(msg: Message, *names: str, lo: int = 0, hi: int = _U64, optional: bool = False) -> None:
@@ -90,6 +103,15 @@ def _str(msg: Message, name: str, choices: Sequence[str] = (), max_len: int = 40
     v = getattr(msg, name)
     if not isinstance(v, str) or len(v) > max_len or (choices and v not in choices):
         raise _fail(msg, name, f"one of {list(choices)}" if choices else "a string")
+
+
+def _text(msg: Message, name: str) -> None:
+    """A free-text field (a reason, an error message): must be a string; cut to MAX_TEXT_CHARS instead
+    of refused, so a reply quoting a peer's long input can always be built and sent."""
+    v = getattr(msg, name)
+    if not isinstance(v, str):
+        raise _fail(msg, name, "a string")
+    object.__setattr__(msg, name, bounded(v))
 
 
 def _map(msg: Message, name: str, optional: bool = False) -> None:
@@ -191,7 +213,7 @@ class Message:
         kwargs: dict[str, Any] = {}
         for (name, meta), frame in zip(metas.items(), frames):
             if name not in cls.WIRE:
-                raise ProtocolError(f"{cls.TYPE}: unknown tensor field {name!r}")
+                raise ProtocolError(f"{cls.TYPE}: unknown tensor field {quote(name)}")
             kwargs[name] = _decode_tensor(cls.TYPE, cls.WIRE[name], meta, frame, header)
         for f in fields(cls):  # type: ignore[arg-type]
             if f.name in cls.WIRE and f.name in kwargs:
@@ -203,7 +225,7 @@ class Message:
         try:
             return cls(**kwargs)
         except (TypeError, ValueError, OverflowError) as err:  # safety net: peer input never crashes
-            raise ProtocolError(f"{cls.TYPE}: {err}") from err
+            raise ProtocolError(bounded(f"{cls.TYPE}: {err}", 512)) from err
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -245,7 +267,7 @@ def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict
     allowed = {INDEX: ("int16", "int32"), TOKENS: tuple(TOKEN_WIRE_DTYPES), HIDDEN: (header.get("hidden_wire"),),
                BYTES: ("uint8",)}[kind]
     if dtype not in allowed:
-        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {dtype!r}, expected one of {allowed}")
+        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {quote(dtype)}, expected one of {allowed}")
     if kind == BYTES:
         if meta.get("shape") != [len(frame_buffer(frame))]:
             raise ProtocolError(f"{msg_type}: byte frame length does not match its shape")
@@ -267,7 +289,7 @@ def _read_header(frames: Sequence[Any]) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as err:
-        raise ProtocolError(f"header is not valid msgpack: {err}") from err
+        raise ProtocolError(bounded(f"header is not valid msgpack: {err}", 512)) from err
     if not isinstance(header, dict):
         raise ProtocolError("header is not a map")
     v = header.get("v")
@@ -284,7 +306,7 @@ def decode(frames: Sequence[Any]) -> Message:
     kind = header.get("type")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {quote(kind)}")
     return cls._from_header(header, frames[1:])
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flowedge.errors import ChecksumError, ProtocolError
+from flowedge.filenames import is_plain_file_name
 from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol's public surface)
     BYTES,
     HIDDEN,
@@ -40,6 +41,7 @@ from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol
     MAX_HEADER_BYTES,
     MAX_LIST_ITEMS,
     MAX_SHARD_CHUNK_BYTES,
+    MAX_TEXT_CHARS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     ROLES,
@@ -55,6 +57,9 @@ from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol
     _sha256,
     _str,
     _tokens,
+    _text,
+    bounded,
+    quote,
     _version,
     check_version,
     decode,
@@ -123,7 +128,7 @@ class Refuse(Message):
     reason: str
 
     def __post_init__(self) -> None:
-        _str(self, "reason")
+        _text(self, "reason")
 
 
 @dataclass(**_MSG)
@@ -159,8 +164,8 @@ class Assign(Message):
         if self.head_sha256:
             _sha256(self, "head_sha256")
         _ints(self, "head_bytes")
-        if not all(isinstance(v, str) and "/" not in k and not k.startswith(".")
-                   for k, v in self.side_files.items()):
+        if len(self.side_files) > 64 or not all(isinstance(v, str) and is_plain_file_name(k)
+                                                 for k, v in self.side_files.items()):
             raise _fail(self, "side_files", "plain file names mapped to text")
 
 
@@ -247,7 +252,7 @@ class Shutdown(Message):
     reason: str = ""
 
     def __post_init__(self) -> None:
-        _str(self, "reason")
+        _text(self, "reason")
 
 
 # ---------------------------------------------------------------- data plane
@@ -453,7 +458,7 @@ class ErrorReply(Message):
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
-        _str(self, "message")
+        _text(self, "message")
 
 
 @dataclass(**_MSG)

@@ -1,0 +1,144 @@
+"""Boundary checks of data-plane messages, bounded error texts, and plain file names."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from flowedge.errors import ProtocolError
+from flowedge.filenames import is_plain_file_name
+from flowedge.transport import protocol as p
+from flowedge.transport.validate import (
+    InvalidMessage,
+    ReturnPlan,
+    StagePlan,
+    check_prune,
+    check_returned_segment,
+    check_stage_input,
+)
+
+PLAN = StagePlan(hidden_size=8, hidden_wire="float16", max_positions=512)
+
+
+def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, **kw) -> p.Segment:
+    n = len(node_ids)
+    return p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind=kind, sent_at_step=1,
+                     node_ids=torch.tensor(node_ids, dtype=torch.long),
+                     parent_ids=torch.tensor(parent_ids, dtype=torch.long),
+                     positions=torch.arange(10, 10 + n) if positions is None else torch.tensor(positions, dtype=torch.long),
+                     hidden=torch.zeros(n, width, dtype=torch.float16), **kw)
+
+
+def _prune(commit, keep, horizon=10) -> p.Prune:
+    return p.Prune(request_id=1, round_id=0, version=1, horizon=horizon,
+                   commit_ids=torch.tensor(commit, dtype=torch.long), keep_ids=torch.tensor(keep, dtype=torch.long))
+
+
+def _rule(msg, plan=PLAN) -> str:
+    with pytest.raises(InvalidMessage) as err:
+        check_stage_input(msg, plan)
+    assert isinstance(err.value, ProtocolError)
+    return err.value.rule
+
+
+# ---- the defects found from outside, one regression test each ------------------------------------
+def test_a_5kb_type_becomes_a_short_error_and_the_replies_quoting_it_can_be_built():
+    frames = [msgpack.packb({"v": [1, 2], "type": "x" * 5000, "tensors": {}})]
+    with pytest.raises(ProtocolError) as err:
+        p.decode(frames)
+    assert len(str(err.value)) < 200
+    reply = p.ErrorReply(request_id=0, message=f"malformed message: {err.value}")
+    refuse = p.Refuse(reason="y" * 5000)   # even a reply quoting raw peer text is cut, never refused
+    assert len(refuse.reason) == p.MAX_TEXT_CHARS and refuse.reason.endswith("…")
+    for msg in (reply, refuse, p.Shutdown(reason="z" * 10_000)):
+        assert p.decode(p.encode(msg)) == msg
+
+
+def test_overlapping_prune_sets_are_refused():
+    assert _rule(_prune([1, 2], [2, 3])) == "prune_overlap"
+
+
+def test_a_node_that_is_its_own_parent_is_refused():
+    assert _rule(_seg([5], [5])) == "segment_parents"
+    assert _rule(_seg([3, 4], [4, 3])) == "segment_parents"   # a two-node cycle
+
+
+def test_hidden_states_of_the_wrong_width_are_refused():
+    assert _rule(_seg([1], [0], width=9)) == "segment_width"
+
+
+# ---- the other rules -------------------------------------------------------------------------------
+def test_a_well_formed_tree_segment_and_prefill_pass():
+    check_stage_input(_seg([1, 2, 3], [0, 1, 1]), PLAN)
+    check_stage_input(_seg([0, 0], [0, 0], kind="prefill", positions=[0, 1]), PLAN)
+    check_stage_input(_seg([], [], positions=[]), PLAN)
+    check_stage_input(_prune([0, 4], [5, 7]), PLAN)
+    check_stage_input(p.Reset(request_id=3), PLAN)
+
+
+@pytest.mark.parametrize("msg, rule", [
+    (_seg([1, 1], [0, 0]), "segment_ids"),
+    (_seg([0], [0]), "segment_ids"),                                        # wire 0 is context, not a node
+    (_seg([70_000], [0]), "segment_ids"),
+    (_seg([1], [0], positions=[600]), "segment_positions"),
+    (_seg([], [], kind="prefill", positions=[]), "prefill_empty"),
+    (_seg([0, 2], [0, 0], kind="prefill", positions=[0, 1]), "prefill_ids"),
+    (_seg([0, 0], [0, 0], kind="prefill", positions=[0, 2]), "prefill_positions"),
+    (_seg([1], [0], hidden_wire="bfloat16"), "segment_dtype"),
+    (_seg([1], [0], temperature=1000.0), "segment_sampling"),
+    (_prune([1], [3, 2]), "prune_order"),
+    (_prune([1, 1], []), "prune_repeat"),
+    (_prune([12], [], horizon=10), "prune_range"),
+    (_prune([], [], horizon=1 << 20), "prune_horizon"),
+    (p.Hello(node_id="x", role="stage", device="cpu", free_memory_bytes=1), "unexpected_type"),
+])
+def test_each_rule_names_itself(msg, rule):
+    assert _rule(msg) == rule
+
+
+def test_a_segment_of_token_ids_is_no_stage_input():
+    seg = p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
+                    node_ids=torch.tensor([1]), parent_ids=torch.tensor([0]), positions=torch.tensor([3]),
+                    token_ids=torch.tensor([5]))
+    assert _rule(seg) == "segment_payload"
+
+
+def test_segment_size_is_bounded():
+    plan = StagePlan(hidden_size=8, hidden_wire="float16", max_positions=512, max_segment_nodes=2)
+    assert _rule(_seg([1, 2, 3], [0, 1, 2]), plan) == "segment_size"
+
+
+def test_prune_check_alone_accepts_empty_sets():
+    check_prune(_prune([], [], horizon=0))
+
+
+def test_returned_segments_name_only_nodes_the_head_sent():
+    plan = ReturnPlan(hidden_size=8, vocab_size=100)
+    check_returned_segment(_seg([1, 2], [0, 1]), plan, known_ids=2)
+    for seg, rule in ((_seg([3], [0]), "return_ids"), (_seg([1], [0], width=4), "return_width"),
+                      (_seg([1, 0], [0, 0], kind="prefill", positions=[0, 1]), "return_ids")):
+        with pytest.raises(InvalidMessage) as err:
+            check_returned_segment(seg, plan, known_ids=2)
+        assert err.value.rule == rule
+    tokens = p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
+                       node_ids=torch.tensor([1]), parent_ids=torch.tensor([0]), positions=torch.tensor([3]),
+                       token_ids=torch.tensor([101]))
+    with pytest.raises(InvalidMessage, match="vocabulary"):
+        check_returned_segment(tokens, plan, known_ids=2)
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("stage-1.safetensors", True), ("config.json", True), ("../x", False), ("/etc/passwd", False),
+    ("a/b", False), ("a\\b", False), (".hidden", False), ("..", False), ("", False), ("a\0b", False),
+    ("x" * 300, False), (3, False),
+])
+def test_plain_file_names(name, ok):
+    assert is_plain_file_name(name) is ok
+
+
+def test_assign_refuses_side_files_that_leave_the_directory():
+    sha = "0" * 64
+    for name in ("../config.json", "/tmp/x", "a\\b", ""):
+        with pytest.raises(ProtocolError, match="side_files"):
+            p.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=1, next_addr="",
+                     model="m", side_files={name: "{}"})
