@@ -28,6 +28,7 @@ from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.plan import Plan, Replanner, prepare_plan
 from flowedge.daemon.prompting import StopText, prompt_ids
+from flowedge.daemon.sd_notify import Notifier
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Compute, Continue, Done, Emit, Segment, Send
 from flowedge.errors import ConfigError, FlowedgeError, ProtocolError
@@ -104,6 +105,7 @@ class HeadNode:
         self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
         self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
         self.last_stats: dict = {}
+        self.notifier = Notifier()   # systemd: READY once the plan is ready and the sockets listen
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -125,8 +127,10 @@ class HeadNode:
             self.plan = prepare_plan(self.config, flowedge_home())
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in self.plan.ranges])
+            self.notifier.ready(self.sd_status())
             self._loop()
         finally:
+            self.notifier.stopping()
             if self.shutdown_cluster:   # `flowedge down`; a plain head restart leaves stages to rejoin
                 self._shutdown_stages("cluster shutdown requested")
             self.close()
@@ -152,6 +156,7 @@ class HeadNode:
             if self.monitor in ready:
                 self._on_monitor()
             self._housekeeping()
+            self.notifier.tick(self.sd_status)
 
     def _drain(self, sock: zmq.Socket, handler, limit: int = 64) -> None:
         for _ in range(limit):
@@ -296,6 +301,12 @@ class HeadNode:
         log.info("shutdown requested by %s%s", peer.hello.node_id, f": {msg.reason}" if msg.reason else "")
         self.shutdown_cluster = True
         self.stop.set()
+
+    def sd_status(self) -> str:
+        """The one-line STATUS= systemd shows: stages ready, requests queued and running."""
+        ready = sum(1 for i in self.slots if i is not None and i in self.peers and self.peers[i].ready)
+        return (f"{'serving' if self.cluster_ready() else 'waiting for stages'}, {ready}/{self.config.stages} "
+                f"stages ready, {len(self.queue)} queued, {int(self.active is not None)} running")
 
     def cluster_ready(self) -> bool:
         return None not in self.slots and all(self.peers[i].ready for i in self.slots)

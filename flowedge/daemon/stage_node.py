@@ -26,6 +26,7 @@ import zmq
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.errors import FlowedgeError, ProtocolError
@@ -71,6 +72,8 @@ class StageNode:
         self.worker: StageWorker | None = None
         self.inbox: StageInbox | None = None
         self.drops = DropLog(log)   # dropped messages and failed requests, counted for `flowedge status`
+        self.notifier = Notifier()  # systemd: READY once serving, a watchdog fed by every loop
+        self.phase = "starting"     # what STATUS= says the node is doing
         self.step_s: list[float] = []
         self.busy_s = 0.0
         self.last_beat = time.monotonic()
@@ -85,7 +88,9 @@ class StageNode:
                     self._serve()
                 except Rejoin as why:
                     log.warning("rejoining: %s", why)
+                    self.phase = f"rejoining: {why}"
         finally:
+            self.notifier.stopping()
             self.close()
 
     def close(self) -> None:
@@ -94,6 +99,7 @@ class StageNode:
                 sock.close(0)
         self.security.stop()
         self.ctx.term()
+        self.notifier.close()
 
     def _connect_ctrl(self) -> None:
         if self.ctrl is not None:
@@ -109,7 +115,9 @@ class StageNode:
                             free_memory_bytes=int(psutil.virtual_memory().available),
                             capabilities={"data_addr": self.data_addr, "want_stage": self.config.stage,
                                           "cached_shards": shard_fetch.cached_shas(self.home)})
+        self.phase = f"joining the head at {self.config.head}"
         while not self.stop.is_set():
+            self.notifier.tick(self._sd_status)
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             try:
                 welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS)
@@ -135,6 +143,7 @@ class StageNode:
         if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
                 assign.quant != self.assign.quant or assign.head_sha256 != self.assign.head_sha256:
             self.worker = None
+            self.phase = f"getting layers [{assign.layer_start}, {assign.layer_end}) of {assign.model}"
             model_dir = self._shard_dir(assign)
             with_head = bool(assign.head_sha256)   # last stage: also the final norm + lm_head
             if with_head:
@@ -157,6 +166,8 @@ class StageNode:
         self.security.client(self.data_out)
         self.data_out.connect(assign.next_addr or tcp(self.head_host, self.head_port + 1))
         send_msg(self.ctrl, proto.Ready(stage_index=assign.stage_index))
+        self.phase = f"serving stage {assign.stage_index}, layers [{assign.layer_start}, {assign.layer_end})"
+        self.notifier.ready(self._sd_status())
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
 
     def _shard_dir(self, assign: proto.Assign) -> Path:
@@ -280,7 +291,13 @@ class StageNode:
         if done.computed:
             self.step_s.append(dt)
 
+    def _sd_status(self) -> str:
+        live = len(self.worker.slots) if self.worker is not None and self.phase.startswith("serving") else 0
+        dropped = sum(self.drops.counts.values())
+        return f"{self.phase}; {live} requests live, {dropped} messages dropped"
+
     def _beat(self) -> None:
+        self.notifier.tick(self._sd_status)   # every loop (join, fetch, serve) passes here
         now = time.monotonic()
         period = getattr(self, "heartbeat_s", 1.0)
         if now - self.last_beat < period or self.ctrl is None:

@@ -101,6 +101,35 @@ def init_keys(directory: Path | str | None = None, force: bool = False) -> KeyPa
     return paths
 
 
+def give_keys_to(owner: str, directory: Path | str | None = None) -> tuple[int, int]:
+    """Hand the keys directory to the service account `owner` ("USER" or "USER:GROUP"), so a daemon
+    running as that user (systemd's User=) can read them: owner-only modes (dir 0700, secret 0600),
+    or group-readable ones (0750, 0640) when a GROUP is named. Returns (uid, gid); ConfigError for an
+    unknown account or without the right to chown (run it as root)."""
+    import grp
+    import pwd
+
+    user, _, group = owner.partition(":")
+    try:
+        account = pwd.getpwnam(user)
+        gid = grp.getgrnam(group).gr_gid if group else account.pw_gid
+    except KeyError:
+        raise ConfigError(f"no such user or group: {owner!r}") from None
+    paths = key_paths(directory)
+    if not paths.secret.is_file():
+        raise ConfigError(f"no cluster keys in {paths.secret.parent}: {_HOW_TO}")
+    modes = {paths.secret.parent: 0o750 if group else 0o700, paths.secret: 0o640 if group else 0o600,
+             paths.public: 0o644}
+    try:
+        for path, mode in modes.items():
+            os.chown(path, account.pw_uid, gid)
+            path.chmod(mode)
+    except PermissionError as err:
+        raise ConfigError(f"cannot give {paths.secret.parent} to {owner}: {err.strerror} (run as root)") from None
+    log.info("cluster keys in %s now belong to %s", paths.secret.parent, owner)
+    return account.pw_uid, gid
+
+
 def load_keys(directory: Path | str | None = None) -> ClusterKeys:
     """Load the cluster keys; ConfigError telling the user what to do when they are missing or bad."""
     paths = key_paths(directory)
@@ -121,7 +150,7 @@ def load_keys(directory: Path | str | None = None) -> ClusterKeys:
     if derived != public:
         raise ConfigError(f"{paths.secret}: public and secret keys do not belong together")
     mode = stat.S_IMODE(paths.secret.stat().st_mode)
-    if mode & 0o077:
+    if mode & 0o007:   # group-readable is a choice (`keys init --owner USER:GROUP`); world-readable never
         log.warning("cluster secret key %s is readable by others (mode %o); chmod 600 it", paths.secret, mode)
     return ClusterKeys(public=public, secret=secret, allowed=frozenset({public}))
 
