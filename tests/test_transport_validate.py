@@ -142,3 +142,31 @@ def test_assign_refuses_side_files_that_leave_the_directory():
         with pytest.raises(ProtocolError, match="side_files"):
             p.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=1, next_addr="",
                      model="m", side_files={name: "{}"})
+
+
+@pytest.mark.parametrize("evil", ["../../escaped.safetensors", "/tmp/escaped.safetensors", "sub/x", ".x"])
+def test_a_manifest_naming_a_file_outside_the_cache_is_refused(tmp_path, evil):
+    """A head (holding the keys) sends a manifest whose stage file would land outside the stage's cache:
+    the fetch is refused before a byte is requested, and nothing is written outside the cache."""
+    import json
+
+    from flowedge.daemon import shard_fetch
+    from flowedge.errors import ModelError
+    from flowedge.models.shards import Manifest
+
+    sha = "a" * 64
+    manifest = {"format": 1, "model": "m", "num_layers": 1, "hidden_size": 4, "dtype": "float32", "tied": True,
+                "head": {"file": "head.safetensors", "sha256": "0" * 64, "bytes": 1},
+                "stages": [{"index": 0, "layers": [0, 1], "file": evil, "sha256": sha, "bytes": 10}]}
+    assign = p.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=10, next_addr="",
+                      model="m", side_files={"manifest.json": json.dumps(manifest)})
+    home = tmp_path / "a" / "b" / "home"
+    asked: list = []
+    with pytest.raises(ProtocolError, match="plain file names"):
+        shard_fetch.fetch(assign, home, asked.append, lambda timeout: None)
+    assert asked == [] and not (tmp_path / "a" / "escaped.safetensors").exists()
+    assert shard_fetch.cached_shas(home) == []
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelError, match="plain file names"):
+        Manifest.load(tmp_path / "split")
