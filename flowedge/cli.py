@@ -100,7 +100,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--draft", default=DEFAULT_DRAFT, show_default=True)
-@click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec", show_default=True)
+@click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec,auto", show_default=True)
 @click.option("--prompts", "prompt_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help='A .jsonl file with one {"prompt": ...} per line.')
 @click.option("--dataset", "datasets", multiple=True, help="mt-bench | humaneval (repeatable).")

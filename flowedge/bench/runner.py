@@ -108,6 +108,8 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                 "matches_ar": (res.done.token_ids == ref) if ref is not None else None,
                 "wall_s": time.monotonic() - t0,
             }
+            if stats.auto:
+                run["auto"] = stats.auto
             if i == 0:
                 traces[name] = res.trace
             say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "

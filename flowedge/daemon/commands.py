@@ -94,7 +94,7 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @click.option("--nodes", default=3, show_default=True, help="Head + stages.")
 @click.option("--model", default="qwen2.5-coder-1.5b", show_default=True)
 @click.option("--draft", default="qwen2.5-coder-0.5b", show_default=True)
-@click.option("--strategy", default="flowspec", show_default=True)
+@click.option("--strategy", default="auto", show_default=True)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
 @click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
 @click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",

@@ -43,7 +43,7 @@ class NodeConfig:
     layers: list[int] = field(default_factory=list)   # layers per stage; empty = planned from the
                                               # stages' devices and free memory (flowedge/plan/)
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
-    strategy: str = "flowspec"                # default for prompts that name none
+    strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
     wire_dtype: str = "float16"               # hidden states on the wire
     quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |

@@ -95,6 +95,7 @@ class HeadNode:
         self.sent_assign: dict[int, tuple[bytes, str]] = {}
         self.queue: deque[Request] = deque()
         self.active: Request | None = None
+        self.last_auto: dict = {}   # the latest `auto` answer's choice, reason and switches (status)
         self.engine_ids = 0
         self.engines: dict[tuple[str, float | None], object] = {}   # (strategy, placement ratio)
         self.plan: Plan | None = None
@@ -323,6 +324,7 @@ class HeadNode:
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,
             "queue": len(self.queue) + (self.active is not None), "strategy": self.config.strategy,
             "wire": self.wire.snapshot(), "served": dict(self.served), "last_request": self.last_stats,
+            "auto": self.last_auto,
         }]
         for k, identity in enumerate(self.slots, start=1):
             p = self.peers.get(identity) if identity else None
@@ -411,27 +413,33 @@ class HeadNode:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
 
-    def _sized(self, spec: SpecConfig, strat, stage_devices: tuple[str, ...]) -> SpecConfig:
-        """For `tree_size = "profile"`: flowspec's initial tree sized from node 0's and the stages' device
-        profiles, as on the simulator (sim/sizing.py); `spec` unchanged where a device has no profile."""
+    def _tree_costs(self, spec: SpecConfig, stage_devices: tuple[str, ...]):
+        """sim/sizing.TreeCosts from node 0's and the stages' device profiles; None where a device has none."""
         from flowedge.sim.profiles import load_device, load_named_device
         from flowedge.sim.run import draft_path_for
-        from flowedge.sim.sizing import sized_spec_for, tree_costs
+        from flowedge.sim.sizing import tree_costs
 
-        if self.config.tree_size != "profile" or self.config.tree_nodes or not getattr(strat, "sizes_from_costs", False):
-            return spec
         names = [self.config.device, *stage_devices]
         try:   # the stages' names come off the wire: shipped profiles only
             head_dev, *stage_devs = [load_device(names[0])] + [load_named_device(n) for n in names[1:]]
         except ConfigError:
-            log.info("a device in %s has no profile: flowspec keeps the configured tree", names)
+            log.info("a device in %s has no profile: no sizing or prediction from profiles", names)
+            return None
+        return tree_costs(self.plan.base_config, self.plan.draft_model.config, self.plan.ranges, stage_devs,
+                          head_dev, draft_path=draft_path_for(head_dev), l_max=spec.l_max, topk=spec.topk,
+                          draft_quantized=self.config.draft_quant != "none")
+
+    def _sized(self, spec: SpecConfig, strat, costs) -> SpecConfig:
+        """For `tree_size = "profile"`: flowspec's initial tree sized from node 0's and the stages' device
+        profiles, as on the simulator (sim/sizing.py); `spec` unchanged where a device has no profile."""
+        from flowedge.sim.sizing import sized_spec_for
+
+        if self.config.tree_size != "profile" or self.config.tree_nodes or costs is None or \
+                not getattr(strat, "sizes_from_costs", False):
             return spec
-        costs = tree_costs(self.plan.base_config, self.plan.draft_model.config, self.plan.ranges, stage_devs,
-                           head_dev, draft_path=draft_path_for(head_dev), l_max=spec.l_max, topk=spec.topk,
-                           draft_quantized=self.config.draft_quant != "none")
         sized = sized_spec_for(spec, costs)
-        log.info("flowspec's first tree sized from the profiles %s: depth %d, %d nodes, draft calls %d wide "
-                 "(pipeline %.1f ms, draft call %.1f ms, stage segment x%.2f)", names, sized.tree_depth,
+        log.info("flowspec's first tree sized from the profiles: depth %d, %d nodes, draft calls %d wide "
+                 "(pipeline %.1f ms, draft call %.1f ms, stage segment x%.2f)", sized.tree_depth,
                  sized.tree_nodes, sized.draft_width, 1e3 * costs.pipeline_latency_s, 1e3 * costs.draft_call_s,
                  costs.stage_segment_ratio)
         return sized
@@ -446,6 +454,8 @@ class HeadNode:
             from flowedge.engine.head import Head
             from flowedge.engine.local import stop_ids
             from flowedge.engine.strategies import make_strategy
+            from flowedge.engine.strategies.auto import Auto
+            from flowedge.sim.sizing import predict_from_costs
 
             strat = make_strategy(strategy)
             if strat.needs_draft and self.plan.draft_model is None:
@@ -454,7 +464,10 @@ class HeadNode:
             spec = SpecConfig().with_(tree_nodes=self.config.tree_nodes or None, lm_head_at=self.config.lm_head_at,
                                       lookup_tokens=self.config.lookup_tokens)
             if drafter is not None:
-                spec = self._sized(spec, strat, devices)
+                costs = self._tree_costs(spec, devices)
+                spec = self._sized(spec, strat, costs)
+                if isinstance(strat, Auto) and costs is not None:
+                    strat.prediction = predict_from_costs(costs)
             self.engines[key] = Head(self.plan.head_model, drafter, strat, self.config.stages, spec,
                                      stop_ids(self.plan.base_config), lm_head_at=spec.lm_head_for(strat, ratio))
         return self.engines[key]
@@ -530,6 +543,8 @@ class HeadNode:
         if st.accept_lens:
             stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)
             stats["verifications"] = len(st.accept_lens)
+        if st.auto:   # strategy auto: what it chose and why (also shown by `status`)
+            stats["auto"] = self.last_auto = st.auto
         self._send(req.client, proto.TokenChunk(request_id=req.msg.request_id,
                                                 token_ids=(),
                                                 text=req.stop.finish(self._flushed(req)), done=True, stats=stats))

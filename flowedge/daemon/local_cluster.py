@@ -31,7 +31,7 @@ class LocalClusterSpec:
     nodes: int = 3
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
-    strategy: str = "flowspec"
+    strategy: str = "auto"
     port: int = DEFAULT_PORT
     threads: int = 0                 # per process; 0 = cores / nodes
     insecure: bool = False

@@ -46,8 +46,17 @@ def summary(nodes: list[dict], before: list[dict] | None, interval_s: float) -> 
             f"{last.get('strategy', '-')}")
 
 
+def auto_line(nodes: list[dict]) -> list[str]:
+    """Strategy `auto`'s latest choice and why (engine/auto_policy.py), when the head has one."""
+    auto = (nodes[0] if nodes else {}).get("auto") or {}
+    if not auto:
+        return []
+    return [f"auto: {auto.get('choice')} ({auto.get('reason')}); the last answer ended on {auto.get('final')} "
+            f"after {len(auto.get('switches', []))} switch(es)"]
+
+
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
-    return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s)])
+    return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes)])
 
 
 def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,

@@ -106,6 +106,7 @@ class Stats:
     stage_chosen: int = 0      # node tokens chosen by the last stage (lm_head_at = last-stage)
     overhead_s: list[float] = field(default_factory=list)   # head bookkeeping per step, model calls excluded
     tree_build_s: list[float] = field(default_factory=list)  # per round: building the initial tree, minus draft calls
+    auto: dict = field(default_factory=dict)   # strategy `auto`: its choice, the reason, the switches
 
 
 @dataclass(frozen=True, slots=True)

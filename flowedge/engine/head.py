@@ -42,6 +42,7 @@ class Head:
         self.lm_head_at = lm_head_at   # "last-stage": the last stage returns chosen tokens (stage_worker)
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
+        self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
 
     # ---- request lifecycle ------------------------------------------------------------------------
     def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
@@ -229,9 +230,13 @@ class Head:
             self.round_id += 1
         return [Send(i, msg) for i in range(1, self.n_stages + 1)]
 
-    def restart_round(self) -> list:
-        """Nothing in flight can extend the walk (should not happen): drop the round, start afresh."""
-        log.warning("round %d stalled with nothing in flight; restarting it", self.round_id)
+    def restart_round(self, reason: str | None = None) -> list:
+        """Drop the round and start afresh: nothing in flight can extend the walk (should not happen), or
+        a strategy chose to (`reason`)."""
+        if reason is None:
+            log.warning("round %d stalled with nothing in flight; restarting it", self.round_id)
+        else:
+            log.info("round %d ended early: %s", self.round_id, reason)
         empty = torch.zeros(0, dtype=torch.long)
         actions = self._broadcast_prune(PruneSet(empty, empty, len(self.tree)), True)
         self.round_ended = True

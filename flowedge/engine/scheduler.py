@@ -15,6 +15,7 @@ Sans-IO like the Head: events in (`Submit`, `Cancel`, segments, follow-ups), act
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -75,6 +76,11 @@ class MultiHead:
         self.queue: deque[Submit] = deque()
         self.reserved: dict[int, int] = {}
         self.ended: dict[int, object] = {}    # recently finished heads (bounded)
+        self.clock: Callable[[], float] = time.monotonic   # the simulator sets its virtual clock
+
+    def now(self) -> float:
+        """The heads' clock (strategy `auto` measures its rates on it)."""
+        return self.clock()
 
     @classmethod
     def around(cls, head) -> "MultiHead":
@@ -160,6 +166,8 @@ class MultiHead:
         while self.queue and self._fits(self.queue[0]):
             sub = self.queue.popleft()
             head = self.make_head(sub)
+            if hasattr(head, "clock"):
+                head.clock = self.now
             self.heads[sub.request_id] = head
             self.reserved[sub.request_id] = self.footprint(sub)
             log.debug("admitted request %d (%d running, %d queued)", sub.request_id, len(self.heads),

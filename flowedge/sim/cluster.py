@@ -129,6 +129,9 @@ class SimCluster:
         order = itertools.count()
         timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
         follow_ups: list = []
+        now = [0.0]   # virtual time of the work node 0 is doing: the heads' clock (strategy `auto`)
+        if hasattr(self.nodes[0], "clock"):
+            self.nodes[0].clock = lambda: now[0]
 
         def execute(node: int, t: float, actions: list) -> float:
             for a in actions:
@@ -170,6 +173,7 @@ class SimCluster:
                 step = [chain.pop(0) for chain in work.values()]
                 work = {rid: chain for rid, chain in work.items() if chain}
                 follow_ups.clear()
+                now[0] = t
                 t = execute(0, t, self.nodes[0].receive_all(step))
                 for rid in dict.fromkeys(e.request_id for e in follow_ups):
                     work[rid] = [e for e in follow_ups if e.request_id == rid] + work.get(rid, [])

@@ -13,11 +13,12 @@ from flowedge.engine.scheduler import BatchConfig, MultiHead
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy
+from flowedge.engine.strategies.auto import Auto
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster, SimRequest
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import sized_spec_for, tree_costs
+from flowedge.sim.sizing import predict_from_costs, sized_spec_for, tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,10 @@ class Cluster:
         def make_head(sub) -> Head:
             oracle = self.prompt_oracle(sub.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
             drafter = Drafter(self.draft_model, batcher) if strategy.needs_draft else None
-            return Head(self.head_model, drafter, make_strategy(strategy_name), n, spec, stops, oracle,
-                        lm_head_at=lm_head_at)
+            own = make_strategy(strategy_name)
+            if isinstance(own, Auto) and costs is not None and costs.tree is not None:
+                own.prediction = predict_from_costs(costs.tree)   # auto starts from the profiles
+            return Head(self.head_model, drafter, own, n, spec, stops, oracle, lm_head_at=lm_head_at)
         return make_head, spec
 
     def prompt_oracle(self, prompt_ids) -> PathOracle:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flowedge.engine.auto_policy import Prediction
 from flowedge.engine.config import SpecConfig
 from flowedge.sim.costs import DeviceProfile, draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers
 
@@ -65,6 +66,11 @@ class TreeCosts:
     draft_call_s: float           # one top-k-row draft call on node 0
     draft_width: int              # rows a draft call runs for the price of top-k (`flat_draft_width`)
     stage_segment_ratio: float    # the steepest stage's l_max-token / 2-token segment cost
+    token_latency_s: float = 0.0  # one token through every stage, then a 1-token lm_head (ar-pp's step)
+    flow_step_s: float = 0.0      # the slowest stage on a mean flowspec segment (`FLOW_SEGMENT` tokens)
+
+
+FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions
 
 
 SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's order of magnitude)
@@ -83,13 +89,21 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     latency += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
     ratio = max(forward_time_s(dev, shape, l_max, ctx, stage_path) / forward_time_s(dev, shape, 2, ctx, stage_path)
                 for dev, shape in zip(stage_devices, shapes))
+    token_s = sum(forward_time_s(dev, shape, 1, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
+    token_s += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
+    flow_s = max(forward_time_s(dev, shape, FLOW_SEGMENT, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
 
     def call_s(rows: int) -> float:
         return draft_time_s(head_device, draft_config, rows, ctx, draft_path, draft_quantized)
 
-    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio)
+    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio, token_s, flow_s)
 
 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
     return sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
                       costs.stage_segment_ratio)
+
+
+def predict_from_costs(costs: TreeCosts) -> Prediction | None:
+    """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
+    return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flowedge.engine.strategies.ar_pp import ArPP
+from flowedge.engine.strategies.auto import Auto
 from flowedge.engine.strategies.base import Strategy
 from flowedge.engine.strategies.flowspec import FlowSpec, FlowSpecNoSBD
 from flowedge.engine.strategies.naive_pp import NaivePP
@@ -10,7 +11,7 @@ from flowedge.engine.strategies.pruned_pp import PrunedPP
 from flowedge.errors import ConfigError
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (ArPP, NaivePP, PrunedPP, FlowSpecNoSBD, FlowSpec, PipeDec)
+    cls.name: cls for cls in (ArPP, NaivePP, PrunedPP, FlowSpecNoSBD, FlowSpec, PipeDec, Auto)
 }
 
 

@@ -1,0 +1,161 @@
+"""`auto`'s decisions, as plain numbers: which strategy to run next, and why.
+
+Two sources, in this order of trust:
+
+1. **Measured rates.** Tokens emitted over seconds spent while a strategy ran, per request (the head's
+   clock: virtual on the simulator, wall on the daemon). A strategy's rate counts once it has produced
+   `AutoPolicy.window_tokens` tokens.
+2. **The prediction** from the cluster's device profiles (`Prediction.from_costs`): ar-pp sends one token
+   through every stage per output token; flowspec keeps the pipeline full and accepts about
+   `ACCEPT_PER_STEP` tokens per segment that returns, one segment per step of its slowest device (a stage
+   on a mean segment, or node 0's draft call). Where a strategy has no measurement yet, its predicted rate
+   (flowspec's) is scaled by how far ar-pp's measurement is from its own prediction (profiles may be off
+   in absolute speed, as real processes here are, but the ratio holds better).
+
+A fall-back from flowspec to ar-pp is tried again after `probe_tokens` tokens, then twice as many after
+each try that did not pay; where the profiles already predict ar-pp, flowspec is never probed (a probe
+would cost the request time on exactly the devices where speculation cannot pay).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+FLOWSPEC, AR_PP = "flowspec", "ar-pp"
+# Tokens flowspec accepts per returning segment, fitted to the real pair's simulated runs (issue-3 bench:
+# 5 x Orin Nano 33.6 tok/s at a 35.6 ms draft-call step; 3 x x86-cpu 1.73 tok/s at a 686 ms 32-token
+# stage step: 1.2 on both).
+ACCEPT_PER_STEP = 1.2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Tokens per second the profiles predict for each strategy."""
+    rates: dict[str, float]
+    source: str = "profiles"
+
+    @staticmethod
+    def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
+                   accept_per_step: float = ACCEPT_PER_STEP) -> "Prediction | None":
+        """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free)."""
+        step_s = max(flow_step_s, draft_call_s)
+        if token_latency_s <= 0 or step_s <= 0:
+            return None
+        return Prediction({AR_PP: 1.0 / token_latency_s, FLOWSPEC: accept_per_step / step_s})
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    margin: float = 1.2          # flowspec is started only if predicted this much faster than ar-pp
+    window_tokens: int = 16      # a measured rate counts after this many tokens
+    probe_tokens: int = 32       # ar-pp tokens before flowspec is tried again after a fall-back
+    max_probe_tokens: int = 512  # the doubling stops here
+
+
+class _Meter:
+    """Tokens and seconds over a strategy's recent observations (at most ~4 windows of tokens)."""
+
+    def __init__(self, keep_tokens: int) -> None:
+        self.samples: deque[tuple[int, float]] = deque()
+        self.keep_tokens = keep_tokens
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+        self.tokens += tokens
+        self.seconds += seconds
+        while len(self.samples) > 1 and self.tokens - self.samples[0][0] >= self.keep_tokens:
+            t, s = self.samples.popleft()
+            self.tokens -= t
+            self.seconds -= s
+
+    def rate(self, min_tokens: int) -> float | None:
+        if self.tokens < min_tokens or self.seconds <= 0:
+            return None
+        return self.tokens / self.seconds
+
+    def clear(self) -> None:
+        self.samples.clear()
+        self.tokens, self.seconds = 0, 0.0
+
+
+class Chooser:
+    """Per request: the current choice, the reason for it, and the switches made."""
+
+    def __init__(self, prediction: Prediction | None, policy: AutoPolicy = AutoPolicy()) -> None:
+        self.prediction, self.policy = prediction, policy
+        self.meters = {s: _Meter(4 * policy.window_tokens) for s in (FLOWSPEC, AR_PP)}
+        self.tokens = {FLOWSPEC: 0, AR_PP: 0}
+        self.switches: list[dict] = []
+        self.probe_after = policy.probe_tokens
+        self.since_switch = 0
+        self.fell_back = False   # probes only follow a measured fall-back, never a predicted ar-pp
+        self.choice, self.reason = self._initial()
+        self.initial = (self.choice, self.reason)
+
+    def _initial(self) -> tuple[str, str]:
+        if self.prediction is None:
+            return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
+        fs, ar = self.prediction.rates[FLOWSPEC], self.prediction.rates[AR_PP]
+        if fs >= self.policy.margin * ar:
+            return FLOWSPEC, f"profiles predict flowspec {fs:.2f} tok/s >= {self.policy.margin}x ar-pp {ar:.2f}"
+        return AR_PP, f"profiles predict flowspec {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}"
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """`tokens` were emitted over `seconds` while the current choice ran."""
+        if tokens <= 0 and seconds <= 0:
+            return
+        self.meters[self.choice].add(tokens, seconds)
+        self.tokens[self.choice] += tokens
+        self.since_switch += tokens
+
+    def rate(self, strategy: str) -> tuple[float | None, str]:
+        """Measured rate if there is one, else the prediction scaled by the other's measurement."""
+        measured = self.meters[strategy].rate(self.policy.window_tokens)
+        if measured is not None:
+            return measured, "measured"
+        if self.prediction is None:
+            return None, "unknown"
+        # flowspec's estimate follows ar-pp's measured speed (the devices' absolute speed); ar-pp's never
+        # follows flowspec's (that one also carries the prompt's acceptance)
+        ar_measured = self.meters[AR_PP].rate(self.policy.window_tokens) if strategy == FLOWSPEC else None
+        scale = ar_measured / self.prediction.rates[AR_PP] if ar_measured is not None else 1.0
+        return self.prediction.rates[strategy] * scale, "predicted"
+
+    def decide(self) -> str:
+        """The strategy to run from here (may switch; the reason says why)."""
+        if self.choice == FLOWSPEC:
+            self._maybe_fall_back()
+        else:
+            self._maybe_probe()
+        return self.choice
+
+    def _maybe_fall_back(self) -> None:
+        fs, _ = self.rate(FLOWSPEC)
+        ar, how = self.rate(AR_PP)
+        if self.meters[FLOWSPEC].rate(self.policy.window_tokens) is None or ar is None or fs >= ar:
+            return
+        self.fell_back = True
+        self._switch(AR_PP, f"measured flowspec {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
+
+    def _maybe_probe(self) -> None:
+        if not self.fell_back or self.since_switch < self.probe_after:
+            return
+        fs, how = self.rate(FLOWSPEC)
+        ar, _ = self.rate(AR_PP)
+        self.meters[FLOWSPEC].clear()   # a fresh window: the last one was another part of the answer
+        self.probe_after = min(2 * self.probe_after, self.policy.max_probe_tokens)
+        self._switch(FLOWSPEC, f"probe after {self.since_switch} ar-pp tokens (flowspec {how} "
+                               f"{fs:.2f} tok/s, ar-pp {ar:.2f})")
+
+    def _switch(self, to: str, reason: str) -> None:
+        self.switches.append({"to": to, "after_tokens": sum(self.tokens.values()), "reason": reason})
+        self.choice, self.reason, self.since_switch = to, reason, 0
+
+    def report(self) -> dict:
+        """What an answer's stats carry."""
+        out = {"choice": self.initial[0], "reason": self.initial[1], "final": self.choice,
+               "tokens": dict(self.tokens), "switches": list(self.switches)}
+        if self.prediction is not None:
+            out["predicted_tok_s"] = {k: round(v, 3) for k, v in self.prediction.rates.items()}
+        return out

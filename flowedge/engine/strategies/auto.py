@@ -1,0 +1,70 @@
+"""`auto` (the default): flowspec or ar-pp, chosen from the device profiles and switched online.
+
+The choice is made per round: a round is one strategy's from start to end, so switching is lossless by
+construction (every round starts from the committed context, whichever strategy ran the last one). A
+flowspec round that measures slower than ar-pp is ended early (`Head.restart_round`: an end-of-round
+prune drops its tokens from every stage) and ar-pp takes over; `engine/auto_policy.py` decides when,
+and when to try flowspec again. The choice, the reason and every switch land in the answer's stats
+(`Stats.auto`).
+"""
+from __future__ import annotations
+
+from flowedge.core.tree import DraftTree
+from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.strategies.ar_pp import ArPP
+from flowedge.engine.strategies.base import Strategy
+from flowedge.engine.strategies.flowspec import FlowSpec
+
+
+class Auto(Strategy):
+    name = "auto"
+    sizes_from_costs = True   # flowspec's rounds use the profile-sized tree, like flowspec itself
+    lm_head_at = "last-stage"
+
+    def __init__(self, prediction: Prediction | None = None, policy: AutoPolicy = AutoPolicy()) -> None:
+        self.prediction, self.policy = prediction, policy
+        self.inner: dict[str, Strategy] = {FLOWSPEC: FlowSpec(), AR_PP: ArPP()}
+        if any(s.lm_head_at != self.lm_head_at for s in self.inner.values()):
+            raise AssertionError("auto's strategies must choose tokens in the same place")
+        self.active: Strategy = self.inner[FLOWSPEC]
+        self.chooser: Chooser | None = None
+        self._stats = None   # the request being measured (Head.start makes a new Stats per request)
+        self._last = (0.0, 0)
+
+    # ---- measurement ------------------------------------------------------------------------------
+    def _tick(self, head) -> None:
+        """Charge the tokens and time since the last tick to the strategy that ran them."""
+        now, emitted = head.clock(), len(head.outputs)
+        if self._stats is not head.stats:
+            self._stats = head.stats   # a new answer: fresh measurements (prompts differ)
+            self.chooser = Chooser(self.prediction, self.policy)
+            head.stats.auto = self.chooser.report()
+        else:
+            self.chooser.observe(emitted - self._last[1], now - self._last[0])
+        self._last = (now, emitted)
+
+    def _report(self, head) -> None:
+        head.stats.auto = self.chooser.report()
+
+    # ---- the strategy interface -------------------------------------------------------------------
+    def build_round(self, head) -> DraftTree:
+        self._tick(head)
+        self.active = self.inner[self.chooser.decide()]
+        self._report(head)
+        return self.active.build_round(head)
+
+    def initial_segments(self, head) -> list:
+        return self.active.initial_segments(head)
+
+    def on_output(self, head, live_nodes: int) -> list:
+        actions = self.active.on_output(head, live_nodes)
+        if head.finished or head.round_ended or self.active is self.inner[AR_PP]:
+            return actions
+        self._tick(head)
+        if self.chooser.decide() != FLOWSPEC:   # measured slower than ar-pp: end this round now
+            self._report(head)
+            actions += head.restart_round(reason=self.chooser.reason)
+        return actions
+
+    def expand(self, head, accepted: bool) -> list:
+        return self.active.expand(head, accepted)

@@ -1,0 +1,147 @@
+"""Strategy `auto`: its choice from the profiles, its online switches, and that switching stays lossless."""
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.local import generate_ar
+from flowedge.sim.cluster import CostModel, SimCluster
+from flowedge.sim.profiles import list_devices, load_device
+from flowedge.sim.run import Cluster, balanced, draft_path_for
+from flowedge.sim.sizing import predict_from_costs, tree_costs
+from tests.test_engine_strategies import PROMPTS, SMALL
+
+# The real pair's shapes (Qwen2.5-Coder 1.5B base, 0.5B draft), without loading the models.
+BASE = SimpleNamespace(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936, head_dim=None)
+DRAFT = SimpleNamespace(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        intermediate_size=4864, vocab_size=151936, head_dim=None)
+COMPUTE_BOUND = {"x86-cpu", "rpi5-8gb"}   # stage cost grows with a segment's tokens: speculation cannot pay
+
+
+def _prediction(device: str, nodes: int) -> Prediction:
+    dev = load_device(device)
+    ranges = balanced(BASE.num_hidden_layers, nodes - 1)
+    path = draft_path_for(dev)
+    return predict_from_costs(tree_costs(BASE, DRAFT, ranges, [dev] * len(ranges), dev, draft_path=path,
+                                         draft_quantized=path == "torch-int4"))
+
+
+@pytest.mark.parametrize("device", list_devices())
+def test_auto_starts_with_flowspec_on_bandwidth_bound_devices_and_ar_pp_on_cpus(device):
+    """FlowSpec's setting (5 nodes); on CPUs ar-pp at every pipeline length."""
+    chooser = Chooser(_prediction(device, 5))
+    assert chooser.choice == (AR_PP if device in COMPUTE_BOUND else FLOWSPEC), chooser.reason
+    assert "profiles predict" in chooser.reason
+    if device in COMPUTE_BOUND:
+        assert all(Chooser(_prediction(device, n)).choice == AR_PP for n in (2, 3, 4))
+
+
+def test_without_a_profile_auto_runs_flowspec():
+    assert Chooser(None).choice == FLOWSPEC
+
+
+def test_measured_slow_flowspec_falls_back_then_probes_with_doubling():
+    chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, probe_tokens=8))
+    chooser.observe(3, 1.0)
+    assert chooser.decide() == FLOWSPEC           # not a window yet
+    chooser.observe(2, 1.0)                        # 5 tokens in 2 s: 2.5 tok/s < predicted ar-pp 10
+    assert chooser.decide() == AR_PP and "measured flowspec" in chooser.reason
+    chooser.observe(7, 0.5)
+    assert chooser.decide() == AR_PP
+    chooser.observe(1, 0.1)                        # 8 ar-pp tokens: probe flowspec again
+    assert chooser.decide() == FLOWSPEC and "probe" in chooser.reason
+    chooser.observe(4, 2.0)
+    assert chooser.decide() == AR_PP               # measured ar-pp (~15 tok/s) beats it again
+    assert chooser.probe_after == 16
+    assert [s["to"] for s in chooser.report()["switches"]] == [AR_PP, FLOWSPEC, AR_PP]
+
+
+def test_predicted_ar_pp_is_never_probed():
+    chooser = Chooser(Prediction({FLOWSPEC: 1.0, AR_PP: 10.0}), AutoPolicy(window_tokens=2, probe_tokens=2))
+    for _ in range(50):
+        chooser.observe(1, 0.1)
+        assert chooser.decide() == AR_PP
+
+
+def test_flowspecs_prediction_follows_ar_pps_measured_speed():
+    chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=2))
+    chooser.observe(4, 1.0)                        # flowspec measured at 4 tok/s, predicted 30
+    assert chooser.rate(AR_PP) == (10.0, "predicted")   # acceptance is flowspec's alone
+    chooser._switch(AR_PP, "test")
+    chooser.observe(4, 0.5)                        # ar-pp measured at 8 tok/s, predicted 10
+    chooser.meters[FLOWSPEC].clear()
+    rate, how = chooser.rate(FLOWSPEC)
+    assert how == "predicted" and rate == pytest.approx(30.0 * 8 / 10)
+
+
+# ---- switching on the simulated cluster --------------------------------------------------------------
+SWITCHY = AutoPolicy(window_tokens=2, probe_tokens=2, max_probe_tokens=2)
+
+
+def _slow_draft_costs() -> CostModel:
+    """A draft call costs 1 s, a stage 10 ms a token: flowspec measures slow, ar-pp fast."""
+    def compute_s(node, c):
+        if node == 0:
+            return 1.0 if c.what == "draft" else 0.0
+        return 0.01 * c.tokens
+    return CostModel(compute_s, lambda a, b, n: 0.001)
+
+
+def _run_switchy(cluster: Cluster, prompt, max_new: int, params: SamplingParams):
+    costs = _slow_draft_costs()
+    head, stages = cluster.build("auto", costs)
+    head.strategy.prediction = Prediction({FLOWSPEC: 100.0, AR_PP: 10.0})
+    head.strategy.policy = SWITCHY
+    return SimCluster(head, stages, costs).run(1, prompt, max_new, params), head, stages
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 5])
+def test_switching_mid_answer_stays_token_identical_to_greedy(tiny_pair, nodes):
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, nodes, SMALL)
+    for prompt in PROMPTS:
+        ref = generate_ar(base, prompt, 30, SamplingParams()).token_ids
+        res, head, stages = _run_switchy(cluster, prompt, 30, SamplingParams())
+        assert res.done.token_ids == ref
+        report = res.done.stats.auto
+        assert len(report["switches"]) >= 2 and report["choice"] == FLOWSPEC
+        assert report["tokens"][FLOWSPEC] > 0 and report["tokens"][AR_PP] > 0
+        for st in stages:   # every stage dropped the abandoned rounds' tokens
+            for version, prefix_len in st.history:
+                assert prefix_len == head.prefix_at_version[version]
+
+
+def test_switching_mid_answer_keeps_the_sampling_distribution(tiny_pair):
+    """Two-sample test: the 6th token under switching auto against plain ar-pp, 300 seeds each."""
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL)
+    counts = {"auto": collections.Counter(), "ar-pp": collections.Counter()}
+    switched = 0
+    for seed in range(300):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        res, _, _ = _run_switchy(cluster, PROMPTS[0], 6, params)
+        switched += bool(res.done.stats.auto["switches"])
+        if len(res.done.token_ids) == 6:
+            counts["auto"][res.done.token_ids[5]] += 1
+        ar, _, _ = cluster.generate("ar-pp", PROMPTS[0], 6, SamplingParams(temperature=1.0, seed=10_000 + seed))
+        if len(ar.done.token_ids) == 6:
+            counts["ar-pp"][ar.done.token_ids[5]] += 1
+    assert switched > 200
+    top = [t for t, _ in (counts["auto"] + counts["ar-pp"]).most_common(5)]
+    table = [[c[t] for t in top] + [sum(c.values()) - sum(c[t] for t in top)] for c in counts.values()]
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_auto_reports_its_choice_on_a_profile(tiny_pair):
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL, size_from_costs=True)
+    res, head, _ = cluster.generate("auto", PROMPTS[0], 12, SamplingParams(), device="x86-cpu")
+    report = res.done.stats.auto
+    assert report["choice"] in (FLOWSPEC, AR_PP) and report["reason"].startswith("profiles predict")
+    assert set(report["predicted_tok_s"]) == {FLOWSPEC, AR_PP}
