@@ -99,7 +99,9 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--draft", default=DEFAULT_DRAFT, show_default=True)
+@click.option("--draft", default=DEFAULT_DRAFT, show_default=True,
+              help="Draft model; 'oracle': each drafting strategy also runs as <name>@oracle with perfect "
+                   "proposals (the reference answer) at this default draft's cost (sim driver, T=0).")
 @click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec,auto", show_default=True)
 @click.option("--prompts", "prompt_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help='A .jsonl file with one {"prompt": ...} per line.')
@@ -148,7 +150,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     from pathlib import Path
 
     from flowedge.bench.datasets import load_prompt_file, load_prompts
-    from flowedge.bench.runner import BenchConfig, run_bench
+    from flowedge.bench.runner import ORACLE_SUFFIX, BenchConfig, run_bench
     from flowedge.engine.config import SpecConfig
     from flowedge.engine.strategies import make_strategy
     from flowedge.errors import ConfigError
@@ -157,6 +159,12 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     names = tuple(s.strip() for s in strategies.split(",") if s.strip())
     for name in names:
         make_strategy(name)
+    if draft == ORACLE_DRAFT:   # each drafting strategy also runs with perfect proposals (sim/oracle_draft.py)
+        if driver != "sim" or temperature != 0:
+            raise ConfigError("--draft oracle needs the sim driver and --temperature 0 (its proposals are the "
+                              "reference answer)")
+        draft = DEFAULT_DRAFT
+        names += tuple(f"{n}{ORACLE_SUFFIX}" for n in names if make_strategy(n).needs_draft)
     prompts = list(load_prompt_file(prompt_file)) if prompt_file else []
     for ds in datasets:
         prompts += load_prompts(ds, samples)
@@ -199,6 +207,9 @@ def _levels(text: str) -> tuple[int, ...]:
     if not levels or min(levels) < 1:
         raise ConfigError(f"--concurrency levels must be >= 1, got {text!r}")
     return levels
+
+
+ORACLE_DRAFT = "oracle"
 
 
 def _attach_commands() -> None:

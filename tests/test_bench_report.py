@@ -65,3 +65,12 @@ def test_missing_baseline_cells_are_dashes_and_empty_runs() -> None:
     md = markdown_table({"runs": runs})
     assert _row(md, "flowspec") == ["flowspec", "8.00", "–", "9.00", "–", "8.50", "–"]
     assert markdown_table({"runs": []}) == "_no runs_\n"
+
+
+def test_oracle_draft_rows_give_each_strategy_its_share_of_perfect_drafting() -> None:
+    runs = [{"prompt_id": "1", "dataset": "d", "strategy": s, "tokens_per_s": t, "matches_ar": True}
+            for s, t in (("ar-pp", 10.0), ("flowspec", 24.0), ("flowspec@oracle", 30.0))]
+    summary = summarize(runs)
+    assert summary["flowspec"]["of_oracle_draft"] == pytest.approx(0.8)
+    assert "of_oracle_draft" not in summary["ar-pp"]
+    assert "80%" in markdown_table({"config": {}, "runs": runs, "summary": summary})

@@ -13,12 +13,13 @@ from typing import Any
 NAIVE = "naive-pp"
 AR = "ar-pp"
 DASH = "–"
+ORACLE = "@oracle"   # "<strategy>@oracle": the same strategy with the oracle draft (bench --draft oracle)
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Mean tokens/s per strategy over all its runs; speedups are ratios of those means."""
     means = {s: fmean(r["tokens_per_s"] for r in group) for s, group in _by_strategy(runs).items()}
-    return {
+    out = {
         strategy: {
             "tokens_per_s": tps,
             "speedup_vs_naive_pp": _ratio(tps, means.get(NAIVE)),
@@ -26,6 +27,10 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | Non
         }
         for strategy, tps in means.items()
     }
+    for strategy, row in out.items():   # bench --draft oracle: the share of perfect drafting reached
+        if f"{strategy}{ORACLE}" in means:
+            row["of_oracle_draft"] = _ratio(row["tokens_per_s"], means[f"{strategy}{ORACLE}"])
+    return out
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -42,6 +47,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         _throughput_table(runs, summary, strategies, datasets, mismatched),
         _detail_table(runs, summary, strategies, mismatched),
     ]
+    parts.extend(_auto_notes(runs))
     parts.extend(_mismatch_notes(mismatched))
     return "\n".join(p for p in parts if p) + "\n"
 
@@ -79,6 +85,9 @@ def _detail_table(
     mismatched: dict[str, list[str]],
 ) -> str:
     header = ["Strategy", f"×{AR}", "mean accepted length", "restarts", "matches AR"]
+    oracle = any(s.endswith(ORACLE) for s in strategies)
+    if oracle:
+        header.append("of oracle-draft tok/s")
     groups = _by_strategy(runs)
     rows = []
     for s in strategies:
@@ -97,8 +106,26 @@ def _detail_table(
             _num(fmean(accept) if accept else None),
             str(sum(int(r.get("restarts", 0)) for r in group)),
             match,
-        ])
+        ] + ([_percent(summary.get(s, {}).get("of_oracle_draft"))] if oracle else []))
     return _table(header, rows, align_from=1)
+
+
+def _percent(x: float | None) -> str:
+    return DASH if x is None else f"{100 * x:.0f}%"
+
+
+def _auto_notes(runs: list[dict[str, Any]]) -> list[str]:
+    """What `auto` chose per answer (its first choice, and how many answers switched)."""
+    autos = [r["auto"] for r in runs if r.get("auto")]
+    if not autos:
+        return []
+    firsts: dict[str, int] = {}
+    for a in autos:
+        firsts[a["choice"]] = firsts.get(a["choice"], 0) + 1
+    switched = sum(1 for a in autos if a.get("switches"))
+    chosen = ", ".join(f"{k} on {v}" for k, v in firsts.items())
+    return [f"auto started with {chosen} of {len(autos)} answers ({autos[0]['reason']}); "
+            f"{switched} switched strategy mid-answer.\n"]
 
 
 def _mismatch_notes(mismatched: dict[str, list[str]]) -> list[str]:

@@ -15,8 +15,13 @@ from typing import Callable
 from flowedge.bench.datasets import Prompt
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.config import SpecConfig
+from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# A strategy named "<name>@oracle" runs <name> with the oracle draft: the reference answer as its top-1
+# proposals at the real draft's cost (`bench --draft oracle`, sim/oracle_draft.py); T=0 only.
+ORACLE_SUFFIX = "@oracle"
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,7 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
             ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params, model=reference_model).token_ids
         for j, name in enumerate(cfg.strategies):
             t0 = time.monotonic()
-            res, head, _ = cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link,
-                                            path=cfg.path)
+            res, head, _ = _generate(cluster, name, ids, ref, cfg, params)
             stats = res.done.stats
             run = {
                 "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
@@ -123,3 +127,21 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                           title=f"{prompt.dataset}/{prompt.prompt_id} on {cfg.nodes}x {cfg.profile}")
     write_table(results, out)
     return results
+
+
+def _generate(cluster, name: str, ids: list[int], ref: list[int] | None, cfg: BenchConfig, params):
+    """One run; "<name>@oracle" swaps the cluster's draft for an `OracleDraft` following `ref`."""
+    from flowedge.sim.oracle_draft import OracleDraft
+
+    if not name.endswith(ORACLE_SUFFIX):
+        return cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link, path=cfg.path)
+    if ref is None:
+        raise ConfigError("the oracle draft needs the reference answer: temperature 0 only")
+    real = cluster.draft_model
+    cluster.draft_model = OracleDraft(real)
+    cluster.draft_model.set_reference(ids, ref)
+    try:
+        return cluster.generate(name.removesuffix(ORACLE_SUFFIX), ids, cfg.max_new_tokens, params, cfg.profile,
+                                cfg.link, path=cfg.path)
+    finally:
+        cluster.draft_model = real
