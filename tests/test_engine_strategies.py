@@ -75,6 +75,7 @@ def test_simulated_time_uses_the_profile(tiny_pair):
 
 
 @pytest.mark.parametrize("name,lm_head_at", [("flowspec", "last-stage"), ("pipedec", "last-stage"),
+                                             ("pipespec", "last-stage"),
                                              ("naive-pp", "head"), ("naive-pp", "last-stage")])
 def test_sampling_keeps_the_base_distribution(tiny_pair, name, lm_head_at):
     """Second generated token (the first one chosen by tree verification) against its exact marginal;

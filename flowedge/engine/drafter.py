@@ -115,6 +115,18 @@ class Drafter:
             added.append(self._expand_frontier())
         return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
 
+    def extend_chain(self, lookup: int = 0) -> torch.Tensor:
+        """PipeSpec's drafting on a chain (a `topk` = 1 tree, its last node the tip): one draft call at the
+        tip, plus `lookup` rows of a prompt-lookup guess after it that the draft checks in the same call
+        (the hierarchy's first level). Returns the new node ids: the tip's child, then the guessed tokens
+        the draft agreed with."""
+        if self.base is None:
+            raise RuntimeError("extend_chain() before build()")
+        self._grow_slots()
+        tip = len(self.base) - 1
+        self.frontier = torch.tensor([tip])
+        return self._expand_frontier(best_first=True, guess=self._guess(tip, lookup))
+
     def advance(self, context: list[int], forwards: int, width: int, lookup: int = 0) -> DraftTree | None:
         """Re-root the stored base tree at context[-1] and grow it best-first by `forwards` draft calls
         of `width` nodes each.

@@ -7,11 +7,12 @@ from flowedge.engine.strategies.base import Strategy
 from flowedge.engine.strategies.flowspec import FlowSpec, FlowSpecNoSBD
 from flowedge.engine.strategies.naive_pp import NaivePP
 from flowedge.engine.strategies.pipedec import PipeDec
+from flowedge.engine.strategies.pipespec import PipeSpec
 from flowedge.engine.strategies.pruned_pp import PrunedPP
 from flowedge.errors import ConfigError
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (ArPP, NaivePP, PrunedPP, FlowSpecNoSBD, FlowSpec, PipeDec, Auto)
+    cls.name: cls for cls in (ArPP, NaivePP, PrunedPP, FlowSpecNoSBD, FlowSpec, PipeDec, PipeSpec, Auto)
 }
 
 
