@@ -158,7 +158,9 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     set_threads(threads)
     names = tuple(s.strip() for s in strategies.split(",") if s.strip())
     for name in names:
-        make_strategy(name)
+        make_strategy(name.removesuffix(ORACLE_SUFFIX))
+    if any(n.endswith(ORACLE_SUFFIX) for n in names) and temperature != 0:
+        raise ConfigError(f"<strategy>{ORACLE_SUFFIX} needs --temperature 0 (its proposals are the reference answer)")
     if draft == ORACLE_DRAFT:   # each drafting strategy also runs with perfect proposals (sim/oracle_draft.py)
         if driver != "sim" or temperature != 0:
             raise ConfigError("--draft oracle needs the sim driver and --temperature 0 (its proposals are the "

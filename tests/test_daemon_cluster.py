@@ -46,7 +46,7 @@ def cluster(request, tiny_pair, tmp_path_factory):
         c.stop()
 
 
-@pytest.mark.parametrize("strategy", ["flowspec", "ar-pp"])
+@pytest.mark.parametrize("strategy", ["flowspec", "ar-pp", "auto"])
 def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
     with Client(cluster.spec.addr, timeout_s=60) as client:
         for prompt in PROMPTS:
@@ -57,6 +57,11 @@ def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
             assert res["strategy"] == strategy and res["wall_tokens_per_s"] > 0
             if strategy == "flowspec":   # sized from the orin profile: flat int4 segments, d0 = 1
                 assert (res["tree_depth"], res["tree_nodes"]) == (1, 13), res
+            if strategy == "auto":   # its choice and the reason, from the stages' profiles, in stats and status
+                assert res["auto"]["choice"] in ("flowspec", "ar-pp") and res["auto"]["reason"], res
+                assert "predicted_tok_s" in res["auto"]
+                head = next(n for n in client.status() if n["role"] == "head")
+                assert head["auto"] == res["auto"]
     assert max(len(r) for r in references.values()) >= 20   # the comparison covers real decoding
 
 

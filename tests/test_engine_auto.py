@@ -34,12 +34,17 @@ def _prediction(device: str, nodes: int) -> Prediction:
 
 @pytest.mark.parametrize("device", list_devices())
 def test_auto_starts_with_flowspec_on_bandwidth_bound_devices_and_ar_pp_on_cpus(device):
-    """FlowSpec's setting (5 nodes); on CPUs ar-pp at every pipeline length."""
-    chooser = Chooser(_prediction(device, 5))
-    assert chooser.choice == (AR_PP if device in COMPUTE_BOUND else FLOWSPEC), chooser.reason
-    assert "profiles predict" in chooser.reason
+    """The Jetsons in FlowSpec's setting (5 nodes; flowspec measured 2.55x ar-pp on the Orin Nano); the
+    CPUs on 2 and 3 nodes, where flowspec measured slower than ar-pp (docs/bench/sim-x86-cpu-3nodes,
+    zmq-x86-cpu-3nodes-lookup)."""
     if device in COMPUTE_BOUND:
-        assert all(Chooser(_prediction(device, n)).choice == AR_PP for n in (2, 3, 4))
+        for nodes in (2, 3):
+            chooser = Chooser(_prediction(device, nodes))
+            assert chooser.choice == AR_PP, (nodes, chooser.reason)
+    else:
+        chooser = Chooser(_prediction(device, 5))
+        assert chooser.choice == FLOWSPEC, chooser.reason
+    assert "profiles predict" in chooser.reason
 
 
 def test_without_a_profile_auto_runs_flowspec():
