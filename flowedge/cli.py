@@ -71,9 +71,10 @@ def with_sampling(f):
 @click.option("--nodes", default=5, show_default=True, type=int, help="Simulated cluster size (pipeline strategies).")
 @click.option("--profile", default="orin-nano-8gb", show_default=True, help="Device profile (pipeline strategies).")
 @click.option("--link", default=None, help="Link profile (default: the device profile's).")
-@click.option("--quant", default="none", show_default=True,
+@click.option("--quant", default="int4", show_default=True,
               type=click.Choice(["none", "int4", "nf4", "auto"]),
-              help="W4A16 backend for the base model's layers (tree strategy); auto = fastest here.")
+              help="Base model weights: int4 = W4A16 (stored packed), none = 16-bit checkpoint, nf4 = "
+                   "bitsandbytes at load; the reference `ar` and every strategy use the same.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw instead of through the chat template.")
 @click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")

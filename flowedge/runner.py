@@ -29,7 +29,7 @@ class GenerateRequest:
     nodes: int = 5
     profile: str = "orin-nano-8gb"
     link: str | None = None
-    quant: str = "none"
+    quant: str = "int4"             # W4A16 (flowedge's default); none = the 16-bit checkpoint
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -80,17 +80,18 @@ def load_tokenizer(model_dir):
 def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = None) -> dict:
     from flowedge.models.resolve import resolve_model
 
-    base_dir = resolve_model(req.model)
+    base_dir = resolve_model(req.model, quant=req.quant)
     tok = load_tokenizer(base_dir)
     prompt_ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, on_text) if on_text else None
     t0 = time.monotonic()
     extra: dict = {}
-    if req.strategy == "ar" and (base_dir / "manifest.json").is_file():
+    if req.strategy == "ar" and ((base_dir / "manifest.json").is_file() or req.quant != "none"):
         from flowedge.engine.local import generate_ar_staged
         from flowedge.models.stage import StageModel
 
-        res = generate_ar_staged(StageModel.load(base_dir), prompt_ids, req.max_new_tokens, req.params, stream)
+        res = generate_ar_staged(StageModel.load(base_dir, quant=req.quant), prompt_ids, req.max_new_tokens,
+                                 req.params, stream)
     elif req.strategy == "ar":
         from flowedge.engine.local import generate_ar
 
@@ -114,8 +115,7 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
     if res.accept_lens:
         out["mean_accept_len"] = round(res.mean_accept_len, 4)
         out["verifications"] = len(res.accept_lens)
-    if req.quant != "none":
-        out["quant"] = req.quant
+    out["quant"] = req.quant
     out.update(extra)
     return out
 
@@ -131,7 +131,7 @@ def tree_settings(req: GenerateRequest, topk: int, depth: int, nodes: int):
 
 
 def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
-    from flowedge.engine.drafter import Drafter, load_draft_model
+    from flowedge.engine.drafter import Drafter, load_draft_model, resolve_draft_quant
     from flowedge.engine.local import generate_tree
     from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
@@ -139,7 +139,8 @@ def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
     # One-node defaults sized for a CPU: a small tree verifies in about the time of 2-3 tokens.
     shape, total = tree_settings(req, topk=4, depth=5, nodes=16)
     base = StageModel.load(base_dir, quant=req.quant)
-    drafter = Drafter(load_draft_model(resolve_model(req.draft)))
+    draft_quant = resolve_draft_quant("auto")
+    drafter = Drafter(load_draft_model(resolve_model(req.draft, quant=draft_quant), draft_quant))
     res = generate_tree(base, drafter, prompt_ids, req.max_new_tokens, req.params, shape, total,
                         on_tokens=stream)
     return res, {"rounds": res.rounds, "draft_forwards": res.draft_forwards,

@@ -29,17 +29,26 @@ MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def references(tiny_pair):
+def all_references(tiny_pair):
+    """`flowedge generate --strategy ar` with the cluster's quantization: int4 (the default, W4A16
+    stages) and none (the full-precision exactness check)."""
     base, draft = tiny_pair
-    return {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW))["token_ids"] for p in PROMPTS}
+    return {quant: {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW, quant=quant))["token_ids"]
+                    for p in PROMPTS} for quant in ("int4", "none")}
 
 
-@pytest.fixture(scope="module", params=[3, 5], ids=["3-nodes", "5-nodes"])
+@pytest.fixture(scope="module")
+def references(cluster, all_references):
+    return all_references[cluster.spec.quant]
+
+
+@pytest.fixture(scope="module", params=[(3, "int4"), (5, "int4"), (3, "none")], ids=["3-nodes", "5-nodes", "3-fp32"])
 def cluster(request, tiny_pair, tmp_path_factory):
     base, draft = tiny_pair
+    nodes, quant = request.param
     with flowedge_home(tmp_path_factory.mktemp("home")):
-        spec = LocalClusterSpec(nodes=request.param, model=str(base), draft=str(draft), port=free_port_pair(),
-                                threads=1, wire_dtype="float32", stage_timeout_s=4.0,
+        spec = LocalClusterSpec(nodes=nodes, model=str(base), draft=str(draft), port=free_port_pair(),
+                                threads=1, wire_dtype="float32", stage_timeout_s=4.0, quant=quant,
                                 device="orin-nano-8gb")   # a GPU profile: `auto` keeps each strategy's placement
         c = start_cluster(spec)
         yield c

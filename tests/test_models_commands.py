@@ -36,6 +36,7 @@ def test_split_command(tmp_path):
     assert "stage 1  layers [ 1,  4)" in result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["layers"] for s in manifest["stages"]] == [[0, 1], [1, 4]]
+    assert manifest["quant"] == "int4" and "quant=int4" in result.output   # W4A16 by default
 
 
 def test_parse_layers():

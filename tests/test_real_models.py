@@ -1,5 +1,6 @@
-"""End to end on the real Qwen2.5-Coder pair (fetched from PyPI once, ~1.6 GB, then cached):
-tree speculation and the pipelined FlowSpec are token-identical to plain greedy decoding in fp32."""
+"""End to end on the real Qwen2.5-Coder pair (fetched from PyPI once, ~1.6 GB, then cached as W4A16, the
+default): tree speculation and the pipelined FlowSpec are token-identical to plain greedy decoding of
+the same W4A16 model (`generate --strategy ar`, int4 kernels)."""
 from __future__ import annotations
 
 import pytest
@@ -34,11 +35,11 @@ def encoded(real_pair):
 
 @pytest.fixture(scope="module")
 def references(real_pair, encoded):
-    from transformers import AutoModelForCausalLM
+    from flowedge.engine.local import generate_ar, load_reference
+    from flowedge.models.quant import Int4Linear
 
-    from flowedge.engine.local import generate_ar
-
-    model = AutoModelForCausalLM.from_pretrained(real_pair[0], dtype=torch.float32).eval()
+    model = load_reference(real_pair[0])
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * model.config.num_hidden_layers
     return [generate_ar(real_pair[0], ids, 24, SamplingParams(), model=model).token_ids for ids in encoded]
 
 
@@ -61,7 +62,8 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
     from flowedge.engine.config import SpecConfig
     from flowedge.sim.run import Cluster
 
-    cluster = Cluster(real_pair[0], real_pair[1], 3, SpecConfig(tree_nodes=24, l_max=8, exp_nodes=16))
+    cluster = Cluster(real_pair[0], real_pair[1], 3, SpecConfig(tree_nodes=24, l_max=8, exp_nodes=16),
+                      draft_quant="int4")
     res, head, stages = cluster.generate("flowspec", encoded[0], 24, SamplingParams(), device="orin-nano-8gb")
     assert res.done.token_ids == references[0]
     for st in stages:
@@ -69,7 +71,8 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
 
 
 def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, tmp_path):
-    """`flowedge up` on the real pair (3 processes, float32 wire) + a streamed prompt == plain greedy."""
+    """`flowedge up` on the real pair (3 processes, W4A16 stages, float32 wire) + a streamed prompt == plain
+    greedy of the same W4A16 model."""
     from daemon_helpers import free_port_pair, logs, start_cluster
 
     from flowedge.daemon.client import Client

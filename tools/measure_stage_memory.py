@@ -1,15 +1,22 @@
-"""Resident memory of a stage process that loads only its shard vs one that loads the whole model.
+"""Resident memory of a stage process: after loading its shard, and after answering a prompt.
 
-    python tools/measure_stage_memory.py SHARD_DIR [--stage 0]
+    python tools/measure_stage_memory.py SHARD_DIR [SHARD_DIR ...] [--stage 1] [--quant none,int4]
+                                         [--prompt-tokens 32] [--tokens 128]
 
-Each measurement runs in a fresh `spawn`ed process (so earlier loads do not inflate it) and
-reports RSS (psutil) before and after loading: the head file, one stage file, the whole
-model.safetensors of the directory the shards were cut from (manifest "model" or --model-dir).
+For every shard directory and every quantization (a W4A16 split is measured with its own format;
+`--quant` applies to full-precision splits), a fresh `spawn`ed process loads the stage exactly as a
+stage node does (`StageModel.load` of its layer range) and reports RSS (psutil) before loading, after
+loading, and after a prompt of `--prompt-tokens` hidden states followed by `--tokens` one-token
+decode steps through its layers and KV cache (the memory a 128-token answer costs; hidden states are
+random of the model's width, the memory and compute are the same as for real ones). Also prints each
+shard file's bytes and the size of the whole model cache ($FLOWEDGE_HOME).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 
@@ -19,58 +26,87 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _measure(kind: str, path: str, stage: int, queue) -> None:
+def _measure(shard_dir: str, stage: int, quant: str, prompt_tokens: int, tokens: int, queue) -> None:
     import torch
 
+    from flowedge.models.shards import Manifest
+    from flowedge.models.stage import StageModel, StageParts, bool_to_float_mask, causal_mask
+
     torch.set_num_threads(1)
+    spec = Manifest.load(Path(shard_dir)).stages[stage - 1]
     before = _rss_mb()
-    if kind == "whole":
-        from safetensors.torch import load_file
+    model = StageModel.load(Path(shard_dir), StageParts(spec.start, spec.end), quant=quant)
+    loaded = _rss_mb()
+    cache = model.new_cache()
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float32
+    n, past = prompt_tokens, 0
+    with torch.inference_mode():
+        for step in range(1 + tokens):
+            x = torch.randn(n, hidden, generator=gen, dtype=dtype)
+            mask = bool_to_float_mask(causal_mask(n, past))
+            model.forward_layers(x, torch.arange(past, past + n), mask, cache)
+            past += n
+            n = 1
+    queue.put((before, loaded, _rss_mb(), cache.nbytes() / 2**20))
 
-        tensors = load_file(str(Path(path) / "model.safetensors"))
-    else:
-        from flowedge.models.shards import load_shard
 
-        tensors = load_shard(Path(path), "head" if kind == "head" else stage)
-    total = 0
-    for tensor in tensors.values():
-        tensor.sum()  # touch every page so lazily mapped data counts as resident
-        total += tensor.numel() * tensor.element_size()
-    queue.put((kind, before, _rss_mb(), total / 2**20))
-
-
-def run(kind: str, path: Path, stage: int) -> tuple:
+def run(shard_dir: Path, stage: int, quant: str, prompt_tokens: int, tokens: int) -> tuple:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(kind, str(path), stage, queue))
+    proc = ctx.Process(target=_measure, args=(str(shard_dir), stage, quant, prompt_tokens, tokens, queue))
     proc.start()
-    result = queue.get()
     proc.join()
-    return result
+    if proc.exitcode != 0:
+        return None
+    return queue.get()
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _cache_report() -> None:
+    from flowedge.models.registry import flowedge_home
+
+    home = flowedge_home()
+    print(f"model cache {home}:")
+    for sub in ("gguf", "models", "shards", "stage-cache"):
+        if (home / sub).is_dir():
+            print(f"  {sub:<12} {_dir_bytes(home / sub) / 1e9:7.2f} GB")
+    total = sum(_dir_bytes(home / s) for s in ("gguf", "models", "shards", "stage-cache") if (home / s).is_dir())
+    print(f"  {'total':<12} {total / 1e9:7.2f} GB")
 
 
 def main() -> None:
-    from flowedge.models.shards import Manifest
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shard_dir", type=Path)
-    parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="HF directory the shards were cut from (default: manifest 'model' "
-                             "resolved with flowedge.models.resolve)")
+    parser.add_argument("shard_dirs", type=Path, nargs="+")
+    parser.add_argument("--stage", type=int, default=1, help="1-based stage to measure")
+    parser.add_argument("--quant", default="none,int4", help="quantizations to load full-precision splits with")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    manifest = Manifest.load(args.shard_dir)
-    model_dir = args.model_dir
-    if model_dir is None:
-        from flowedge.models.resolve import resolve_model
-
-        model_dir = resolve_model(manifest.model)
-    print(f"{manifest.model}: {len(manifest.stages)} stages, measuring stage {args.stage}")
-    print(f"{'load':>8} {'rss before MB':>14} {'rss after MB':>13} {'tensors MB':>11}")
-    for kind, path in (("head", args.shard_dir), ("stage", args.shard_dir), ("whole", model_dir)):
-        name, before, after, tensors = run(kind, path, args.stage)
-        print(f"{name:>8} {before:14.1f} {after:13.1f} {tensors:11.1f}")
+    print(f"{'split':<44} {'quant':>5} {'shard MB':>9} {'rss 0 MB':>9} {'loaded MB':>10} "
+          f"{'answered MB':>12} {'kv MB':>6}")
+    for shard_dir in args.shard_dirs:
+        manifest = json.loads((shard_dir / "manifest.json").read_text())
+        spec = manifest["stages"][args.stage - 1]
+        fmt_quant = manifest.get("quant", "none")
+        quants = args.quant.split(",") if fmt_quant == "none" else [fmt_quant]
+        for quant in quants:
+            res = run(shard_dir, args.stage, quant, args.prompt_tokens, args.tokens)
+            if res is None:
+                print(f"{shard_dir.name:<44} {quant:>5} failed")
+                continue
+            before, loaded, answered, kv = res
+            print(f"{shard_dir.name:<44} {quant:>5} {spec['bytes'] / 2**20:9.1f} {before:9.1f} "
+                  f"{loaded:10.1f} {answered:12.1f} {kv:6.1f}", flush=True)
+        files = [manifest["head"]] + manifest["stages"]
+        print("  files: " + ", ".join(f"{f['file']} {f['bytes'] / 1e6:.1f} MB" for f in files))
+    _cache_report()
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -66,9 +66,9 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
     from flowedge.sim.run import Cluster, draft_quant_for
 
     out.mkdir(parents=True, exist_ok=True)
-    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
-    tok = load_tokenizer(base_dir)
     draft_quant = draft_quant_for(cfg.profile, cfg.path)
+    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
+    tok = load_tokenizer(base_dir)
     cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
                       size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
     reference_model = None
@@ -88,10 +88,9 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                 ref = cluster.oracle.generate(ids, cfg.max_new_tokens, params, stop_ids(cluster.config))
         elif params.greedy:
             if reference_model is None:
-                import torch
-                from transformers import AutoModelForCausalLM
+                from flowedge.engine.local import load_reference
 
-                reference_model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+                reference_model = load_reference(base_dir)
             ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params, model=reference_model).token_ids
         for j, name in enumerate(cfg.strategies):
             t0 = time.monotonic()

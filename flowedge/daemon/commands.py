@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import click
 
@@ -99,8 +100,8 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
 @click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
               show_default=True, help="Hidden states on the wire (float32: bit-exact to one process).")
-@click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="none", show_default=True,
-              help="Stage weights (int4/nf4 = W4A16).")
+@click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="int4", show_default=True,
+              help="Stage weights: int4 = W4A16 shards, none = 16-bit shards, nf4 = bitsandbytes at load.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="auto", show_default=True,
               help="Draft model weights, lm_head included (auto = int4 where it runs; lossless).")
 @click.option("--layers", default=None, help="Layers per stage, e.g. 14,14.")
@@ -122,8 +123,9 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
     click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)
     try:
         t0 = time.monotonic()
-        wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive,
-                   progress=lambda line: click.echo(f"  {line}", err=True))
+        with _showing_progress(cluster) as shown:
+            wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive,
+                       progress=lambda line: shown.note(f"  {line}"))
         click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT` or "
                    f"`flowedge status`", err=True)
         if detach:
@@ -274,6 +276,30 @@ def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, ke
     server.run()
     if not server.started:
         raise ConfigError(f"cannot listen on {listen} (see the log above)")
+
+
+@contextmanager
+def _showing_progress(cluster):
+    """While a local cluster starts: follow its logs' progress lines (download, conversion, split,
+    shard fetch) and show them here, as a bar on a terminal, as plain lines otherwise."""
+    from flowedge.progress import ProgressTail, TerminalProgress
+
+    shown = TerminalProgress()
+    tail = ProgressTail(cluster.log_paths(), shown)
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(0.5):
+            tail.poll()
+
+    follower = threading.Thread(target=follow, name="progress-tail", daemon=True)
+    follower.start()
+    try:
+        yield shown
+    finally:
+        stop.set()
+        follower.join()
+        tail.poll()
 
 
 def _int_list(text: str | None) -> list[int]:

@@ -45,7 +45,8 @@ class NodeConfig:
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
     strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
     wire_dtype: str = "float16"               # hidden states on the wire
-    quant: str = "none"                       # stage weights: none | int4 | nf4 | auto (W4A16)
+    quant: str = "int4"                       # stage weights: int4 (W4A16 shards, the default) | none (16-bit
+                                              # shards) | nf4 (16-bit shards, bitsandbytes at load) | auto
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |
                                               # int4 | nf4 | none; lossless either way (engine/drafter.py)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)

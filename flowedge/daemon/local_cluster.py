@@ -36,7 +36,7 @@ class LocalClusterSpec:
     threads: int = 0                 # per process; 0 = cores / nodes
     insecure: bool = False
     wire_dtype: str = "float16"
-    quant: str = "none"
+    quant: str = "int4"
     draft_quant: str = "auto"
     layers: list[int] = field(default_factory=list)
     tree_nodes: int = 0
@@ -62,6 +62,9 @@ class LocalCluster:
     spec: LocalClusterSpec
     run_dir: Path
     procs: list[subprocess.Popen]
+
+    def log_paths(self) -> list[Path]:
+        return [self.run_dir / f"{n}.log" for n in ["head"] + [f"stage-{k}" for k in range(1, len(self.procs))]]
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)

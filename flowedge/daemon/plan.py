@@ -18,8 +18,9 @@ from typing import Any
 
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
-from flowedge.engine.drafter import load_draft_model
+from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
 from flowedge.errors import ConfigError, ModelError
+from flowedge.models.packing import storage_quant
 from flowedge.models.shards import Manifest, _layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
 
@@ -42,36 +43,39 @@ class Plan:
         return [b - a for a, b in self.ranges]
 
 
-def split_dir_for(home: Path, base_dir: Path, counts: list[int]) -> Path:
-    return home / "shards" / f"{base_dir.name}-{'-'.join(map(str, counts))}"
+def split_dir_for(home: Path, base_dir: Path, counts: list[int], quant: str = "none") -> Path:
+    return home / "shards" / f"{base_dir.name}-{'-'.join(map(str, counts))}{'-int4' if quant == 'int4' else ''}"
 
 
-def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str) -> Manifest:
-    """Reuse a complete split with these layer counts, else write one (atomically, with progress)."""
+def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, quant: str = "none") -> Manifest:
+    """Reuse a complete split with these layer counts and storage `quant` (none | int4: W4A16 shards),
+    else write one (atomically, with progress)."""
     try:
         manifest = Manifest.load(out)
-        if [s.end - s.start for s in manifest.stages] == counts:
+        if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant:
             return manifest
     except ModelError:
         pass
     log.info("splitting %s into %d stages %s -> %s", base_dir.name, len(counts), counts, out)
     return split_model(base_dir, len(counts), out, layers=counts, progress=lambda m: log.info("split: %s", m),
-                       model_name=model_name)
+                       model_name=model_name, quant=quant)
 
 
 def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import load_tokenizer
 
-    base_dir = resolve_model(config.model)
+    base_dir = resolve_model(config.model, quant=config.quant)
     n_layers = int(load_config(base_dir).num_hidden_layers)
     counts = _layer_counts(n_layers, config.stages, list(config.layers) or None)
-    out = split_dir_for(home, base_dir, counts)
-    manifest = ensure_split(base_dir, counts, out, config.model)
+    stored = storage_quant(config.quant)
+    out = split_dir_for(home, base_dir, counts, stored)
+    manifest = ensure_split(base_dir, counts, out, config.model, stored)
     ranges = [(s.start, s.end) for s in manifest.stages]
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
-    draft = load_draft_model(resolve_model(config.draft), config.draft_quant) if config.draft else None
+    draft_quant = resolve_draft_quant(config.draft_quant)
+    draft = load_draft_model(resolve_model(config.draft, quant=draft_quant), draft_quant) if config.draft else None
     return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out))
 
 
@@ -154,9 +158,10 @@ def resplit(plan: Plan, counts: list[int], config: NodeConfig, home: Path) -> Pl
     """`plan` with the layers split as `counts` (the models node 0 holds are the same in every split)."""
     from flowedge.models.resolve import resolve_model
 
-    base_dir = resolve_model(config.model)
-    out = split_dir_for(home, base_dir, counts)
-    manifest = ensure_split(base_dir, counts, out, config.model)
+    base_dir = resolve_model(config.model, quant=config.quant)
+    stored = storage_quant(config.quant)
+    out = split_dir_for(home, base_dir, counts, stored)
+    manifest = ensure_split(base_dir, counts, out, config.model, stored)
     ranges = [(st.start, st.end) for st in manifest.stages]
     return replace(plan, split_dir=out, ranges=ranges, shards=[stage_files(out, k) for k in range(1, len(ranges) + 1)],
                    head_file=head_file(out))

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import shutil
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Callable
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
 from flowedge.models.shards import MANIFEST, Manifest
+from flowedge.progress import Progress
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,8 @@ def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: 
     a stage more than its shard (a 1.1 head ignores the name and serves the shard)."""
     offsets = deque(range(0, total, CHUNK_BYTES))
     pending: set[int] = set()
-    done_bytes, t0, last_report = 0, time.monotonic(), 0.0
+    done_bytes = 0
+    bar = Progress(f"fetching shard {sha256[:12]}", total)
     with open(path, "wb") as f:
         f.truncate(total)
         while offsets or pending:
@@ -159,12 +160,8 @@ def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: 
             f.write(chunk.data)
             pending.discard(chunk.offset)
             done_bytes += len(chunk.data)
-            now = time.monotonic()
-            if now - last_report > 2.0 or done_bytes == total:
-                last_report = now
-                rate = done_bytes / max(now - t0, 1e-6) / 1e6
-                log.info("fetching shard: %5.1f%% (%d/%d MB, %.0f MB/s)", 100 * done_bytes / max(total, 1),
-                         done_bytes >> 20, total >> 20, rate)
+            bar.update(done_bytes)
+    bar.finish()
     digest = hashlib.sha256()   # whole-file digest once every chunk has landed
     with open(path, "rb") as f:
         while block := f.read(8 << 20):

@@ -21,6 +21,17 @@ from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
 log = logging.getLogger(__name__)
 
 
+def resolve_draft_quant(quant: str, device: str = "cpu") -> str:
+    """`auto` -> the draft backend that runs here (int4 first); anything else as given."""
+    if quant not in DRAFT_QUANTS:
+        raise ConfigError(f"draft quant must be one of {list(DRAFT_QUANTS)}, got {quant!r}")
+    if quant != "auto":
+        return quant
+    from flowedge.models.quant import draft_backend
+
+    return draft_backend(device)
+
+
 def load_draft_model(model_dir, quant: str = "auto") -> StageModel:
     """The draft model, 4-bit throughout (lm_head included) unless `quant` is "none".
 
@@ -28,13 +39,7 @@ def load_draft_model(model_dir, quant: str = "auto") -> StageModel:
     but never changes the output. Measured on the default pair (docs/bench/README.md): int4 halves a
     draft call on a CPU and keeps its top-1 agreement with the base; on a GPU the 136M-parameter lm_head
     is 15% of a 0.5B draft call in fp16 and 4% in int4."""
-    if quant not in DRAFT_QUANTS:
-        raise ConfigError(f"draft quant must be one of {list(DRAFT_QUANTS)}, got {quant!r}")
-    if quant == "auto":
-        from flowedge.models.quant import draft_backend
-
-        quant = draft_backend("cpu")
-    return StageModel.load(model_dir, quant=quant, quant_lm_head=True)
+    return StageModel.load(model_dir, quant=resolve_draft_quant(quant), quant_lm_head=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,12 +62,15 @@ def _finish(tokens: list[int], max_new: int, stops: set[int]) -> tuple[list[int]
 @torch.inference_mode()
 def generate_ar(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                 params: SamplingParams, model=None, on_tokens: TokenSink | None = None) -> GenerationResult:
-    """Plain autoregressive decoding with transformers' own model: the reference every strategy must match."""
+    """Plain autoregressive decoding with transformers' own model: the reference every strategy must match.
+    A W4A16 checkpoint (which transformers cannot load) is decoded through `generate_ar_staged`."""
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model or load_reference(model_dir)
+    if isinstance(model, StageModel):
+        return generate_ar_staged(model, prompt_ids, max_new_tokens, params, on_tokens)
     check_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings)
     gen, stops = make_generator(params), stop_ids(model.config)
     t0 = time.monotonic()
@@ -87,6 +90,18 @@ def generate_ar(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
 
 
 @torch.inference_mode()
+def load_reference(model_dir: Path):
+    """The model `generate_ar` decodes with: transformers' own for a plain checkpoint, the StageModel
+    (int4 kernels) for a W4A16 one, whose numbers only flowedge's loader knows."""
+    from transformers import AutoModelForCausalLM
+
+    from flowedge.models.stage import is_packed
+
+    if is_packed(model_dir):
+        return StageModel.load(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def generate_ar_staged(model: StageModel, prompt_ids: list[int], max_new_tokens: int,
                        params: SamplingParams, on_tokens: TokenSink | None = None) -> GenerationResult:
     """Plain autoregressive decoding through a StageModel (for shard directories, which transformers

