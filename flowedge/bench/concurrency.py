@@ -64,9 +64,9 @@ def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, 
     from flowedge.sim.run import Cluster, draft_quant_for
 
     out.mkdir(parents=True, exist_ok=True)
-    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft)
-    tok = load_tokenizer(base_dir)
     draft_quant = draft_quant_for(cfg.profile, cfg.path)
+    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
+    tok = load_tokenizer(base_dir)
     cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
                       size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
     ids = [encode_prompt(tok, p.text, cfg.chat) for p in prompts]

@@ -16,7 +16,7 @@ from flowedge.core.lookup import lookup_continuation
 from flowedge.core.tree import DraftTree, find_path, subtree
 from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError
-from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
+from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask, is_packed
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,13 @@ def load_draft_model(model_dir, quant: str = "auto") -> StageModel:
     but never changes the output. Measured on the default pair (docs/bench/README.md): int4 halves a
     draft call on a CPU and keeps its top-1 agreement with the base; on a GPU the 136M-parameter lm_head
     is 15% of a 0.5B draft call in fp16 and 4% in int4."""
-    return StageModel.load(model_dir, quant=resolve_draft_quant(quant), quant_lm_head=True)
+    quant = resolve_draft_quant(quant)
+    if quant in ("none", "nf4") and is_packed(model_dir):
+        # A W4A16 checkpoint holds only the int4 draft; the draft never decides a token, so this changes
+        # proposals (and speed), not outputs. Resolve the draft with the same quant for a 16-bit one.
+        log.warning("the draft at %s is stored W4A16: running it int4, not %s", model_dir, quant)
+        quant = "int4"
+    return StageModel.load(model_dir, quant=quant, quant_lm_head=True)
 
 
 @dataclass(frozen=True, slots=True)
