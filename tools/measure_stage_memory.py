@@ -49,7 +49,10 @@ def _measure(shard_dir: str, stage: int, quant: str, prompt_tokens: int, tokens:
             model.forward_layers(x, torch.arange(past, past + n), mask, cache)
             past += n
             n = 1
-    queue.put((before, loaded, _rss_mb(), cache.nbytes() / 2**20))
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((before, loaded, _rss_mb(), cache.nbytes() / 2**20, peak))
 
 
 def run(shard_dir: Path, stage: int, quant: str, prompt_tokens: int, tokens: int) -> tuple:
@@ -87,8 +90,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    print("MB = MiB; rss 0: interpreter + torch + flowedge before loading; peak: the process's maximum")
     print(f"{'split':<44} {'quant':>5} {'shard MB':>9} {'rss 0 MB':>9} {'loaded MB':>10} "
-          f"{'answered MB':>12} {'kv MB':>6}")
+          f"{'answered MB':>12} {'kv MB':>6} {'peak MB':>8}")
     for shard_dir in args.shard_dirs:
         manifest = json.loads((shard_dir / "manifest.json").read_text())
         spec = manifest["stages"][args.stage - 1]
@@ -99,9 +103,9 @@ def main() -> None:
             if res is None:
                 print(f"{shard_dir.name:<44} {quant:>5} failed")
                 continue
-            before, loaded, answered, kv = res
+            before, loaded, answered, kv, peak = res
             print(f"{shard_dir.name:<44} {quant:>5} {spec['bytes'] / 2**20:9.1f} {before:9.1f} "
-                  f"{loaded:10.1f} {answered:12.1f} {kv:6.1f}", flush=True)
+                  f"{loaded:10.1f} {answered:12.1f} {kv:6.1f} {peak:8.1f}", flush=True)
         files = [manifest["head"]] + manifest["stages"]
         print("  files: " + ", ".join(f"{f['file']} {f['bytes'] / 1e6:.1f} MB" for f in files))
     _cache_report()

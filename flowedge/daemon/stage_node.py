@@ -17,6 +17,8 @@ import socket
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import psutil
@@ -149,8 +151,8 @@ class StageNode:
             if with_head:
                 self._head_file(assign, model_dir)
             t0 = time.monotonic()
-            model = StageModel.load(model_dir, StageParts(assign.layer_start, assign.layer_end, head=with_head),
-                                    quant=assign.quant)
+            model = self._load_beating(model_dir, StageParts(assign.layer_start, assign.layer_end, head=with_head),
+                                       assign.quant)
             self.worker = StageWorker(assign.stage_index, model, 0, can_choose=with_head)
             log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,
                      assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
@@ -169,6 +171,17 @@ class StageNode:
         self.phase = f"serving stage {assign.stage_index}, layers [{assign.layer_start}, {assign.layer_end})"
         self.notifier.ready(self._sd_status())
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
+
+    def _load_beating(self, model_dir: Path, parts: StageParts, quant: str) -> StageModel:
+        """Load in a worker thread while this one keeps heartbeating: repacking a W4A16 shard takes tens
+        of seconds on a slow device, which must not look like a dead stage to the head."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-load") as pool:
+            future = pool.submit(StageModel.load, model_dir, parts, quant=quant)
+            while True:
+                try:
+                    return future.result(timeout=0.2)
+                except FutureTimeout:
+                    self._beat()
 
     def _shard_dir(self, assign: proto.Assign) -> Path:
         """A directory holding this stage's verified shard: the head's own files, the cache, or a fetch."""

@@ -7,6 +7,7 @@ process only ever reads and holds its own tensors.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import time
@@ -146,6 +147,7 @@ class StageModel(nn.Module):
         rotary = type(inner.rotary_emb)(config=config)
         model = cls(config, parts, layers, embed, norm, lm_head, rotary).eval()
         model.compute_dtype = dtype
+        _trim_heap()
         log.info("loaded %s layers [%d, %d)%s%s (%s) in %.1f s", model_dir.name, parts.start, parts.end,
                  " +embed" if parts.embed else "", " +head" if parts.head else "", backend,
                  time.monotonic() - t0)
@@ -192,6 +194,15 @@ class StageModel(nn.Module):
         if self.lm_head is None:
             raise ModelError("this stage holds no lm_head")
         return self.lm_head(self.norm(hidden)).float()
+
+
+def _trim_heap() -> None:
+    """Hand the transient buffers of loading (codes being repacked, layers being quantized) back to the
+    OS: glibc keeps freed heap pages otherwise, ~230 MB on a 14-layer 1.5B stage."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to trim
+        pass
 
 
 def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
