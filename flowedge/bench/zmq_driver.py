@@ -20,6 +20,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
     from flowedge.daemon.client import Client, wait_ready
     from flowedge.engine.local import generate_ar
     from flowedge.models.resolve import resolve_model
+    from flowedge.models.stage import StageModel
     from flowedge.runner import encode_prompt, load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -34,6 +35,9 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
         "spec": asdict(cfg.spec), "driver": "zmq", "wire_dtype": wire_dtype,
         "threads_per_process": spec.per_process_threads(), "profile": "this machine (wall clock)"}
     results: dict = {"config": config, "runs": [], "summary": {}}
+    # The reference is `ar` on the model the stages run: W4A16 (the cluster's default quant) for a
+    # 16-bit checkpoint too, quantized the same way at load.
+    reference = StageModel.load(base_dir, quant=spec.quant)
     cluster = local_cluster.start(spec)
     try:
         wait_ready(spec.addr, 1800, alive=cluster.alive, progress=lambda s: say(f"cluster: {s}"))
@@ -44,7 +48,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                 ref = None
                 if params.greedy:
                     ids = encode_prompt(tok, prompt.text, cfg.chat)
-                    ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params).token_ids
+                    ref = generate_ar(base_dir, ids, cfg.max_new_tokens, params, model=reference).token_ids
                 for j, name in enumerate(cfg.strategies):
                     res = client.generate(prompt.text, max_new_tokens=cfg.max_new_tokens,
                                           temperature=cfg.temperature, seed=params.seed, strategy=name)

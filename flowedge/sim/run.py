@@ -100,10 +100,13 @@ class Cluster:
 
     verify="stages" runs every segment through real stage layers (the default: the stages' math is
     exercised); "oracle" skips the layer arithmetic and takes verification logits from a whole-model
-    `PathOracle` along the accepted path (same tokens, same simulated time, ~10-50x less CPU)."""
+    `PathOracle` along the accepted path (same tokens, same simulated time, ~10-50x less CPU).
+    `quant`: the base model's weights as stored (None: a W4A16 checkpoint runs int4) or quantized at
+    load (`generate --quant`), so the simulated stages run the model `ar` runs."""
 
     def __init__(self, base_dir: Path, draft_dir: Path | None, nodes: int, spec: SpecConfig,
-                 verify: str = "stages", size_from_costs: bool = False, draft_quant: str = "none") -> None:
+                 verify: str = "stages", size_from_costs: bool = False, draft_quant: str = "none",
+                 quant: str | None = None) -> None:
         if nodes < 2:
             raise ConfigError(f"a pipeline needs at least 2 nodes (head + 1 stage), got {nodes}")
         if verify not in VERIFY_MODES:
@@ -112,13 +115,14 @@ class Cluster:
         self.ranges = balanced(self.config.num_hidden_layers, nodes - 1)
         self.oracle: PathOracle | None = None
         if verify == "oracle":
-            self.oracle = PathOracle(StageModel.load(base_dir))
+            self.oracle = PathOracle(StageModel.load(base_dir, quant=quant))
             self.head_model = self.oracle.model
             self.stage_models = [ShapeOnlyStage(self.config, a, b) for a, b in self.ranges]
         else:
-            self.head_model = StageModel.load(base_dir, StageParts(0, 0, embed=True, head=True))
+            self.head_model = StageModel.load(base_dir, StageParts(0, 0, embed=True, head=True), quant=quant)
             # The last stage also holds the final norm + lm_head, for strategies that choose tokens there.
-            self.stage_models = [StageModel.load(base_dir, StageParts(a, b, head=k == len(self.ranges) - 1))
+            self.stage_models = [StageModel.load(base_dir, StageParts(a, b, head=k == len(self.ranges) - 1),
+                                                 quant=quant)
                                  for k, (a, b) in enumerate(self.ranges)]
         self.draft_quant = draft_quant
         self.prompt_oracles: dict[tuple[int, ...], PathOracle] = {}
@@ -210,7 +214,7 @@ def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[G
     draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft, quant=draft_quant)
     cluster = Cluster(base_dir, draft_dir, req.nodes, spec,
                       size_from_costs=req.tree_depth is None and req.tree_nodes is None,
-                      draft_quant=draft_quant)
+                      draft_quant=draft_quant, quant=req.quant)
     res, head, _ = cluster.generate(req.strategy, prompt_ids, req.max_new_tokens, req.params,
                                     req.profile, req.link, stream)
     stats = res.done.stats
