@@ -133,3 +133,13 @@ def test_simulated_prediction_runs_every_strategy_on_shape_only_stages(tiny_pair
     assert set(out) == {"ar-pp", "flowspec"} and all(r["tokens_per_s"] > 0 for r in out.values())
     # one token through every stage: the simulated ar-pp is the analytic figure within the prefill's share
     assert out["ar-pp"]["tokens_per_s"] == pytest.approx(ar_pp_tokens_per_s(cluster), rel=0.35)
+
+
+def test_ar_pp_minimises_the_latency_its_single_token_pays():
+    one_token = plan_cluster("llama-2-7b", MIXED, quant="int4", strategy="ar-pp")
+    assert one_token.plan.step_tokens == 1
+    inputs = _inputs("llama-2-7b", [d.profile.name for d in one_token.devices], quant="int4", step_tokens=1)
+    step = {(k, n): inputs.step_s(k, n) for k in range(4) for n in range(1, 30)}
+    best = min(sum(step[k, n] for k, n in enumerate(b - a for a, b in zip((0, *cuts), (*cuts, 32))))
+               for cuts in itertools.combinations(range(1, 32), 3))
+    assert one_token.plan.latency_s == pytest.approx(best, rel=1e-9)

@@ -86,7 +86,7 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
     """Layer counts for the stages that joined (in slot order), or None to keep `current`: a manual
     `layers`, a device no shipped profile describes, a plan too small a gain, or one that cannot fit
     (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
-    from flowedge.plan.cluster import step_tokens_for
+    from flowedge.plan.cluster import objective_for, step_tokens_for
     from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
     from flowedge.sim.profiles import load_link, load_named_device
 
@@ -101,17 +101,18 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
     inputs = PlanInputs(base_config, devices, quant=config.quant, context=config.context,
                         step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
                         last_stage_runs_head=config.lm_head_at == "last-stage",
-                        link=load_link(profiles[0].default_link))
+                        link=load_link(profiles[0].default_link), objective=objective_for(config.strategy))
     try:
         best = plan_partition(inputs)
     except PlanError as err:
         log.error("no split fits the stages that joined: %s", err)
         return None
     fits, now_s = inputs.evaluate(current)
-    if best.counts == current or (fits and best.bottleneck_s > now_s * (1 - MIN_GAIN)):
+    best_s = best.objective_s(inputs.objective)
+    if best.counts == current or (fits and best_s > now_s * (1 - MIN_GAIN)):
         return None
-    log.info("planned split for %s: %s (bottleneck %.1f ms/step, was %s at %.1f ms%s)",
-             [h.device for h in hellos], best.counts, 1e3 * best.bottleneck_s, current, 1e3 * now_s,
+    log.info("planned split for %s: %s (%s %.1f ms, was %s at %.1f ms%s)", [h.device for h in hellos],
+             best.counts, inputs.objective, 1e3 * best_s, current, 1e3 * now_s,
              "" if fits else ", which does not fit")
     return best.counts
 

@@ -21,6 +21,11 @@ def step_tokens_for(strategy: str, spec: SpecConfig = SpecConfig()) -> int:
     return 1 if strategy == "ar-pp" else spec.l_max
 
 
+def objective_for(strategy: str) -> str:
+    """ar-pp has one token in flight (speed = 1 / latency); the others keep the pipeline full."""
+    return "latency" if strategy == "ar-pp" else "bottleneck"
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     """A planned cluster as the simulator charges it."""
@@ -52,11 +57,17 @@ def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, Part
         except PlanError as err:
             error = error or err
             continue
-        if best is None or (plan.bottleneck_s, plan.latency_s) < (best[1].bottleneck_s, best[1].latency_s):
+        if best is None or _rank(plan, inputs.objective) < _rank(best[1], inputs.objective):
             best = (cand, plan)
     if best is None:
         raise error or PlanError("no plan")
     return best
+
+
+def _rank(plan: PartitionPlan, objective: str) -> tuple[float, float]:
+    if objective == "latency":
+        return plan.latency_s, plan.bottleneck_s
+    return plan.bottleneck_s, plan.latency_s
 
 
 def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None = None,
@@ -70,7 +81,8 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
     head = load_device(head_device or devices[0])
     lnk = load_link(link or profiles[0].default_link)
     inputs = PlanInputs(config, stage_devices(profiles, free_memory_bytes, path, quant), quant=quant,
-                        context=context, step_tokens=step_tokens_for(strategy), link=lnk)
+                        context=context, step_tokens=step_tokens_for(strategy), link=lnk,
+                        objective=objective_for(strategy))
     inputs, plan = best_order_plan(inputs, reorder)
     need = head_need(config, load_shape(draft) if draft else None, draft_quant, context, head)
     room = usable_bytes(head, head_free_bytes)

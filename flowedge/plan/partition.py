@@ -13,7 +13,10 @@ that chooses tokens). In a pipeline the slowest stage sets the pace, so:
 1. minimise the bottleneck max_k t_k(n_k) subject to memory: dynamic programming over (stage, layers
    placed) in O(S * L^2), all layers of a model being alike so t_k and the memory need depend on n_k only;
 2. among the partitions with that bottleneck, minimise the sum of stage times (the pipeline's latency,
-   which every round's first token and ar-pp pay): a second DP restricted to t_k(n_k) <= the optimum.
+   which every round's first token pays): a second DP restricted to t_k(n_k) <= the optimum.
+
+A single ar-pp request has one token in flight, so its speed is 1 / latency: with `objective="latency"`
+(what `step_tokens_for("ar-pp")` callers use) step 1 is skipped and the sum is minimised outright.
 
 prima.cpp's layer assignment (Halda) solves a related problem for a ring of devices that run one token at
 a time (it minimises the per-token latency, a sum, with memory and disk-offload limits); flowedge's stages
@@ -23,6 +26,7 @@ that says how many bytes are missing on which devices.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,6 +93,9 @@ class PartitionPlan:
     def latency_s(self) -> float:
         return sum(s.step_s for s in self.stages)
 
+    def objective_s(self, objective: str) -> float:
+        return self.latency_s if objective == "latency" else self.bottleneck_s
+
 
 @dataclass(frozen=True, slots=True)
 class PlanInputs:
@@ -102,6 +109,7 @@ class PlanInputs:
     last_stage_head: bool = True   # the last stage holds the lm_head (chooses tokens)
     link: LinkProfile | None = None   # default: the first device's default link
     last_stage_runs_head: bool | None = None   # its step includes the lm_head (default: last_stage_head)
+    objective: str = "bottleneck"  # "latency" for one token in flight (ar-pp): minimise the sum only
 
     def need(self, k: int, layers: int) -> MemoryNeed:
         dev = self.devices[k]
@@ -110,7 +118,7 @@ class PlanInputs:
 
     def step_s(self, k: int, layers: int) -> float:
         dev, tokens = self.devices[k], self.step_tokens
-        link = self.link or load_link(self.devices[0].profile.default_link)
+        link = self.link or _link(self.devices[0].profile.default_link)
         t = forward_time_s(dev.profile, shape_of_layers(self.config, 0, layers), tokens, SIZING_CONTEXT, dev.path)
         t += transfer_time_s(link, tokens * int(self.config.hidden_size) * HIDDEN_WIRE_BYTES)
         runs_head = self.last_stage_head if self.last_stage_runs_head is None else self.last_stage_runs_head
@@ -119,9 +127,15 @@ class PlanInputs:
         return t
 
     def evaluate(self, counts: Sequence[int]) -> tuple[bool, float]:
-        """(every stage fits, bottleneck seconds) of a given split: is re-splitting worth it?"""
+        """(every stage fits, the objective's seconds) of a given split: is re-splitting worth it?"""
         fits = all(self.need(k, n).total_bytes <= self.devices[k].usable_bytes for k, n in enumerate(counts))
-        return fits, max(self.step_s(k, n) for k, n in enumerate(counts))
+        times = [self.step_s(k, n) for k, n in enumerate(counts)]
+        return fits, sum(times) if self.objective == "latency" else max(times)
+
+
+@functools.lru_cache(maxsize=None)
+def _link(name: str) -> LinkProfile:
+    return load_link(name)
 
 
 def plan_partition(inputs: PlanInputs) -> PartitionPlan:
@@ -136,7 +150,8 @@ def plan_partition(inputs: PlanInputs) -> PartitionPlan:
     bottleneck = _min_bottleneck(step, fits, layers)
     if bottleneck is None:
         raise PlanError(_why_not(inputs, fits))
-    counts = _min_latency(step, fits, layers, bottleneck * (1 + 1e-9))
+    cap_s = math.inf if inputs.objective == "latency" else bottleneck * (1 + 1e-9)
+    counts = _min_latency(step, fits, layers, cap_s)
     out, start = [], 0
     for k, n in enumerate(counts):
         out.append(StagePlan(inputs.devices[k].profile.name, start, start + n, inputs.need(k, n),
