@@ -227,3 +227,54 @@ def test_bogus_peer_messages_are_dropped_counted_and_survived(cluster, reference
     assert "dropped 3 (prune_overlap 1, segment_parents 1, segment_width 1)" in text, text
     with Client(cluster.spec.addr, timeout_s=60) as client:
         assert client.generate(PROMPTS[0], max_new_tokens=MAX_NEW)["token_ids"] == references[PROMPTS[0]]
+
+
+def _next_engine_id(cluster) -> int:
+    """The id the head will give the next request (its log names every request it starts)."""
+    import re
+
+    started = [int(n) for n in re.findall(r"request (\d+): \d+ prompt tokens", (cluster.run_dir / "head.log").read_text())]
+    return max(started, default=0) + 1
+
+
+def test_bogus_returned_segments_never_reach_the_head_engine(cluster, references):
+    """Segments on the head's return port naming nodes the head never sent (once: the head ended) are
+    dropped and counted while a request runs; the request's answer is still exact."""
+    if cluster.spec.nodes != 3:
+        pytest.skip("run once")
+    import torch
+
+    from flowedge.transport import protocol as proto
+
+    result: dict = {}
+
+    def request():
+        with Client(cluster.spec.addr, timeout_s=60) as c:
+            result["ids"] = c.generate(PROMPTS[1], max_new_tokens=MAX_NEW, strategy="naive-pp")["token_ids"]
+
+    ctx = zmq.Context()
+    try:
+        ret = ctx.socket(zmq.PUSH)
+        ret.linger = 0
+        security.secure_client(ret, security.load_keys())
+        host, port = cluster.spec.addr.rsplit(":", 1)
+        ret.connect(f"tcp://{host}:{int(port) + 1}")
+        bogus = [proto.Segment(request_id=engine_id, round_id=round_id, seq=1, prune_version=0, kind="draft",
+                               sent_at_step=0, node_ids=torch.tensor([60_000]), parent_ids=torch.tensor([0]),
+                               positions=torch.tensor([5]), hidden=torch.zeros(1, 64), hidden_wire="float32")
+                 for engine_id in [_next_engine_id(cluster)] for round_id in range(MAX_NEW + 4)]
+        frames = [m.to_frames() for m in bogus]
+        worker = threading.Thread(target=request)
+        worker.start()
+        while worker.is_alive():
+            for f in frames:
+                ret.send_multipart(f)
+            time.sleep(0.01)
+        worker.join(60)
+        ret.close(0)
+    finally:
+        ctx.term()
+    assert result.get("ids") == references[PROMPTS[1]], logs(cluster.run_dir)
+    with Client(cluster.spec.addr) as c:
+        head = c.status()[0]
+    assert head.get("dropped", {}).get("return_ids", 0) >= 1, (head, logs(cluster.run_dir))

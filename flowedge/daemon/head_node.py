@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
+from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.plan import Plan, Replanner, prepare_plan
 from flowedge.daemon.prompting import StopText, prompt_ids
 from flowedge.daemon.sd_notify import Notifier
@@ -35,6 +36,7 @@ from flowedge.errors import ConfigError, FlowedgeError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import answer_hello, send_routed
 from flowedge.transport.security import Security
+from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,7 @@ class HeadNode:
         self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
         self.last_stats: dict = {}
         self.notifier = Notifier()   # systemd: READY once the plan is ready and the sockets listen
+        self.drops = DropLog(log)    # returned segments that fail the boundary checks, for status
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -158,6 +161,7 @@ class HeadNode:
                 self._on_monitor()
             self._housekeeping()
             self.notifier.tick(self.sd_status)
+            self.drops.tick()
 
     def _drain(self, sock: zmq.Socket, handler, limit: int = 64) -> None:
         for _ in range(limit):
@@ -323,7 +327,8 @@ class HeadNode:
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
             "ready": self.cluster_ready(), "plan_ready": self.plan is not None,
             "queue": len(self.queue) + (self.active is not None), "strategy": self.config.strategy,
-            "wire": self.wire.snapshot(), "served": dict(self.served), "last_request": self.last_stats,
+            "wire": self.wire.snapshot(), "dropped": self.drops.snapshot(),
+            "served": dict(self.served), "last_request": self.last_stats,
             "auto": self.last_auto,
         }]
         for k, identity in enumerate(self.slots, start=1):
@@ -484,8 +489,26 @@ class HeadNode:
         req = self.active
         if req is None or msg.request_id != req.engine_id:
             return   # output of an aborted or finished request
+        if not self._returned_ok(req, msg):
+            return
         req.last_progress = time.monotonic()
         self._execute(req.engine.receive(wire.segment_from_wire(msg, self.plan.head_model.dtype)))
+
+    def _returned_ok(self, req: Request, msg: proto.Segment) -> bool:
+        """Boundary check of a returned segment (transport/validate.py): ids the head sent this round, a
+        payload it can read. A bad one is dropped and counted; it never reaches the engine."""
+        engine = req.engine
+        if msg.kind != "prefill" and msg.round_id != getattr(engine, "round_id", None):
+            return True   # a finished round's output: the engine drops it itself
+        config = self.plan.head_model.config
+        known = int(getattr(engine, "alive", torch.empty(0)).numel())
+        try:
+            check_returned_segment(msg, ReturnPlan(hidden_size=config.hidden_size, vocab_size=config.vocab_size),
+                                   known)
+        except InvalidMessage as err:
+            self.drops.drop(err.rule, f"returned segment of request {msg.request_id}: {err}")
+            return False
+        return True
 
     def _execute(self, actions: list) -> None:
         req = self.active
