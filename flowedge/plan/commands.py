@@ -33,9 +33,11 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--dataset", default="mt-bench", show_default=True, help="Prompts for the simulated run.")
 @click.option("--samples", default=2, show_default=True, type=int)
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--tokens-from", nargs=2, default=REAL_PAIR, show_default=True, metavar="BASE DRAFT",
+              help="The model pair whose tokens and acceptance the simulated run uses (names or directories).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the table.")
 def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order,
-         simulate, strategies, dataset, samples, max_new_tokens, as_json) -> None:
+         simulate, strategies, dataset, samples, max_new_tokens, tokens_from, as_json) -> None:
     """Plan a model over named devices: layer ranges, memory per stage, predicted tokens/s."""
     from flowedge.plan.cluster import plan_cluster
     from flowedge.plan.predict import ar_pp_tokens_per_s
@@ -50,7 +52,7 @@ def plan(model, devices, head_device, free_gb, quant, context, strategy, compute
     if simulate:
         report["predicted_tokens_per_s"].update(
             _simulated(cluster, [s.strip() for s in strategies.split(",") if s.strip()], dataset, samples,
-                       max_new_tokens))
+                       max_new_tokens, tuple(tokens_from)))
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))
 
 
@@ -69,19 +71,20 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
             "pipeline_latency_ms": round(1e3 * cluster.plan.latency_s, 2)}
 
 
-def _simulated(cluster, strategies: list[str], dataset: str, samples: int, max_new_tokens: int) -> dict:
+def _simulated(cluster, strategies: list[str], dataset: str, samples: int, max_new_tokens: int,
+               pair: tuple[str, str]) -> dict:
     from flowedge.bench.datasets import load_prompts
     from flowedge.models import registry
     from flowedge.models.resolve import resolve_model
     from flowedge.plan.predict import simulate
 
-    if not all(registry.is_cached(registry.get_entry(n)) for n in REAL_PAIR):
+    if not all(registry.is_cached(registry.get_entry(n)) for n in pair if n in registry.MODELS):
         click.echo("note: the real pair is not cached (`flowedge models pull`), so only the analytic ar-pp "
                    "figure is given", err=True)
         return {}
     prompts = [p.text for p in load_prompts(dataset, samples)]
-    results = simulate(cluster, resolve_model(REAL_PAIR[0]), resolve_model(REAL_PAIR[1]), prompts,
-                       strategies, max_new_tokens)
+    results = simulate(cluster, resolve_model(pair[0]), resolve_model(pair[1]), prompts, strategies,
+                       max_new_tokens)
     return {name: round(r["tokens_per_s"], 3) for name, r in results.items()}
 
 
