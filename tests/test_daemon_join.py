@@ -1,5 +1,6 @@
 """`flowedge serve` + `flowedge join` as separate processes with separate homes: the shard is fetched
-through the head, checked, cached; a stage that dies mid-request aborts only that request."""
+through the head, checked, cached; a stage that dies mid-request and never comes back fails only that
+request, once the recovery deadline has passed."""
 from __future__ import annotations
 
 import os
@@ -46,7 +47,7 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
     addr = f"127.0.0.1:{port}"
     cfg = tmp_path / "head.toml"
     cfg.write_text(f'role = "head"\nhead = "{addr}"\nmodel = "{base}"\ndraft = "{draft}"\nstages = 1\n'
-                   f'threads = 1\nwire_dtype = "float32"\nstage_timeout_s = 3.0\nheartbeat_ms = 500\n')
+                   f'threads = 1\nwire_dtype = "float32"\nstage_timeout_s = 3.0\nheartbeat_ms = 500\nrecovery_s = 3.0\n')
     head_env = {**os.environ, "FLOWEDGE_HOME": str(head_home)}
     stage_env = {"FLOWEDGE_HOME": str(stage_home)}
     keys = ["--keys", str(head_home / "keys"), "--node-id", "edge-1", "--stage-timeout", "3"]
@@ -72,7 +73,8 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30)["token_ids"] == reference
 
-        # A stage that stops answering mid-request: that request fails with a clear error...
+        # A stage that stops answering mid-request: the request pauses, and with no node taking the slot
+        # within recovery_s it fails with a clear error...
         stages[-1].send_signal(signal.SIGSTOP)
         with Client(addr, timeout_s=30) as c:
             with pytest.raises(RequestFailed, match="stage 1 .*edge-1"):

@@ -35,10 +35,11 @@ class AsyncClient:
     """A connection to a head for asyncio code. Not safe for two requests at once."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
-                 insecure: bool = False, timeout_s: float = 300.0,
+                 insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
                  context: zmq.asyncio.Context | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self.head_timeout_s = head_timeout_s
         self._own_ctx = context is None
         self.ctx = context or zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -52,8 +53,6 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._welcomed = False
         self._open: int | None = None      # the request id of a stream not yet finished
-        self._name = f"client-{os.getpid()}"
-        self.heartbeat_s = 1.0              # the head's heartbeat interval, from its Welcome
         self.last_result: dict | None = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -81,27 +80,27 @@ class AsyncClient:
         await self.sock.send_multipart(msg.to_frames(), copy=False)
 
     async def _recv(self, timeout_s: float | None = None) -> proto.Message:
-        """The next message that is not a heartbeat. While a request is open this client heartbeats the
-        head every `heartbeat_s`, so the head knows it is still listening."""
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + wait_s
-        last_beat = time.monotonic()
+        """The next answer; while a request is open the head heartbeats this client, which answers each
+        heartbeat and gives up after `head_timeout_s` without a word (as `Client` does)."""
+        start = time.monotonic()
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
         while True:
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                raise FlowedgeError(f"the head at {self.addr} went silent for {wait_s:.0f} s")
-            if self._open is not None and time.monotonic() - last_beat >= self.heartbeat_s:
-                await self._send(proto.Heartbeat(node_id=self._name, load=0.0, rss_bytes=0))
-                last_beat = time.monotonic()
-            if await self.sock.poll(int(1000 * min(left_s, self.heartbeat_s)), zmq.POLLIN):
-                msg = proto.decode(await self.sock.recv_multipart(copy=False))
-                if not isinstance(msg, proto.Heartbeat):
-                    return msg
+            wait_s = limit_s - (time.monotonic() - start)
+            if self._open is not None:
+                wait_s = min(wait_s, self.head_timeout_s)
+            if wait_s <= 0 or not await self.sock.poll(int(wait_s * 1000), zmq.POLLIN):
+                raise FlowedgeError(f"the head at {self.addr} went silent for {time.monotonic() - start:.1f} s")
+            msg = proto.decode(await self.sock.recv_multipart(copy=False))
+            if not isinstance(msg, proto.Heartbeat):
+                return msg
+            if self._open is not None:
+                await self._send(proto.Heartbeat(node_id=f"client-{os.getpid()}", load=0.0, rss_bytes=0))
 
     async def _hello(self) -> None:
         if self._welcomed:
             return
-        await self._send(proto.Hello(node_id=self._name, role="client", device="client", free_memory_bytes=0))
+        await self._send(proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
+                                     free_memory_bytes=0, capabilities={"heartbeat": True}))
         try:
             reply = await self._recv(min(self.timeout_s, HELLO_TIMEOUT_S))
         except (FlowedgeError, ProtocolError) as err:
@@ -110,7 +109,6 @@ class AsyncClient:
             raise FlowedgeError(f"the head at {self.addr} refused this client: {reply.reason}")
         if not isinstance(reply, proto.Welcome):
             raise FlowedgeError(f"the head at {self.addr} answered HELLO with {reply.TYPE}")
-        self.heartbeat_s = max(0.05, reply.heartbeat_interval_ms / 1000)
         self._welcomed = True
 
     async def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:

@@ -33,24 +33,35 @@ class RequestFailed(FlowedgeError):
 
 
 class Client:
-    """A connection to a head. Not thread-safe: one per thread."""
+    """A connection to a head. Not thread-safe: one per thread.
+
+    Liveness (Paranoid Pirate): while a request is in progress the head heartbeats this client, which
+    answers each heartbeat (so the head drops the request of a client that went away). A closed
+    connection to the head (the socket monitor) raises FlowedgeError at once, and so does
+    `head_timeout_s` without a word from the head while a request is in progress; `timeout_s` bounds
+    the wait for any answer. Closing the client (or the stream) mid-answer cancels the request."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
-                 insecure: bool = False, timeout_s: float = 300.0) -> None:
+                 insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0) -> None:
         self.addr = addr
         self.timeout_ms = int(timeout_s * 1000)
+        self.head_timeout_s = head_timeout_s
         host, port = split_addr(addr)
         self.ctx = zmq.Context()
         self.security = Security.start(self.ctx, keys_dir or flowedge_home() / "keys", insecure)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.security.client(self.sock)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(tcp(host, port))
         self._ids = itertools.count(1)
         self._welcomed = False
+        self.in_flight: int | None = None   # the request being streamed
         self.last_result: dict | None = None
 
     def close(self) -> None:
+        self.cancel()
+        self.monitor.close(0)
         self.sock.close(0)
         self.security.stop()
         self.ctx.term()
@@ -64,18 +75,48 @@ class Client:
     def _hello(self) -> None:
         if not self._welcomed:
             hello = proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
-                                free_memory_bytes=0)
+                                free_memory_bytes=0, capabilities={"heartbeat": True})
             try:
                 hello_exchange(self.sock, hello, min(self.timeout_ms, 10_000))
             except ProtocolError as err:
                 raise FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}") from None
             self._welcomed = True
+            while self.monitor.poll(0):   # disconnects from before the handshake are no news
+                self.monitor.recv_multipart()
 
     def _recv(self) -> proto.Message:
-        msg = recv_msg(self.sock, self.timeout_ms)
-        if msg is None:
-            raise FlowedgeError(f"the head at {self.addr} went silent for {self.timeout_ms / 1000:.0f} s")
-        return msg
+        """The next answer; head heartbeats are answered here, not returned."""
+        start = last_word = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            now = time.monotonic()
+            if now - start > self.timeout_ms / 1000:
+                raise FlowedgeError(f"the head at {self.addr} gave no answer for {self.timeout_ms / 1000:.0f} s")
+            if self.in_flight is not None and now - last_word > self.head_timeout_s:
+                raise FlowedgeError(f"the head at {self.addr} went silent for {now - last_word:.1f} s")
+            ready = dict(poller.poll(100))
+            if self.sock in ready:
+                msg = recv_msg(self.sock, 0)
+                last_word = time.monotonic()
+                if not isinstance(msg, proto.Heartbeat):
+                    return msg
+                if self.in_flight is not None:
+                    send_msg(self.sock, proto.Heartbeat(node_id=f"client-{os.getpid()}", load=0.0, rss_bytes=0))
+            elif self.monitor in ready:
+                self.monitor.recv_multipart()
+                self._welcomed = False
+                raise FlowedgeError(f"lost the connection to the head at {self.addr} (did it stop or restart?)")
+
+    def cancel(self) -> None:
+        """Drop the request being streamed: the head frees its KV cache on every stage."""
+        if self.in_flight is not None and not self.sock.closed:
+            try:
+                self.sock.send_multipart(proto.Cancel(request_id=self.in_flight).to_frames(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass   # the head is gone: nothing left to cancel
+        self.in_flight = None
 
     # ---- requests -------------------------------------------------------------------------------
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -93,6 +134,7 @@ class Client:
                                            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                            top_p=top_p, seed=seed, strategy=strategy))
         answer = Answer()
+        self.in_flight = rid
         try:
             while not answer.done:
                 msg = self._recv()
@@ -100,8 +142,10 @@ class Client:
                 if piece:
                     yield piece
         finally:
-            if not answer.done:
-                send_msg(self.sock, proto.Cancel(request_id=rid))
+            if answer.done:
+                self.in_flight = None
+            else:
+                self.cancel()
         self.last_result = answer.result
 
     def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:

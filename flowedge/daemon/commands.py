@@ -57,15 +57,40 @@ def _run_node(cfg) -> None:
         StageNode(cfg, stop).run()
 
 
+def liveness_options(head: bool):
+    """--heartbeat-ms and --stage-timeout (every node); the head's request deadlines too."""
+    opts = [click.option("--heartbeat-ms", type=int, default=None,
+                         help="Heartbeat period, both ways (default 500)."),
+            click.option("--stage-timeout", type=float, default=None,
+                         help="Seconds of silence before a peer (stage, or the head seen from a stage) is dead "
+                              "(default 2 = 4 heartbeats).")]
+    if head:
+        opts += [click.option("--client-timeout", type=float, default=None,
+                              help="Seconds of silence before a client with a request in progress has left (10)."),
+                 click.option("--recovery", type=float, default=None,
+                              help="Seconds a request waits for a lost stage's slot to be filled (30)."),
+                 click.option("--stall-timeout", type=float, default=None,
+                              help="Seconds without pipeline output before a request is replayed (120).")]
+
+    def apply(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return apply
+
+
 @click.command()
 @click.option("--config", "config_path", default=str(DEFAULT_CONFIG_PATH), show_default=True,
               help=f"TOML node configuration (commented example: {EXAMPLE_CONFIG}).")
 @click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
-def serve(config_path, role, threads) -> None:
+@liveness_options(head=True)
+def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
     _daemon_logging()
-    _run_node(load_node_config(config_path, role=role, threads=threads))
+    _run_node(load_node_config(config_path, role=role, threads=threads, heartbeat_ms=heartbeat_ms,
+                               stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
+                               stall_timeout_s=stall_timeout))
 
 
 @click.command()
@@ -78,16 +103,17 @@ def serve(config_path, role, threads) -> None:
 @click.option("--data-port", type=int, default=None, help="Port for segments from the previous hop (default: any).")
 @click.option("--advertise", default=None, help="Host other nodes reach this one at (default: guessed).")
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
-@click.option("--stage-timeout", type=float, default=None, help="Seconds of head silence before re-joining.")
+@liveness_options(head=False)
 @KEYS_OPTION
 @INSECURE_OPTION
-def join(head_addr, config_path, node_id, device, threads, stage, data_port, advertise, same_host, stage_timeout,
-         keys_dir, insecure) -> None:
+def join(head_addr, config_path, node_id, device, threads, stage, data_port, advertise, same_host, heartbeat_ms,
+         stage_timeout, keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR, fetches its shard and serves its layers."""
     _daemon_logging()
     cfg = load_node_config(config_path, role="stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
-                           stage_timeout_s=stage_timeout, keys_dir=keys_dir, insecure=insecure or None)
+                           heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
+                           insecure=insecure or None)
     _run_node(cfg)
 
 
@@ -109,16 +135,20 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready (`flowedge down`).")
 @click.option("--ready-timeout", default=1800.0, show_default=True, help="Seconds to wait for the cluster.")
+@liveness_options(head=True)
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
-       detach, ready_timeout, insecure) -> None:
+       detach, ready_timeout, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
 
     spec = local_cluster.LocalClusterSpec(
         nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
-        wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers))
+        wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers),
+        **{k: v for k, v in dict(heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout,
+                                 client_timeout_s=client_timeout, recovery_s=recovery,
+                                 stall_timeout_s=stall_timeout).items() if v is not None})
     cluster = local_cluster.start(spec, detach=detach)
     click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)
     try:

@@ -34,8 +34,15 @@ class NodeConfig:
     threads: int = 0                          # torch threads; 0 = all cores
     keys_dir: str = ""                        # default: $FLOWEDGE_HOME/keys
     insecure: bool = False
-    heartbeat_ms: int = 1000
-    stage_timeout_s: float = 15.0             # a ready stage silent this long is declared dead
+    # Liveness, both ways (Paranoid Pirate): heartbeats every heartbeat_ms; a peer silent for
+    # stage_timeout_s (= heartbeat_ms x the liveness count: 500 ms x 4) is dead. A stage uses the same
+    # limit for the head (then re-joins). Clients with work in progress heartbeat too.
+    heartbeat_ms: int = 500
+    stage_timeout_s: float = 2.0              # a stage (or, seen from a stage, the head) silent this long is dead
+    # head only: the request lifecycle (daemon/requests.py)
+    client_timeout_s: float = 10.0            # a client with a request in progress silent this long has left
+    recovery_s: float = 30.0                  # a request waits this long for a lost stage's slot to be filled
+    stall_timeout_s: float = 120.0            # a running request with no pipeline output this long is replayed
     # head only
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
@@ -84,6 +91,9 @@ class NodeConfig:
             raise ConfigError(f"layers lists {len(self.layers)} stages but stages = {self.stages}")
         if self.heartbeat_ms < 10 or self.stage_timeout_s * 1000 < 2 * self.heartbeat_ms:
             raise ConfigError("heartbeat_ms must be >= 10 and stage_timeout_s at least two heartbeats")
+        for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):
+            if not getattr(self, name) * 1000 >= 2 * self.heartbeat_ms:
+                raise ConfigError(f"{name} must be at least two heartbeats ({2 * self.heartbeat_ms} ms)")
         split_addr(self.head)
 
     def with_(self, **changes) -> "NodeConfig":

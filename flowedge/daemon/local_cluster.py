@@ -43,7 +43,11 @@ class LocalClusterSpec:
     tree_size: str = "profile"        # flowspec's first tree: sized from `device`'s profile | paper
     lm_head_at: str = "auto"
     device: str = "x86-cpu"          # every node's device profile (status; `auto` lm_head placement)
-    stage_timeout_s: float = 30.0
+    heartbeat_ms: int = 500          # liveness, as in NodeConfig (daemon/config.py)
+    stage_timeout_s: float = 2.0
+    client_timeout_s: float = 10.0
+    recovery_s: float = 30.0
+    stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -62,6 +66,8 @@ class LocalCluster:
     spec: LocalClusterSpec
     run_dir: Path
     procs: list[subprocess.Popen]
+    commands: list[list[str]] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
 
     def log_paths(self) -> list[Path]:
         return [self.run_dir / f"{n}.log" for n in ["head"] + [f"stage-{k}" for k in range(1, len(self.procs))]]
@@ -70,16 +76,37 @@ class LocalCluster:
         return all(p.poll() is None for p in self.procs)
 
     def dead(self) -> list[str]:
-        names = ["head"] + [f"stage-{k}" for k in range(1, len(self.procs))]
         return [f"{n} (exit {p.returncode}, log {self.run_dir / (n + '.log')})"
-                for n, p in zip(names, self.procs) if p.poll() is not None]
+                for n, p in zip(node_names(len(self.procs)), self.procs) if p.poll() is not None]
+
+    def restart(self, k: int, detach: bool = False) -> subprocess.Popen:
+        """Start node k (0 = the head) again with its first command line (same node id, same slot)."""
+        name = node_names(len(self.procs))[k]
+        logf = open(self.run_dir / f"{name}.log", "ab")
+        self.procs[k] = subprocess.Popen(self.commands[k], stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=detach, stdin=subprocess.DEVNULL)
+        logf.close()
+        self._record()
+        return self.procs[k]
+
+    def _record(self) -> None:
+        (self.run_dir / STATE_FILE).write_text(json.dumps({
+            "addr": self.spec.addr, "pids": [p.pid for p in self.procs], "insecure": self.spec.insecure,
+            "commands": self.commands}) + "\n")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask the head to stop everything, then make sure every child is gone."""
         if self.procs and self.procs[0].poll() is None:
             _request_shutdown(self.spec.addr, self.spec.insecure, "flowedge up is stopping")
+        for p in self.procs:   # a stopped (SIGSTOP) node must be able to exit
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
         _reap([p.pid for p in self.procs], grace_s, self.procs)
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def node_names(n: int) -> list[str]:
+    return ["head"] + [f"stage-{k}" for k in range(1, n)]
 
 
 def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
@@ -98,7 +125,9 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
         f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
-        f"stage_timeout_s = {spec.stage_timeout_s}", f'device = "{spec.device}"',
+        f"heartbeat_ms = {spec.heartbeat_ms}", f"stage_timeout_s = {spec.stage_timeout_s}",
+        f"client_timeout_s = {spec.client_timeout_s}", f"recovery_s = {spec.recovery_s}",
+        f"stall_timeout_s = {spec.stall_timeout_s}", f'device = "{spec.device}"',
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base = [sys.executable, "-m", "flowedge", "-v"]
@@ -106,19 +135,19 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     for k in range(1, spec.nodes):
         commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
                                 "--threads", str(threads), "--device", spec.device,
-                                "--same-host", f"--stage-timeout={spec.stage_timeout_s}"]
+                                "--same-host", f"--stage-timeout={spec.stage_timeout_s}",
+                                f"--heartbeat-ms={spec.heartbeat_ms}"]
                         + (["--insecure"] if spec.insecure else []))
-    names = ["head"] + [f"stage-{k}" for k in range(1, spec.nodes)]
     procs = []
-    for name, cmd in zip(names, commands):
+    for name, cmd in zip(node_names(spec.nodes), commands):
         logf = open(run_dir / f"{name}.log", "ab")
         procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=detach, stdin=subprocess.DEVNULL))
         logf.close()
-    (run_dir / STATE_FILE).write_text(json.dumps({"addr": spec.addr, "pids": [p.pid for p in procs],
-                                                  "insecure": spec.insecure}) + "\n")
+    cluster = LocalCluster(spec, run_dir, procs, commands, env)
+    cluster._record()
     log.info("started %d processes (%d torch threads each); logs in %s", len(procs), threads, run_dir)
-    return LocalCluster(spec, run_dir, procs)
+    return cluster
 
 
 def down(port: int = DEFAULT_PORT, grace_s: float = 10.0) -> str:

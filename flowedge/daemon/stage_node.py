@@ -312,7 +312,7 @@ class StageNode:
     def _beat(self) -> None:
         self.notifier.tick(self._sd_status)   # every loop (join, fetch, serve) passes here
         now = time.monotonic()
-        period = getattr(self, "heartbeat_s", 1.0)
+        period = getattr(self, "heartbeat_s", self.config.heartbeat_ms / 1000)
         if now - self.last_beat < period or self.ctrl is None:
             return
         load = self.busy_s / max(now - self.last_beat, 1e-6)

@@ -7,18 +7,18 @@ from typing import Callable
 
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.draft_batch import DraftBatcher
-from flowedge.engine.drafter import Drafter, load_draft_model
+from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
+from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.head import Head
 from flowedge.engine.scheduler import BatchConfig, MultiHead
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy
-from flowedge.engine.strategies.auto import Auto
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
 from flowedge.sim.cluster import CostModel, SimCluster, SimRequest
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import predict_from_costs, sized_spec_for, tree_costs
+from flowedge.sim.sizing import tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -141,24 +141,18 @@ class Cluster:
         (oracle mode) path cache, over the shared models. `own_oracle`: requests interleave, so one shared
         path cache would re-run each request's whole context on every switch; each prompt gets its own
         (`prompt_oracle`), which also keeps its logits across runs of the same prompt."""
-        strategy = make_strategy(strategy_name)
-        spec = self.spec
-        if self.size_from_costs and getattr(strategy, "sizes_from_costs", False) and costs is not None \
-                and costs.tree is not None:
-            spec = sized_spec_for(spec, costs.tree)
-        if strategy.needs_draft and self.draft_model is None:
-            raise ConfigError(f"strategy {strategy_name} needs a draft model")
+        check_strategy(strategy_name, self.draft_model)
+        tree = costs.tree if self.size_from_costs and costs is not None else None
+        spec = sized_spec(self.spec, strategy_name, tree)
         n = len(self.stage_models)
-        lm_head_at = spec.lm_head_for(strategy, costs.lm_head_segment_ratio if costs else None)
+        ratio = costs.lm_head_segment_ratio if costs else None
         stops = stop_ids(self.config)
 
         def make_head(sub) -> Head:
             oracle = self.prompt_oracle(sub.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
-            drafter = Drafter(self.draft_model, batcher) if strategy.needs_draft else None
-            own = make_strategy(strategy_name)
-            if isinstance(own, Auto) and costs is not None and costs.tree is not None:
-                own.prediction = predict_from_costs(costs.tree)   # auto starts from the profiles
-            return Head(self.head_model, drafter, own, n, spec, stops, oracle, lm_head_at=lm_head_at)
+            return build_head(self.head_model, self.draft_model, strategy_name, n, spec, stops,
+                              lm_head_ratio=ratio, oracle=oracle, batcher=batcher,
+                              predict_costs=costs.tree if costs is not None else None)
         return make_head, spec
 
     def prompt_oracle(self, prompt_ids) -> PathOracle:
@@ -221,13 +215,10 @@ def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[G
     out = GenerationResult(res.done.token_ids, res.sim_time_s, stats.accept_lens, stats.rounds,
                            stats.draft_forwards)
     busy = res.trace.busy_fraction()
-    extra = {
+    extra = result_stats(res.done, head, strategy=req.strategy, prompt_tokens=len(prompt_ids), nodes=req.nodes) | {
         "sim_tokens_per_s": round(len(out.token_ids) / res.sim_time_s, 3) if res.sim_time_s else None,
         "sim_time_s": round(res.sim_time_s, 4),
-        "steps": stats.steps,
-        "round_restarts": max(0, stats.rounds - 1),
         "busy_fraction": {k: round(v, 3) for k, v in busy.items() if not k.startswith("link")},
-        "head_overhead_ms_per_step": round(1000 * sum(stats.overhead_s) / max(1, len(stats.overhead_s)), 3),
-        "nodes": req.nodes, "profile": req.profile,
+        "profile": req.profile,
     }
     return out, extra

@@ -1,0 +1,294 @@
+"""Who is in the cluster: peers (stages and clients), the plan's stage slots, heartbeats and liveness,
+assignments and shard serving. No sockets here: messages leave through the `send` callable the head
+gives, and what the request lifecycle must know (a stage lost, a client gone) comes out as events.
+
+Liveness (the ZeroMQ Guide's Paranoid Pirate, both ways): the head pings every stage and every client
+with work in progress each `heartbeat_ms`; a peer is alive while it was heard from within
+`stage_timeout_s` (= heartbeat_ms x liveness count, 500 ms x 4 by default; a stage still loading its
+layers gets longer) or, for a client, `client_timeout_s`. A closed connection (the ROUTER's socket monitor: `on_disconnect`) ends a peer at
+once, without waiting for its heartbeats to run out.
+
+The slot rule: a stage's slot belongs to the connection that took it. A HELLO from another connection
+with the same node id is refused while that connection is alive; it is accepted (and takes the slot
+over) once the old connection has closed or has been silent past its liveness. So a key holder cannot
+take over a live stage, while a restarted stage (whose old connection is gone) gets its slot back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flowedge.daemon import shard_fetch
+from flowedge.daemon.config import NodeConfig
+from flowedge.errors import ProtocolError
+from flowedge.transport import protocol as proto
+
+log = logging.getLogger(__name__)
+
+CLIENT_IDLE_S = 3600.0   # an idle client (nothing in progress) is forgotten after this long
+LOADING_SILENCE_S = 600.0   # a stage loading its layers cannot heartbeat; past this it is hung
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    hello: proto.Hello
+    last_seen: float
+    stage: int = 0              # 1..S once it holds a slot of the plan
+    ready: bool = False
+    load: float = 0.0
+    rss: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def data_addr(self) -> str:
+        return str(self.hello.capabilities.get("data_addr", ""))
+
+    @property
+    def name(self) -> str:
+        return self.hello.node_id
+
+
+@dataclass(frozen=True, slots=True)
+class StageLost:
+    """A stage left its slot (disconnected, silent past its liveness, or replaced)."""
+    stage: int
+    node_id: str
+    why: str
+
+    def describe(self) -> str:
+        return f"stage {self.stage} ({self.node_id}) {self.why}"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    """A client disconnected or went silent while it had work in progress."""
+    identity: bytes
+    why: str
+
+
+class Membership:
+    def __init__(self, config: NodeConfig, send: Callable[[bytes, proto.Message], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.send, self.clock = config, send, clock
+        self.node_id = config.name
+        self.plan = None                       # daemon.plan.Plan, once prepared
+        self.replanner = None                  # daemon.plan.Replanner: re-splits for the devices that joined
+        self.on_new_plan: Callable = lambda plan: None
+        self.peers: dict[bytes, Peer] = {}
+        self.slots: list[bytes | None] = [None] * config.stages
+        self.sent_assign: dict[int, tuple[bytes, str]] = {}
+        self.last_ping = 0.0
+
+    # ---- joining ----------------------------------------------------------------------------------
+    def welcome(self) -> proto.Welcome:
+        return proto.Welcome(node_id=self.node_id, heartbeat_interval_ms=self.config.heartbeat_ms)
+
+    def holder(self, node_id: str) -> Peer | None:
+        """The stage peer holding a slot under `node_id`."""
+        return next((p for p in self.peers.values() if p.stage and p.hello.node_id == node_id), None)
+
+    def alive(self, peer: Peer, now: float | None = None) -> bool:
+        """Heard from within its liveness. A stage that is not ready yet (fetching or loading its shard,
+        which blocks its loop) gets LOADING_SILENCE_S; a closed connection ends it earlier anyway."""
+        if peer.stage:
+            limit = self.config.stage_timeout_s if peer.ready else LOADING_SILENCE_S
+        else:
+            limit = self.config.client_timeout_s
+        return (self.clock() if now is None else now) - peer.last_seen <= limit
+
+    def admit(self, hello: proto.Hello) -> str | None:
+        """Why a HELLO is refused (None: welcome it)."""
+        if hello.role == "head":
+            return "this cluster already has a head"
+        if hello.role != "stage":
+            return None
+        old = self.holder(hello.node_id)
+        if old is not None and self.alive(old):
+            return (f"node id {hello.node_id!r} holds stage {old.stage} on a live connection; a node rejoins "
+                    f"under its id once that connection has closed or been silent for "
+                    f"{self.config.stage_timeout_s:g} s")
+        if old is None and None not in self.slots:
+            return f"the plan is full ({self.config.stages} stages); stop a stage or raise `stages`"
+        if not hello.capabilities.get("data_addr"):
+            return "a stage must announce its data_addr"
+        return None
+
+    def register(self, identity: bytes, hello: proto.Hello) -> list:
+        """Add an admitted peer; a stage takes its old slot (rejoin), the one it asks for, or the first free."""
+        events: list = []
+        peer = Peer(identity, hello, self.clock())
+        if hello.role == "stage":
+            old = self.holder(hello.node_id)
+            if old is not None:   # admit() made sure the old connection is dead
+                events += self.drop(old, "was replaced by a new connection under its node id")
+            want = hello.capabilities.get("want_stage")
+            free = [k for k, i in enumerate(self.slots, 1) if i is None]
+            peer.stage = want if want in free else free[0]
+            self.slots[peer.stage - 1] = identity
+            log.info("stage %d <- %s (%s, %.1f GB free)", peer.stage, hello.node_id, hello.device,
+                     hello.free_memory_bytes / 1e9)
+        self.peers[identity] = peer
+        self.assign_all()
+        return events
+
+    def seen(self, identity: bytes) -> Peer | None:
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = self.clock()
+        return peer
+
+    def assign_all(self) -> None:
+        """Once every slot has a node, tell each its layer range and next hop (again if that changed)."""
+        if None in self.slots or self.plan is None:
+            return
+        if self.replanner is not None:
+            plan = self.replanner.plan_for(self.plan, [self.peers[i].hello for i in self.slots])
+            if plan is None:      # re-splitting for these devices; housekeeping asks again
+                return
+            if plan is not self.plan:
+                log.info("plan: layers %s for the stages that joined", [list(r) for r in plan.ranges])
+                self.plan = plan
+                self.sent_assign.clear()
+                self.on_new_plan(plan)
+        plan = self.plan
+        for k, identity in enumerate(self.slots, start=1):
+            nxt = self.peers[self.slots[k]].data_addr if k < len(self.slots) else ""
+            if self.sent_assign.get(k) == (identity, nxt):
+                continue
+            shard = plan.shards[k - 1]
+            a, b = plan.ranges[k - 1]
+            head = plan.head_file if self.last_stage_chooses(k) else None
+            self.send(identity, proto.Assign(
+                stage_index=k, layer_start=a, layer_end=b, shard_sha256=shard.sha256, shard_bytes=shard.size,
+                next_addr=nxt, model=self.config.model, hidden_wire=self.config.wire_dtype,
+                quant=self.config.quant, side_files=shard.side_files, source_dir=str(plan.split_dir),
+                head_sha256=head.sha256 if head else "", head_bytes=head.size if head else 0))
+            self.sent_assign[k] = (identity, nxt)
+            self.peers[identity].ready = False
+
+    def stage1_addr(self) -> str:
+        identity = self.slots[0] if self.slots else None
+        return self.peers[identity].data_addr if identity is not None else ""
+
+    def last_stage_chooses(self, stage: int) -> bool:
+        """The last stage holds the lm_head too (and chooses tokens for strategies that want it)."""
+        return stage == self.config.stages and self.config.lm_head_at != "head"
+
+    # ---- control messages -------------------------------------------------------------------------
+    def on_heartbeat(self, peer: Peer, msg: proto.Heartbeat) -> None:
+        peer.load, peer.rss, peer.stats = msg.load, msg.rss_bytes, dict(msg.stats)
+
+    def on_ready(self, peer: Peer, msg: proto.Ready) -> None:
+        if msg.stage_index != peer.stage:
+            log.warning("%s reported ready for stage %d but holds stage %d", peer.name, msg.stage_index, peer.stage)
+            return
+        peer.ready = True
+        log.info("stage %d (%s) ready", peer.stage, peer.name)
+
+    def on_shard_request(self, peer: Peer, msg: proto.ShardRequest) -> None:
+        if not peer.stage or self.plan is None:
+            log.warning("shard request from %s, which holds no stage", peer.name)
+            return
+        shard = self.plan.shards[peer.stage - 1]
+        if msg.sha256 and msg.sha256 != shard.sha256:
+            if not (msg.sha256 == self.plan.head_file.sha256 and self.last_stage_chooses(peer.stage)):
+                log.warning("%s asked for file %s…, which is not assigned to it", peer.name, msg.sha256[:12])
+                return
+            shard = self.plan.head_file
+        try:
+            self.send(peer.identity, shard_fetch.read_chunk(shard, msg))
+        except ProtocolError as err:
+            log.warning("bad shard request from %s: %s", peer.name, err)
+
+    def cluster_ready(self) -> bool:
+        return None not in self.slots and all(self.peers[i].ready for i in self.slots)
+
+    def missing(self) -> list[str]:
+        return [f"stage {k}" for k, i in enumerate(self.slots, 1) if i is None or not self.peers[i].ready]
+
+    def stage_devices(self) -> tuple[str, ...]:
+        return tuple(self.peers[i].hello.device for i in self.slots if i is not None)
+
+    def stage_identity(self, stage: int) -> bytes | None:
+        return self.slots[stage - 1] if 1 <= stage <= len(self.slots) else None
+
+    def stage_identities(self) -> list[bytes]:
+        return [i for i in self.slots if i is not None]
+
+    # ---- liveness ---------------------------------------------------------------------------------
+    def tick(self, busy_clients: set[bytes]) -> list:
+        """Ping stages (and clients with work in progress); drop peers past their liveness."""
+        now = self.clock()
+        if now - self.last_ping >= self.config.heartbeat_ms / 1000:
+            self.last_ping = now
+            beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)
+            for identity in self.stage_identities() + [c for c in busy_clients if c in self.peers]:
+                self.send(identity, beat)
+        events: list = []
+        for peer in list(self.peers.values()):
+            silent = now - peer.last_seen
+            if peer.stage and not self.alive(peer, now):
+                events += self.drop(peer, f"silent for {silent:.1f} s (missed heartbeats)")
+            elif not peer.stage and not self.alive(peer, now) and (
+                    (peer.identity in busy_clients and heartbeats(peer)) or silent > CLIENT_IDLE_S):
+                events += self.drop(peer, f"silent for {silent:.1f} s")
+        return events
+
+    def on_disconnect(self, identity: bytes) -> list:
+        """The socket monitor saw this peer's connection close."""
+        peer = self.peers.get(identity)
+        return self.drop(peer, "disconnected") if peer is not None else []
+
+    def drop(self, peer: Peer, why: str) -> list:
+        if self.peers.pop(peer.identity, None) is None:
+            return []
+        if not peer.stage:
+            return [ClientGone(peer.identity, why)]
+        log.error("stage %d (%s) %s: dropped; waiting for a node to take its place", peer.stage, peer.name, why)
+        self.slots[peer.stage - 1] = None
+        self.sent_assign.pop(peer.stage, None)
+        return [StageLost(peer.stage, peer.name, why)]
+
+    def status_rows(self) -> list[dict]:
+        now = self.clock()
+        ranges = self.plan.ranges if self.plan else None
+        rows = []
+        for k, identity in enumerate(self.slots, start=1):
+            p = self.peers.get(identity) if identity else None
+            layers = list(ranges[k - 1]) if ranges else []
+            if p is None:
+                rows.append({"node_id": "", "role": "stage", "stage": k, "ready": False, "address": "",
+                             "layers": layers, "missing": True})
+                continue
+            rows.append({
+                "node_id": p.name, "role": "stage", "stage": k, "address": p.data_addr, "layers": layers,
+                "model": self.config.model, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
+                "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
+                "ready": p.ready,
+                **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
+            })
+        return rows
+
+
+def heartbeats(peer: Peer) -> bool:
+    """The client answers the head's heartbeats (its silence then means it is gone); others are judged
+    by their connection only."""
+    return peer.hello.capabilities.get("heartbeat") is True
+
+
+class ConnectionTracker:
+    """Maps the ROUTER's connections (file descriptors, as the socket monitor names them) to peer
+    identities, so a DISCONNECTED event names the peer that left."""
+
+    def __init__(self) -> None:
+        self.identity_of_fd: dict[int, bytes] = {}
+
+    def saw(self, fd: int | None, identity: bytes) -> None:
+        if fd is not None and fd >= 0:
+            self.identity_of_fd[fd] = identity
+
+    def closed(self, fd: int) -> bytes | None:
+        return self.identity_of_fd.pop(fd, None)

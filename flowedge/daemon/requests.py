@@ -1,0 +1,317 @@
+"""The request lifecycle on the head: queued -> running -> done | failed | cancelled, with a pause
+(`paused`) while a stage's slot is empty. Each request has an owner (the client connection) and, while
+it waits on a cluster that lost a stage, a deadline.
+
+Events in: `submit`, `on_segment`, `cancel`, `client_gone`, `stage_lost`, `tick`. Actions out go
+through a `Port` (the head node; a recording fake in the unit tests): messages to the client, engine
+messages to the stages, resets that free the stages' KV cache.
+
+No request is lost when a stage dies: the running request pauses and its stages' KV caches are dropped;
+when every slot is filled and ready again the head *replays* it: the engine restarts on the prompt plus
+every token already sent to the client, for the tokens still to come, under a new engine id (so any
+segment of the old run still in the pipeline is ignored). The stages rebuild their KV cache from that
+prefill, and the client gets only new tokens: at temperature 0 the answer is token-identical to an
+undisturbed run. At temperature > 0 the replay draws from a generator seeded from (seed, tokens
+committed): tokens after the fault are drawn with fresh randomness from the same conditional
+distribution, so the distribution is exactly kept (the sample itself differs from an undisturbed run
+with the same seed; reusing the seed's stream would correlate the draws after the fault with those
+before it). Past `recovery_s` without a full cluster a waiting request fails with one clear error.
+
+`max_running` bounds how many requests hold the engine at once (1 today: one engine head).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Protocol
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.prompting import StopText
+from flowedge.engine.events import Compute, Continue, Done, Emit, Send
+from flowedge.errors import FlowedgeError
+from flowedge.transport import protocol as proto
+
+log = logging.getLogger(__name__)
+
+
+class State(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A prompt made ready to run: token ids, sampling params, strategy."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    strategy: str
+
+
+class Port(Protocol):
+    """What the lifecycle needs from the head node."""
+
+    def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
+    def engine(self, strategy: str): ...
+    def text_stream(self, sink): ...
+    def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
+    def to_stages(self, action: Send) -> None: ...
+    def reset_stages(self, engine_id: int) -> None: ...
+    def finish_stats(self, req: "Request", done: Done) -> dict: ...
+
+
+@dataclass
+class Request:
+    key: int                          # head-wide id
+    owner: bytes                      # the client connection
+    msg: proto.PromptRequest
+    submitted_s: float
+    state: State = State.QUEUED
+    deadline_s: float | None = None   # while waiting on a cluster that lost a stage
+    prepared: Prepared | None = None
+    engine: object = None
+    engine_id: int = 0                # the engine run's id on the wire (a replay gets a new one)
+    emitted: list[int] = field(default_factory=list)   # every token sent to the client
+    text: object = None               # runner.TextStream: token ids -> printable pieces
+    pieces: list[str] = field(default_factory=list)
+    started_s: float = 0.0
+    last_progress_s: float = 0.0
+    replays: int = 0
+    stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
+
+    @property
+    def request_id(self) -> int:
+        return self.msg.request_id
+
+    def take_pieces(self) -> str:
+        piece = "".join(self.pieces)
+        self.pieces.clear()
+        return piece
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    recovery_s: float = 30.0          # a request waits this long for a lost stage's slot to be filled
+    stall_s: float = 60.0             # a running request with no pipeline output this long is replayed
+    max_replays: int = 3
+    max_running: int = 1
+
+
+def replay_params(params: SamplingParams, committed: int) -> SamplingParams:
+    """Sampling params of a replay after `committed` output tokens (see the module docstring)."""
+    if params.greedy or params.seed is None or committed == 0:
+        return params
+    digest = hashlib.sha256(f"{params.seed}:{committed}".encode()).digest()
+    return replace(params, seed=int.from_bytes(digest[:7], "big"))
+
+
+class RequestBook:
+    def __init__(self, port: Port, limits: Limits = Limits()) -> None:
+        self.port, self.limits = port, limits
+        self.queue: deque[Request] = deque()
+        self.running: dict[int, Request] = {}     # key -> running or paused request
+        self.by_engine: dict[int, Request] = {}   # engine id -> running request
+        self.keys = 0
+        self.engine_ids = 0
+        self.ever_ready = False
+        self.lost_why = ""
+        self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
+        self.last_stats: dict = {}
+        self.last_auto: dict = {}   # the latest `auto` answer's choice, reason and switches (status)
+
+    # ---- events in --------------------------------------------------------------------------------
+    def submit(self, owner: bytes, msg: proto.PromptRequest, now: float, ready: bool,
+               missing: list[str]) -> None:
+        if not ready and not self.ever_ready:
+            self.port.to_client(owner, proto.ErrorReply(
+                request_id=msg.request_id, message=f"cluster not ready: waiting for {', '.join(missing)}"))
+            return
+        self.keys += 1
+        req = Request(self.keys, owner, msg, now)
+        if not ready:   # the cluster lost a stage: wait for it, within the recovery deadline
+            req.deadline_s = now + self.limits.recovery_s
+        self.queue.append(req)
+
+    def on_segment(self, engine_id: int, event, now: float) -> None:
+        req = self.by_engine.get(engine_id)
+        if req is None or req.state is not State.RUNNING:
+            return   # output of a cancelled, paused, replayed or finished run
+        req.last_progress_s = now
+        self._run(req, lambda: req.engine.receive(event))
+
+    def cancel(self, owner: bytes, request_id: int, why: str = "cancelled by its client") -> None:
+        for req in [r for r in self._all() if r.owner == owner and r.request_id == request_id]:
+            self._end(req, State.CANCELLED, why)
+
+    def client_gone(self, owner: bytes, why: str) -> None:
+        for req in [r for r in self._all() if r.owner == owner]:
+            self._end(req, State.CANCELLED, f"cancelled by its client ({why})")
+
+    def stage_lost(self, why: str, now: float) -> None:
+        """A stage left: running requests pause, everything waiting gets the recovery deadline."""
+        self.lost_why = why
+        for req in list(self.running.values()):
+            if req.state is State.RUNNING:
+                self._pause(req, why)
+        for req in self._all():
+            if req.deadline_s is None:
+                req.deadline_s = now + self.limits.recovery_s
+
+    def tick(self, now: float, ready: bool) -> None:
+        """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones."""
+        if ready:
+            self.ever_ready = True
+            for req in self.queue:
+                req.deadline_s = None
+        for req in [r for r in self._all() if r.deadline_s is not None and now > r.deadline_s]:
+            self._end(req, State.FAILED, f"{self.lost_why or 'the cluster lost a stage'}, and no node took its "
+                                         f"place within {self.limits.recovery_s:g} s")
+        for req in list(self.running.values()):
+            if req.state is State.RUNNING and now - req.last_progress_s > self.limits.stall_s:
+                self._pause(req, f"the pipeline returned nothing for {self.limits.stall_s:g} s")
+                req.deadline_s = None if ready else now + self.limits.recovery_s
+        if not ready:
+            return
+        for req in [r for r in self.running.values() if r.state is State.PAUSED]:
+            self._replay(req, now)
+        while self.queue and len(self.running) < self.limits.max_running:
+            self._start(self.queue.popleft(), now)
+
+    # ---- queries ----------------------------------------------------------------------------------
+    def engine_of(self, engine_id: int):
+        """The engine head of a running request's current run (None: cancelled, paused, replayed, done)."""
+        req = self.by_engine.get(engine_id)
+        return req.engine if req is not None and req.state is State.RUNNING else None
+
+    def busy_clients(self) -> set[bytes]:
+        return {r.owner for r in self._all()}
+
+    def pending(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    def _all(self) -> list[Request]:
+        return list(self.running.values()) + list(self.queue)
+
+    # ---- transitions ------------------------------------------------------------------------------
+    def _start(self, req: Request, now: float) -> None:
+        try:
+            req.prepared = self.port.prepare(req.msg)
+            req.text = self.port.text_stream(req.pieces.append)
+            req.stop = StopText(req.msg.stop)
+        except FlowedgeError as err:
+            self._end(req, State.FAILED, str(err), prefix="")
+            return
+        except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
+            log.exception("request %d could not start", req.key)
+            self._end(req, State.FAILED, f"internal error: {type(err).__name__}: {err}", prefix="")
+            return
+        req.started_s = now
+        self.running[req.key] = req
+        self._launch(req, now)
+
+    def _launch(self, req: Request, now: float) -> None:
+        """Start (or restart, for a replay) the engine on the prompt plus what the client already has."""
+        p = req.prepared
+        try:
+            req.engine = self.port.engine(p.strategy)
+        except FlowedgeError as err:
+            self._end(req, State.FAILED, str(err), prefix="")
+            return
+        self.engine_ids += 1
+        req.engine_id = self.engine_ids
+        self.by_engine[req.engine_id] = req
+        req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
+        left = req.msg.max_new_tokens - len(req.emitted)
+        log.info("request %d (run %d): %d prompt + %d committed tokens, strategy %s, %d new to go", req.key,
+                 req.engine_id, len(p.prompt_ids), len(req.emitted), p.strategy, left)
+        ids, params = p.prompt_ids + req.emitted, replay_params(p.params, len(req.emitted))
+        self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params))
+
+    def _replay(self, req: Request, now: float) -> None:
+        if req.replays >= self.limits.max_replays:
+            self._end(req, State.FAILED, f"gave up after {req.replays} replays")
+            return
+        req.replays += 1
+        log.warning("request %d: replaying %d committed tokens to rebuild the stages' KV caches", req.key,
+                    len(req.prepared.prompt_ids) + len(req.emitted))
+        self._launch(req, now)
+
+    def _pause(self, req: Request, why: str) -> None:
+        log.warning("request %d paused after %d tokens: %s", req.key, len(req.emitted), why)
+        self.by_engine.pop(req.engine_id, None)
+        self.port.reset_stages(req.engine_id)
+        req.state = State.PAUSED
+
+    def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ") -> None:
+        """Finish a request that did not complete: one ErrorReply (not for a cancel), stages reset."""
+        if req.state is State.RUNNING:
+            self.port.reset_stages(req.engine_id)
+        self._forget(req)
+        req.state = state
+        self.served["cancelled" if state is State.CANCELLED else "failed"] += 1
+        if state is State.CANCELLED:
+            log.info("request %d %s", req.key, why)
+            return
+        log.error("request %d failed: %s", req.key, why)
+        self.port.to_client(req.owner, proto.ErrorReply(request_id=req.request_id, message=prefix + why))
+
+    def _forget(self, req: Request) -> None:
+        self.running.pop(req.key, None)
+        self.by_engine.pop(req.engine_id, None)
+        if req in self.queue:
+            self.queue.remove(req)
+
+    # ---- engine actions ---------------------------------------------------------------------------
+    def _run(self, req: Request, step) -> None:
+        """Run one engine step and carry out its actions; an unexpected error fails this request only."""
+        try:
+            self._execute(req, step())
+        except FlowedgeError as err:
+            self._end(req, State.FAILED, str(err), prefix="")
+        except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
+            log.exception("request %d: engine error", req.key)
+            self._end(req, State.FAILED, f"internal error: {type(err).__name__}: {err}", prefix="")
+
+    def _execute(self, req: Request, actions: list) -> None:
+        for a in actions:
+            if req.state is not State.RUNNING:
+                return
+            if isinstance(a, Send):
+                self.port.to_stages(a)
+            elif isinstance(a, Emit):
+                req.emitted += a.tokens
+                req.text(a.tokens)
+                self.port.to_client(req.owner, proto.TokenChunk(
+                    request_id=req.request_id, token_ids=list(a.tokens), text=req.stop.feed(req.take_pieces()),
+                    done=False))
+                if req.stop.hit:   # a stop string: the answer ends here, the stages drop its KV
+                    self._finish(req, Done(list(req.engine.outputs), req.engine.stats))
+                    self.port.reset_stages(req.engine_id)
+            elif isinstance(a, Continue):
+                self._execute(req, req.engine.receive(a.event))
+            elif isinstance(a, Done):
+                self._finish(req, a)
+            elif not isinstance(a, Compute):
+                log.warning("unhandled engine action %r", a)
+
+    def _finish(self, req: Request, done: Done) -> None:
+        stats = self.port.finish_stats(req, done)
+        stats["finish_reason"] = "stop" if req.stop.hit or len(req.emitted) < req.msg.max_new_tokens else "length"
+        req.text.flush()
+        self.port.to_client(req.owner, proto.TokenChunk(
+            request_id=req.request_id, token_ids=(), text=req.stop.finish(req.take_pieces()),
+            done=True, stats=stats))
+        self._forget(req)
+        req.state = State.DONE
+        self.served["requests"] += 1
+        self.served["tokens"] += len(req.emitted)
+        self.last_stats = stats
+        self.last_auto = stats.get("auto") or self.last_auto
+        log.info("request %d done: %d tokens in %.2f s%s", req.key, len(req.emitted), stats.get("wall_s", 0.0),
+                 f" ({req.replays} replays)" if req.replays else "")

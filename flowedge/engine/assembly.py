@@ -1,0 +1,102 @@
+"""Engine assembly shared by both drivers: build a strategy's engine head, size its first tree, and
+turn a finished request into the result stats both report.
+
+The simulator (`sim/run.py`) and the ZeroMQ head (`daemon/head_node.py`) used to do each of these in
+their own words; one function each keeps their answers and their stats comparable.
+"""
+from __future__ import annotations
+
+import logging
+
+from flowedge.engine.config import SpecConfig
+from flowedge.engine.events import Done
+from flowedge.engine.head import Head
+from flowedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_strategy(strategy_name: str, draft_model):
+    """The strategy, or ConfigError when it needs a draft model and there is none (or it is unknown)."""
+    from flowedge.engine.strategies import make_strategy
+
+    strategy = make_strategy(strategy_name)
+    if strategy.needs_draft and draft_model is None:
+        raise ConfigError(f"strategy {strategy_name} needs a draft model; this head runs without one")
+    return strategy
+
+
+def sized_spec(spec: SpecConfig, strategy_name: str, tree_costs=None) -> SpecConfig:
+    """`spec` with the initial tree sized from `tree_costs` (sim.sizing.TreeCosts) for strategies that
+    size from costs (flowspec); unchanged otherwise or without costs."""
+    from flowedge.engine.strategies import make_strategy
+    from flowedge.sim.sizing import sized_spec_for
+
+    if tree_costs is None or not getattr(make_strategy(strategy_name), "sizes_from_costs", False):
+        return spec
+    sized = sized_spec_for(spec, tree_costs)
+    log.debug("%s's first tree sized from the device profiles: depth %d, %d nodes, draft calls %d wide "
+              "(pipeline %.1f ms, draft call %.1f ms, stage segment x%.2f)", strategy_name, sized.tree_depth,
+              sized.tree_nodes, sized.draft_width, 1e3 * tree_costs.pipeline_latency_s,
+              1e3 * tree_costs.draft_call_s, tree_costs.stage_segment_ratio)
+    return sized
+
+
+def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec: SpecConfig,
+               stop_ids: set[int], *, tree_costs=None, lm_head_ratio: float | None = None,
+               oracle=None, batcher=None, predict_costs=None) -> Head:
+    """The engine head for one strategy (one request at a time; a fresh one per request under batching).
+
+    `tree_costs`: where given, flowspec's initial tree is sized from it (`sized_spec`); `lm_head_ratio`:
+    how a segment's lm_head scales on the last stage (None: the strategy's own placement choice holds);
+    `batcher`: the draft batcher shared by concurrent requests (engine/draft_batch.py); `predict_costs`:
+    the TreeCosts strategy `auto` starts its choice from (sim/sizing.predict_from_costs)."""
+    from flowedge.engine.drafter import Drafter
+    from flowedge.engine.strategies.auto import Auto
+
+    strategy = check_strategy(strategy_name, draft_model)
+    if isinstance(strategy, Auto) and predict_costs is not None:
+        from flowedge.sim.sizing import predict_from_costs
+
+        strategy.prediction = predict_from_costs(predict_costs)   # auto starts from the profiles
+    spec = sized_spec(spec, strategy_name, tree_costs)
+    drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
+    return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle,
+                lm_head_at=spec.lm_head_for(strategy, lm_head_ratio))
+
+
+def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stage_devices: list[str],
+                       spec: SpecConfig, draft_quantized: bool):
+    """TreeCosts from node 0's device profile and the stages' (names as reported by the stages: only
+    shipped profiles are looked up, never a path); None where a device has no profile."""
+    from flowedge.sim.profiles import load_device, load_named_device
+    from flowedge.sim.run import draft_path_for
+    from flowedge.sim.sizing import tree_costs
+
+    try:
+        head_dev = load_device(head_device)
+        stage_devs = [load_named_device(n) for n in stage_devices]
+    except ConfigError:
+        log.info("a device in %s has no profile: flowspec keeps the configured tree",
+                 [head_device, *stage_devices])
+        return None
+    return tree_costs(base_config, draft_config, ranges, stage_devs, head_dev, draft_path=draft_path_for(head_dev),
+                      l_max=spec.l_max, topk=spec.topk, draft_quantized=draft_quantized)
+
+
+def result_stats(done: Done, head: Head, *, strategy: str, prompt_tokens: int, nodes: int) -> dict:
+    """The stats of a finished request, in the same words on every driver (each adds its clock's)."""
+    st = done.stats
+    stats = {
+        "strategy": strategy, "prompt_tokens": prompt_tokens, "new_tokens": len(done.token_ids),
+        "steps": st.steps, "rounds": st.rounds, "round_restarts": max(0, st.rounds - 1), "nodes": nodes,
+        "head_overhead_ms_per_step": round(1000 * sum(st.overhead_s) / max(1, len(st.overhead_s)), 3),
+        "lm_head_at": head.lm_head_at, "stage_chosen_tokens": st.stage_chosen,
+        "tree_depth": head.config.tree_depth, "tree_nodes": head.config.tree_nodes,
+    }
+    if st.accept_lens:
+        stats["mean_accept_len"] = round(sum(st.accept_lens) / len(st.accept_lens), 4)
+        stats["verifications"] = len(st.accept_lens)
+    if st.auto:   # strategy auto: what it chose and why
+        stats["auto"] = st.auto
+    return stats

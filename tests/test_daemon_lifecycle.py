@@ -1,0 +1,340 @@
+"""The head's parts without sockets: the request lifecycle (requests.py) and membership (membership.py),
+fed events, checked on the actions they take."""
+from __future__ import annotations
+
+import pytest
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.membership import ClientGone, Membership, StageLost
+from flowedge.daemon.requests import Limits, Prepared, RequestBook, State, replay_params
+from flowedge.engine.events import Done, Emit, Send, Stats
+from flowedge.errors import FlowedgeError
+from flowedge.transport import protocol as proto
+
+PROMPT = [5, 6, 7]
+
+
+class FakeEngine:
+    """Emits the token each event carries; done after max_new tokens. Records every start."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, list[int], int, SamplingParams]] = []
+
+    def start(self, engine_id, ids, max_new, params):
+        self.starts.append((engine_id, list(ids), max_new, params))
+        self.left = max_new
+        return [Send(1, f"prefill-{engine_id}")]
+
+    def receive(self, token):
+        if token == "boom":
+            raise IndexError("node id 99 out of range")   # what a bogus returned segment did
+        self.left -= 1
+        return [Emit([token])] + ([Done([token], Stats())] if self.left == 0 else [])
+
+
+class Text:
+    def __init__(self, sink) -> None:
+        self.sink = sink
+
+    def __call__(self, tokens) -> None:
+        self.sink("".join(chr(96 + t % 26) for t in tokens))
+
+    def flush(self) -> None:
+        pass
+
+
+class FakePort:
+    def __init__(self) -> None:
+        self.engine_ = FakeEngine()
+        self.client: list[tuple[bytes, proto.Message]] = []
+        self.stages: list = []
+        self.resets: list[int] = []
+
+    def prepare(self, msg):
+        if msg.strategy == "bad":
+            raise FlowedgeError("unknown strategy 'bad'")
+        return Prepared(list(PROMPT), SamplingParams(msg.temperature, seed=msg.seed), msg.strategy or "flowspec")
+
+    def engine(self, strategy):
+        return self.engine_
+
+    def text_stream(self, sink):
+        return Text(sink)
+
+    def to_client(self, identity, msg):
+        self.client.append((identity, msg))
+
+    def to_stages(self, action):
+        self.stages.append(action)
+
+    def reset_stages(self, engine_id):
+        self.resets.append(engine_id)
+
+    def finish_stats(self, req, done):
+        return {"new_tokens": len(req.emitted), "replays": req.replays}
+
+    def answers(self, owner: bytes) -> list:
+        return [m for o, m in self.client if o == owner]
+
+    def tokens(self, owner: bytes) -> list[int]:
+        return [t for m in self.answers(owner) if isinstance(m, proto.TokenChunk) for t in m.token_ids]
+
+    def done(self, owner: bytes) -> bool:
+        return any(isinstance(m, proto.TokenChunk) and m.done for m in self.answers(owner))
+
+    def errors(self, owner: bytes) -> list[str]:
+        return [m.message for m in self.answers(owner) if isinstance(m, proto.ErrorReply)]
+
+
+def prompt(rid: int = 1, max_new: int = 4, **kw) -> proto.PromptRequest:
+    return proto.PromptRequest(request_id=rid, text="hi", max_new_tokens=max_new, **kw)
+
+
+def book(**limits) -> tuple[RequestBook, FakePort]:
+    port = FakePort()
+    return RequestBook(port, Limits(**limits)), port
+
+
+def test_a_prompt_before_the_cluster_was_ever_ready_is_refused_at_once():
+    b, port = book()
+    b.submit(b"c", prompt(), 0.0, False, ["stage 2"])
+    assert port.errors(b"c") == ["cluster not ready: waiting for stage 2"] and b.pending() == 0
+
+
+def test_a_request_runs_to_done_and_streams_every_token_once():
+    b, port = book()
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(max_new=3), 0.0, True, [])
+    b.tick(0.1, True)
+    (engine_id, ids, max_new, _), = port.engine_.starts
+    assert ids == PROMPT and max_new == 3 and port.stages == [Send(1, f"prefill-{engine_id}")]
+    for t in (11, 12, 13):
+        b.on_segment(engine_id, t, 0.2)
+    assert port.tokens(b"c") == [11, 12, 13] and port.done(b"c") and b.pending() == 0
+    assert b.served["requests"] == 1
+
+
+def test_a_lost_stage_pauses_the_request_and_the_replay_continues_from_the_committed_tokens():
+    b, port = book(recovery_s=10.0)
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(max_new=5), 0.0, True, [])
+    b.tick(0.0, True)
+    first = port.engine_.starts[0][0]
+    b.on_segment(first, 21, 0.1)
+    b.on_segment(first, 22, 0.2)
+    b.stage_lost("stage 2 (s2) disconnected", 0.3)
+    assert port.resets == [first]                       # the survivors drop the request's KV cache
+    b.on_segment(first, 99, 0.4)                        # a late segment of the paused run: ignored
+    b.tick(5.0, False)                                  # still waiting, within the recovery deadline
+    assert port.tokens(b"c") == [21, 22] and not port.errors(b"c")
+    b.tick(6.0, True)                                   # the slot is filled again: replay
+    second, ids, max_new, _ = port.engine_.starts[1]
+    assert second != first and ids == PROMPT + [21, 22] and max_new == 3
+    for t in (23, 24, 25):
+        b.on_segment(second, t, 6.5)
+    assert port.tokens(b"c") == [21, 22, 23, 24, 25] and port.done(b"c") and not port.errors(b"c")
+
+
+def test_past_the_recovery_deadline_every_waiting_request_gets_one_clear_error():
+    b, port = book(recovery_s=10.0)
+    b.tick(0.0, True)
+    for i, owner in enumerate([b"a", b"b", b"c"]):
+        b.submit(owner, prompt(rid=i + 1), 0.0, True, [])
+    b.tick(0.0, True)
+    b.stage_lost("stage 1 (s1) silent for 2.0 s (missed heartbeats)", 1.0)
+    b.submit(b"d", prompt(), 2.0, False, ["stage 1"])   # arrives during the outage: queued, not refused
+    b.tick(10.9, False)
+    assert not any(port.errors(o) for o in (b"a", b"b", b"c", b"d"))
+    b.tick(11.1, False)
+    for owner in (b"a", b"b", b"c"):
+        (err,) = port.errors(owner)
+        assert err.startswith("request failed: stage 1 (s1) silent") and "within 10 s" in err
+    assert b.pending() == 1   # d arrived later: its own deadline
+    b.tick(12.1, False)
+    assert len(port.errors(b"d")) == 1 and b.pending() == 0 and b.served["failed"] == 4
+
+
+def test_queued_requests_keep_their_place_across_an_outage_and_all_are_answered():
+    """8 clients, 24 requests, a stage lost half-way: every request is answered, none silent."""
+    b, port = book(recovery_s=30.0)
+    b.tick(0.0, True)
+    owners = [f"c{i}".encode() for i in range(8)]
+    for rid in range(1, 4):
+        for o in owners:
+            b.submit(o, prompt(rid=rid, max_new=2), 0.0, True, [])
+    order = []
+    t = 0.0
+    while b.pending():
+        t += 0.1
+        b.tick(t, True)
+        (req,) = b.running.values()
+        order.append((req.owner, req.request_id))
+        b.on_segment(req.engine_id, 1, t)
+        if len(order) == 10:   # the stage dies with this request half done and 14 queued behind it
+            b.stage_lost("stage 2 (s2) disconnected", t)
+            b.tick(t + 1, False)
+            t += 2
+            b.tick(t, True)    # back: the paused request is replayed before any queued one starts
+            assert [r.request_id for r in b.running.values()] == [req.request_id]
+        b.on_segment(req.engine_id, 2, t)
+    assert order == [(o, rid) for rid in range(1, 4) for o in owners]
+    assert all(sum(isinstance(m, proto.TokenChunk) and m.done for m in port.answers(o)) == 3 for o in owners)
+    assert all(port.tokens(o) == [1, 2] * 3 and not port.errors(o) for o in owners)
+
+
+def test_a_departed_client_s_requests_are_dropped_and_their_kv_freed():
+    b, port = book()
+    b.tick(0.0, True)
+    b.submit(b"gone", prompt(rid=1), 0.0, True, [])
+    b.submit(b"gone", prompt(rid=2), 0.0, True, [])
+    b.submit(b"stays", prompt(rid=1, max_new=1), 0.0, True, [])
+    b.tick(0.0, True)
+    running = port.engine_.starts[0][0]
+    b.client_gone(b"gone", "disconnected")
+    assert port.resets == [running] and not port.answers(b"gone") and b.served["cancelled"] == 2
+    b.tick(0.1, True)   # the next request runs at once: no time spent on the departed client's work
+    (req,) = b.running.values()
+    assert req.owner == b"stays"
+
+
+def test_cancel_drops_only_the_named_request():
+    b, port = book()
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(rid=1), 0.0, True, [])
+    b.submit(b"c", prompt(rid=2, max_new=1), 0.0, True, [])
+    b.tick(0.0, True)
+    b.cancel(b"c", 1)
+    b.tick(0.1, True)
+    (req,) = b.running.values()
+    assert req.request_id == 2 and not port.errors(b"c")
+
+
+def test_an_engine_error_fails_that_request_only_and_the_head_serves_on():
+    """Regression: a returned segment for an unknown node id ended the head."""
+    b, port = book()
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(rid=1), 0.0, True, [])
+    b.submit(b"c", prompt(rid=2, max_new=1), 0.0, True, [])
+    b.tick(0.0, True)
+    b.on_segment(port.engine_.starts[0][0], "boom", 0.1)
+    assert port.errors(b"c") == ["internal error: IndexError: node id 99 out of range"]
+    b.tick(0.2, True)
+    b.on_segment(port.engine_.starts[1][0], 7, 0.3)
+    assert port.done(b"c")
+
+
+def test_a_bad_request_fails_with_its_error_and_a_stalled_one_is_replayed():
+    b, port = book(stall_s=5.0)
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(rid=1, strategy="bad"), 0.0, True, [])
+    b.tick(0.0, True)
+    assert port.errors(b"c") == ["unknown strategy 'bad'"]
+    b.submit(b"c", prompt(rid=2, max_new=2), 1.0, True, [])
+    b.tick(1.0, True)
+    b.tick(6.5, True)   # nothing came back for 5 s: replay on the same (empty) committed tokens
+    assert len(port.engine_.starts) == 2 and port.resets == [port.engine_.starts[0][0]]
+
+
+def test_replay_params_keep_greedy_and_reseed_sampling():
+    greedy = SamplingParams()
+    assert replay_params(greedy, 5) is greedy
+    hot = SamplingParams(0.8, seed=3)
+    assert replay_params(hot, 0) == hot
+    again = replay_params(hot, 5)
+    assert again.seed != 3 and again == replay_params(hot, 5) and again.temperature == 0.8
+    assert replay_params(hot, 6).seed != again.seed
+
+
+# ---- membership -------------------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stage_hello(node_id: str, want: int = 0) -> proto.Hello:
+    return proto.Hello(node_id=node_id, role="stage", device="x86-cpu", free_memory_bytes=1,
+                       capabilities={"data_addr": f"tcp://127.0.0.1:{7000 + want}", "want_stage": want})
+
+
+def ready_stage(m: Membership, identity: bytes, node_id: str, slot: int) -> None:
+    m.register(identity, stage_hello(node_id, slot))
+    m.on_ready(m.peers[identity], proto.Ready(stage_index=slot))
+
+
+def members(**cfg) -> tuple[Membership, list, Clock]:
+    sent: list = []
+    clock = Clock()
+    config = NodeConfig(stages=2, heartbeat_ms=500, stage_timeout_s=2.0, **cfg)
+    return Membership(config, lambda i, m: sent.append((i, m)), clock), sent, clock
+
+
+def test_a_live_stage_s_slot_is_not_handed_to_a_second_connection_with_its_node_id():
+    m, _, clock = members()
+    m.register(b"conn-1", stage_hello("edge-1", 1))
+    reason = m.admit(stage_hello("edge-1", 1))
+    assert reason is not None and "live connection" in reason
+    clock.now += 1.5   # silent, but within its liveness: still refused
+    assert m.admit(stage_hello("edge-1", 1)) is not None
+    assert m.on_disconnect(b"conn-1") == [StageLost(1, "edge-1", "disconnected")]
+    assert m.admit(stage_hello("edge-1", 1)) is None
+    m.register(b"conn-2", stage_hello("edge-1", 1))
+    assert m.slots == [b"conn-2", None]
+
+
+def test_a_silent_stage_may_be_replaced_under_its_node_id_before_the_tick_notices():
+    m, _, clock = members()
+    ready_stage(m, b"conn-1", "edge-1", 1)
+    clock.now += 2.5
+    assert m.admit(stage_hello("edge-1", 1)) is None
+    events = m.register(b"conn-2", stage_hello("edge-1", 1))
+    assert [type(e) for e in events] == [StageLost] and m.slots[0] == b"conn-2"
+
+
+def test_missed_heartbeats_drop_a_stage_and_pings_go_out_every_interval():
+    m, sent, clock = members()
+    ready_stage(m, b"s1", "a", 1)
+    ready_stage(m, b"s2", "b", 2)
+    m.register(b"cl", proto.Hello(node_id="c", role="client", device="client", free_memory_bytes=0,
+                                  capabilities={"heartbeat": True}))
+    m.register(b"old", proto.Hello(node_id="o", role="client", device="client", free_memory_bytes=0))
+    assert m.tick({b"cl"}) == []
+    assert sorted(i for i, msg in sent if isinstance(msg, proto.Heartbeat)) == [b"cl", b"s1", b"s2"]
+    assert m.tick({b"old"}) == []
+    clock.now += 1.0
+    m.seen(b"s1")
+    m.seen(b"cl")
+    clock.now += 1.5   # s2 silent 2.5 s > 2 s; s1 1.5 s
+    assert m.tick({b"cl"}) == [StageLost(2, "b", "silent for 2.5 s (missed heartbeats)")]
+    assert m.slots == [b"s1", None] and not m.cluster_ready()
+    clock.now += 9.0   # the client was silent 10.5 s while its request was in progress
+    events = m.tick({b"cl", b"old"})
+    assert ClientGone(b"cl", "silent for 10.5 s") in events
+    assert b"old" in m.peers   # a client that does not answer heartbeats is judged by its connection
+
+
+def test_a_stage_loading_its_layers_is_not_dropped_for_silence_but_is_for_a_closed_connection():
+    m, _, clock = members()
+    m.register(b"s1", stage_hello("a", 1))
+    clock.now += 60
+    assert m.tick(set()) == [] and m.slots[0] == b"s1"
+    assert m.on_disconnect(b"s1") == [StageLost(1, "a", "disconnected")]
+
+
+def test_an_idle_client_is_not_dropped_for_silence():
+    m, _, clock = members()
+    m.register(b"cl", proto.Hello(node_id="c", role="client", device="client", free_memory_bytes=0))
+    clock.now += 60
+    assert m.tick(set()) == [] and b"cl" in m.peers
+
+
+@pytest.mark.parametrize("field", ["client_timeout_s", "recovery_s", "stall_timeout_s"])
+def test_liveness_settings_are_checked(field):
+    from flowedge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        NodeConfig(**{field: 0.1})
+
