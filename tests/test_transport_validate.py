@@ -170,3 +170,13 @@ def test_a_manifest_naming_a_file_outside_the_cache_is_refused(tmp_path, evil):
     (tmp_path / "split" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ModelError, match="plain file names"):
         Manifest.load(tmp_path / "split")
+
+
+def test_the_engine_never_builds_a_segment_a_stage_would_drop():
+    from flowedge.engine.config import SpecConfig
+    from flowedge.errors import ConfigError
+    from flowedge.transport.validate import MAX_SEGMENT_NODES
+
+    SpecConfig(prefill_chunk=MAX_SEGMENT_NODES)
+    with pytest.raises(ConfigError, match="prefill-chunk must be <= 4096"):
+        SpecConfig(prefill_chunk=MAX_SEGMENT_NODES + 1)

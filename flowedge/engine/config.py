@@ -9,6 +9,7 @@ from flowedge.errors import ConfigError
 LM_HEAD_PLACES = ("auto", "head", "last-stage")
 COMPUTE_BOUND_RATIO = 2.0   # see SpecConfig.lm_head_for
 DRAFT_QUANTS = ("auto", "int4", "nf4", "none")   # node 0's draft model: engine/drafter.load_draft_model
+MAX_SEGMENT_NODES = 4096    # most rows one segment may carry: stages drop larger ones (transport/validate.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class SpecConfig:
                      "exp_forwards", "pipedec_width", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        for name in ("tree_nodes", "l_max", "exp_nodes", "pipedec_width", "prefill_chunk"):
+            if getattr(self, name) > MAX_SEGMENT_NODES:
+                raise ConfigError(f"{name.replace('_', '-')} must be <= {MAX_SEGMENT_NODES}, the most nodes a "
+                                  f"segment may carry (got {getattr(self, name)})")
         if self.lm_head_at not in LM_HEAD_PLACES:
             raise ConfigError(f"lm-head-at must be one of {', '.join(LM_HEAD_PLACES)} (got {self.lm_head_at!r})")
         if self.se_depth < 0 or self.se_nodes < 0 or self.draft_width < 0 or self.lookup_tokens < 0:

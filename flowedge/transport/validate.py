@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flowedge.engine.config import MAX_SEGMENT_NODES   # the engine never builds larger segments
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 
-MAX_SEGMENT_NODES = 4096        # a prefill chunk (256 by default) or one tree segment (tens of nodes)
 MAX_NODE_ID = 1 << 16           # node ids of one round: a draft tree holds hundreds, never this many
 MAX_TEMPERATURE = 100.0         # as a client's PromptRequest
 
