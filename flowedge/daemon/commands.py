@@ -70,7 +70,9 @@ def liveness_options(head: bool):
                  click.option("--recovery", type=float, default=None,
                               help="Seconds a request waits for a lost stage's slot to be filled (30)."),
                  click.option("--stall-timeout", type=float, default=None,
-                              help="Seconds without pipeline output before a request is replayed (120).")]
+                              help="Seconds without pipeline output before a request is replayed (120)."),
+                 click.option("--max-concurrent", type=int, default=None,
+                              help="Requests in the pipeline at once, batched on every stage (4); the rest queue.")]
 
     def apply(fn):
         for opt in reversed(opts):
@@ -85,12 +87,13 @@ def liveness_options(head: bool):
 @click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
 @liveness_options(head=True)
-def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout) -> None:
+def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout,
+          max_concurrent) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
     _daemon_logging()
     _run_node(load_node_config(config_path, role=role, threads=threads, heartbeat_ms=heartbeat_ms,
                                stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
-                               stall_timeout_s=stall_timeout))
+                               stall_timeout_s=stall_timeout, max_concurrent=max_concurrent))
 
 
 @click.command()
@@ -138,7 +141,8 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @liveness_options(head=True)
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
-       detach, ready_timeout, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, insecure) -> None:
+       detach, ready_timeout, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
+       insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
@@ -148,7 +152,8 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
         wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers),
         **{k: v for k, v in dict(heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout,
                                  client_timeout_s=client_timeout, recovery_s=recovery,
-                                 stall_timeout_s=stall_timeout).items() if v is not None})
+                                 stall_timeout_s=stall_timeout, max_concurrent=max_concurrent).items()
+                   if v is not None})
     cluster = local_cluster.start(spec, detach=detach)
     click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)
     try:

@@ -43,6 +43,7 @@ class NodeConfig:
     client_timeout_s: float = 10.0            # a client with a request in progress silent this long has left
     recovery_s: float = 30.0                  # a request waits this long for a lost stage's slot to be filled
     stall_timeout_s: float = 120.0            # a running request with no pipeline output this long is replayed
+    max_concurrent: int = 4                   # requests in the pipeline at once (stages batch them); the rest queue
     # head only
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
@@ -91,6 +92,8 @@ class NodeConfig:
             raise ConfigError(f"layers lists {len(self.layers)} stages but stages = {self.stages}")
         if self.heartbeat_ms < 10 or self.stage_timeout_s * 1000 < 2 * self.heartbeat_ms:
             raise ConfigError("heartbeat_ms must be >= 10 and stage_timeout_s at least two heartbeats")
+        if self.max_concurrent < 1:
+            raise ConfigError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
         for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):
             if not getattr(self, name) * 1000 >= 2 * self.heartbeat_ms:
                 raise ConfigError(f"{name} must be at least two heartbeats ({2 * self.heartbeat_ms} ms)")

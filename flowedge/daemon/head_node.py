@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
+from typing import Callable
 
 import psutil
 import zmq
@@ -67,8 +69,10 @@ class HeadNode:
         self.members = Membership(config, self._send)
         self.members.replanner = Replanner(config, flowedge_home())   # the split for the devices that joined
         self.members.on_new_plan = self._on_new_plan
-        self.requests = RequestBook(self, Limits(recovery_s=config.recovery_s, stall_s=config.stall_timeout_s))
-        self.engines: dict[tuple, object] = {}   # (strategy, placement ratio, stage devices) -> engine head
+        self.requests = RequestBook(self, Limits(recovery_s=config.recovery_s, stall_s=config.stall_timeout_s,
+                                                 max_running=config.max_concurrent))
+        # (strategy, placement ratio, stage devices) -> a function building one request's engine head
+        self.engines: dict[tuple, Callable[[], object]] = {}
         self.plan = None
         self.was_ready = False
         self.shutdown_cluster = False
@@ -251,7 +255,9 @@ class HeadNode:
         return TextStream(self.plan.tokenizer, sink)
 
     def engine(self, strategy: str):
-        """The engine head for a strategy (built once per set of stage devices, reused across requests)."""
+        """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
+        draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
+        placement are worked out once per strategy and set of stage devices."""
         ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
         devices = self.members.stage_devices()
         key = (strategy, ratio, devices)
@@ -266,10 +272,11 @@ class HeadNode:
                 costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,
                                                     cfg.device, list(devices), spec, cfg.draft_quant != "none")
             sizing = cfg.tree_size == "profile" and not cfg.tree_nodes
-            self.engines[key] = assembly.build_head(plan.head_model, plan.draft_model, strategy, cfg.stages, spec,
-                                                    stop_ids(plan.base_config), tree_costs=costs if sizing else None,
-                                                    lm_head_ratio=ratio, predict_costs=costs)
-        return self.engines[key]
+            self.engines[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
+                                        cfg.stages, spec, stop_ids(plan.base_config),
+                                        tree_costs=costs if sizing else None, lm_head_ratio=ratio,
+                                        predict_costs=costs)
+        return self.engines[key]()
 
     def _last_stage_lm_head_ratio(self) -> float | None:
         """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile

@@ -17,7 +17,8 @@ distribution, so the distribution is exactly kept (the sample itself differs fro
 with the same seed; reusing the seed's stream would correlate the draws after the fault with those
 before it). Past `recovery_s` without a full cluster a waiting request fails with one clear error.
 
-`max_running` bounds how many requests hold the engine at once (1 today: one engine head).
+`max_running` bounds how many requests run at once, each with its own engine head (the config's
+`max_concurrent`: their segments interleave in the pipeline and the stages batch them).
 """
 from __future__ import annotations
 
