@@ -296,3 +296,16 @@ def test_a_client_that_leaves_a_whole_answer_is_cancelled_too(stack):
         time.sleep(0.1)
     assert _served(stack)["cancelled"] == before + 1
     assert _stages_hold_nothing(stack)
+
+
+def test_concurrent_http_requests_are_served_side_by_side(stack, reference):
+    """The API never blocks its event loop: several answers in flight at once, each still exact."""
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": PROMPT}]
+        replies = await asyncio.gather(*[client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0) for _ in range(3)])
+        await client.close()
+        return [r.choices[0].message.content for r in replies]
+
+    assert asyncio.run(run()) == [reference["chat"]["text"]] * 3
