@@ -143,7 +143,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--concurrency", default=None,
               help="Comma-separated numbers of concurrent requests (e.g. 1,2,4,8): every prompt arrives at once "
                    "and up to that many share the pipeline with dynamic batching; 1 = one at a time. Writes "
-                   "table.md and concurrency.png (sim driver).")
+                   "table.md and concurrency.png.")
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
           segment_size, draft_width, lookup_tokens, lm_head_at, out_dir, threads, concurrency):
@@ -181,11 +181,14 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     say = lambda s: click.echo(s, err=True)  # noqa: E731
     if concurrency:
         levels = _levels(concurrency)
-        if driver != "sim":
-            raise ConfigError("--concurrency runs on the sim driver")
-        from flowedge.bench.concurrency import run_concurrency
+        if driver == "zmq":
+            from flowedge.bench.zmq_concurrency import run_concurrency_zmq
 
-        run_concurrency(cfg, prompts, levels, Path(out_dir), say=say)
+            run_concurrency_zmq(cfg, prompts, levels, Path(out_dir), say, wire_dtype=wire_dtype, threads=threads or 0)
+        else:
+            from flowedge.bench.concurrency import run_concurrency
+
+            run_concurrency(cfg, prompts, levels, Path(out_dir), say=say)
         click.echo((Path(out_dir) / "table.md").read_text())
         click.echo(f"results: {out_dir}/results.json, plot: {out_dir}/concurrency.png", err=True)
         return

@@ -1,0 +1,84 @@
+"""`flowedge bench --driver zmq --concurrency 1,4`: the concurrency sweep on real processes, wall clock.
+
+For each level a local cluster is started with `max_concurrent` = that level; every prompt is sent at
+once, each by its own client. Reported as in the simulated sweep (bench/concurrency.py), except the time
+between tokens: a client sees text pieces, not tokens, so here it is the time between streamed pieces.
+"matches" compares each answer with the same prompt served at the first level (one at a time).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from flowedge.bench.concurrency import concurrency_table, percentile, plot_concurrency
+from flowedge.bench.datasets import Prompt
+from flowedge.bench.runner import BenchConfig
+
+
+def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> None:
+    from flowedge.daemon.client import Client
+
+    t0 = time.monotonic()
+    stamps: list[float] = []
+    with Client(addr, timeout_s=900) as client:
+        for _ in client.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               seed=cfg.seed, strategy=strategy):
+            stamps.append(time.monotonic() - t0)
+        out.update(token_ids=client.last_result["token_ids"], stamps=stamps)
+
+
+def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
+                        say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = "float16",
+                        threads: int = 0, port: int = 5585) -> dict:
+    from flowedge.daemon import local_cluster
+    from flowedge.daemon.client import wait_ready
+
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"config": {k: v for k, v in asdict(cfg).items() if k != "spec"} | {
+        "driver": "zmq", "wire_dtype": wire_dtype, "levels": list(levels), "profile": "this machine (wall clock)",
+        "verify": "stages", "prompts": [p.prompt_id for p in prompts]}, "rows": []}
+    alone: dict[tuple[str, int], list[int]] = {}
+    for c in levels:
+        spec = local_cluster.LocalClusterSpec(nodes=cfg.nodes, model=cfg.model, draft=cfg.draft, port=port,
+                                              threads=threads, wire_dtype=wire_dtype, max_concurrent=c)
+        cluster = local_cluster.start(spec)
+        try:
+            wait_ready(spec.addr, 1800, alive=cluster.alive)
+            for name in cfg.strategies:
+                answers: list[dict] = [{} for _ in prompts]
+                t0 = time.monotonic()
+                workers = [threading.Thread(target=_ask, args=(spec.addr, p.text, cfg, name, answers[i]))
+                           for i, p in enumerate(prompts)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                wall_s = time.monotonic() - t0
+                row = _row(name, c, answers, wall_s, alone)
+                results["rows"].append(row)
+                say(f"{name} x{c}: {row['tokens_per_s']:.2f} tok/s (wall), p50 {row['p50_tbt_ms']:.0f} ms, "
+                    f"p99 {row['p99_tbt_ms']:.0f} ms between pieces")
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+        finally:
+            cluster.stop()
+    (out / "table.md").write_text(concurrency_table(results))
+    plot_concurrency(results, out / "concurrency.png")
+    return results
+
+
+def _row(name: str, c: int, answers: list[dict], wall_s: float, alone: dict) -> dict:
+    tokens = sum(len(a["token_ids"]) for a in answers)
+    gaps = [b - a for ans in answers for a, b in zip(ans["stamps"], ans["stamps"][1:])]
+    for i, ans in enumerate(answers):
+        alone.setdefault((name, i), ans["token_ids"])
+    return {"strategy": name, "concurrency": c, "requests": len(answers), "tokens": tokens, "sim_time_s": wall_s,
+            "tokens_per_s": tokens / wall_s, "p50_tbt_ms": 1000 * (percentile(gaps, 50) or 0.0),
+            "p99_tbt_ms": 1000 * (percentile(gaps, 99) or 0.0),
+            "mean_ttft_s": sum(a["stamps"][0] for a in answers if a["stamps"]) / len(answers),
+            "mean_batch": None, "mean_draft_batch": None,
+            "matches_ar": all(a["token_ids"] == alone[(name, i)] for i, a in enumerate(answers)),
+            "token_ids": [a["token_ids"] for a in answers]}
