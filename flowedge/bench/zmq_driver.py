@@ -63,6 +63,8 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                         "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:]],
                         "matches_ar": (res["token_ids"] == ref) if ref is not None else None,
                     }
+                    if res.get("auto"):   # strategy auto: its choice and reason
+                        run["auto"] = res["auto"]
                     say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
                         f"{run['tokens_per_s']:.2f} tok/s (wall), accept {run['mean_accept_len']:.2f}"
                         + ("" if ref is None else f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar"))
