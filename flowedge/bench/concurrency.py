@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from flowedge.bench.datasets import Prompt
-from flowedge.bench.runner import BenchConfig
+from flowedge.bench.runner import BenchConfig, sim_cluster
 from flowedge.core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,11 @@ def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, 
                     say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.engine.local import generate_ar, stop_ids
     from flowedge.engine.scheduler import BatchConfig
-    from flowedge.models.resolve import resolve_model
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.runner import encode_prompt
     from flowedge.sim.cluster import SimRequest
-    from flowedge.sim.run import Cluster, draft_quant_for
 
     out.mkdir(parents=True, exist_ok=True)
-    draft_quant = draft_quant_for(cfg.profile, cfg.path)
-    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
-    tok = load_tokenizer(base_dir)
-    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
-                      size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
+    cluster, tok, base_dir, draft_quant = sim_cluster(cfg)
     ids = [encode_prompt(tok, p.text, cfg.chat) for p in prompts]
     params = [SamplingParams(temperature=cfg.temperature, seed=cfg.seed + i) for i in range(len(prompts))]
     refs = None

@@ -57,20 +57,27 @@ def write_table(results: dict, out: Path) -> None:
     (out / "table.md").write_text(markdown_table(results))
 
 
+def sim_cluster(cfg: BenchConfig):
+    """The simulated cluster a bench runs on, built once: (cluster, tokenizer, base model dir, draft quant)."""
+    from flowedge.models.resolve import resolve_model
+    from flowedge.runner import load_tokenizer
+    from flowedge.sim.run import Cluster, draft_quant_for
+
+    draft_quant = draft_quant_for(cfg.profile, cfg.path)
+    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
+    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
+                      size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
+    return cluster, load_tokenizer(base_dir), base_dir, draft_quant
+
+
 def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
               say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.bench.timeline import plot_timeline
     from flowedge.engine.local import generate_ar, stop_ids
-    from flowedge.models.resolve import resolve_model
-    from flowedge.runner import encode_prompt, load_tokenizer
-    from flowedge.sim.run import Cluster, draft_quant_for
+    from flowedge.runner import encode_prompt
 
     out.mkdir(parents=True, exist_ok=True)
-    draft_quant = draft_quant_for(cfg.profile, cfg.path)
-    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
-    tok = load_tokenizer(base_dir)
-    cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
-                      size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
+    cluster, tok, base_dir, draft_quant = sim_cluster(cfg)
     reference_model = None
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {"spec": asdict(cfg.spec),
                                                                         "driver": "sim",
