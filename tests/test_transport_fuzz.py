@@ -33,7 +33,7 @@ def _decode_or_error(frames) -> p.Message | None:
 
 
 # ---- random frames ---------------------------------------------------------------------------------
-@settings(FUZZ, max_examples=2500)
+@settings(FUZZ, max_examples=3500)
 @given(st.lists(st.binary(max_size=96), max_size=5))
 def test_fuzz_random_frames(frames):
     _decode_or_error(frames)
@@ -70,14 +70,14 @@ def schema_frames(draw):
                                                                      max_size=n))]
 
 
-@settings(FUZZ, max_examples=3000)
+@settings(FUZZ, max_examples=4000)
 @given(schema_frames())
 def test_fuzz_schema_shaped_headers(frames):
     _decode_or_error(frames)
 
 
 # ---- real messages, truncated or mutated -------------------------------------------------------------
-@settings(FUZZ, max_examples=2500)
+@settings(FUZZ, max_examples=3000)
 @given(sample=st.sampled_from(SAMPLES), frame=st.integers(0, 3), cut=st.integers(0, 400),
        flips=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=4),
        extra=st.lists(st.binary(max_size=16), max_size=2), drop_last=st.booleans())
