@@ -338,3 +338,38 @@ def test_liveness_settings_are_checked(field):
     with pytest.raises(ConfigError, match=field):
         NodeConfig(**{field: 0.1})
 
+
+
+def test_a_stage_that_refuses_its_assignment_keeps_its_slot_and_is_assigned_again_later():
+    from flowedge.daemon.membership import ASSIGN_RETRY_S
+    from flowedge.daemon.status_view import node_table
+
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from flowedge.daemon.shard_fetch import ShardFile
+
+    m, sent, clock = members(lm_head_at="head")
+    shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]
+    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"))
+    m.register(b"s1", stage_hello("a", 1))
+    m.register(b"s2", stage_hello("b", 2))
+    assert [type(msg) for i, msg in sent if i == b"s2"] == [proto.Assign]
+    m.on_ready(m.peers[b"s1"], proto.Ready(stage_index=1))
+    m.on_refuse(m.peers[b"s2"], proto.Refuse(reason="assignment failed: ChecksumError: fetched shard hashes to 00"))
+    assert m.slots == [b"s1", b"s2"] and not m.cluster_ready()
+    row = m.status_rows()[1]
+    assert "ChecksumError" in row["error"] and "ChecksumError" in node_table([row])[1]
+    sent.clear()
+
+    def assigns_after(seconds: float) -> list[bytes]:
+        for _ in range(int(seconds / 0.5)):   # both stages heartbeat meanwhile: nobody is lost
+            clock.now += 0.5
+            m.seen(b"s1"), m.seen(b"s2")
+            assert m.tick(set()) == []
+        return [i for i, msg in sent if isinstance(msg, proto.Assign)]
+
+    assert assigns_after(ASSIGN_RETRY_S - 1) == []
+    assert assigns_after(1.5) == [b"s2"]   # again, to the refused stage only
+    m.on_ready(m.peers[b"s2"], proto.Ready(stage_index=2))
+    assert m.cluster_ready() and "error" not in m.status_rows()[1]

@@ -168,7 +168,7 @@ class HeadNode:
             proto.Heartbeat: self.members.on_heartbeat, proto.Ready: self.members.on_ready,
             proto.ShardRequest: self.members.on_shard_request, proto.PromptRequest: self._on_prompt,
             proto.Cancel: self._on_cancel, proto.StatusRequest: self._on_status, proto.Shutdown: self._on_shutdown,
-            proto.Hello: self._on_hello_again,
+            proto.Hello: self._on_hello_again, proto.Refuse: self.members.on_refuse,
         }.get(type(msg))
         if handler is None:
             log.warning("ignoring %s from %s", msg.TYPE, peer.name)

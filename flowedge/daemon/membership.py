@@ -27,6 +27,7 @@ from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
 
+ASSIGN_RETRY_S = 10.0      # a stage that could not take its assignment is sent it again after this
 CLIENT_IDLE_S = 3600.0   # an idle client (nothing in progress) is forgotten after this long
 LOADING_SILENCE_S = 600.0   # a stage loading its layers cannot heartbeat; past this it is hung
 
@@ -38,6 +39,8 @@ class Peer:
     last_seen: float
     stage: int = 0              # 1..S once it holds a slot of the plan
     ready: bool = False
+    assign_error: str = ""      # why this stage refused its last assignment (shown in status)
+    retry_at: float = 0.0       # when to send it the assignment again (0: not waiting)
     load: float = 0.0
     rss: int = 0
     stats: dict = field(default_factory=dict)
@@ -156,7 +159,7 @@ class Membership:
         plan = self.plan
         for k, identity in enumerate(self.slots, start=1):
             nxt = self.peers[self.slots[k]].data_addr if k < len(self.slots) else ""
-            if self.sent_assign.get(k) == (identity, nxt):
+            if self.sent_assign.get(k) == (identity, nxt) or self.peers[identity].retry_at > self.clock():
                 continue
             shard = plan.shards[k - 1]
             a, b = plan.ranges[k - 1]
@@ -168,6 +171,7 @@ class Membership:
                 head_sha256=head.sha256 if head else "", head_bytes=head.size if head else 0))
             self.sent_assign[k] = (identity, nxt)
             self.peers[identity].ready = False
+            self.peers[identity].retry_at = 0.0
 
     def stage1_addr(self) -> str:
         identity = self.slots[0] if self.slots else None
@@ -185,8 +189,22 @@ class Membership:
         if msg.stage_index != peer.stage:
             log.warning("%s reported ready for stage %d but holds stage %d", peer.name, msg.stage_index, peer.stage)
             return
-        peer.ready = True
+        peer.ready, peer.assign_error = True, ""
         log.info("stage %d (%s) ready", peer.stage, peer.name)
+
+    def on_refuse(self, peer: Peer, msg: proto.Refuse) -> None:
+        """A stage could not carry out its assignment (bad shard, load error): it stays connected and
+        keeps its slot, not ready; the head sends the assignment again after ASSIGN_RETRY_S (the fault
+        may pass: a fetch timed out, memory was short) and `status` shows the reason meanwhile."""
+        if not peer.stage:
+            log.warning("refuse from %s, which holds no stage: %s", peer.name, proto.bounded(msg.reason, 300))
+            return
+        log.error("stage %d (%s) refused its assignment: %s; assigning again in %g s", peer.stage, peer.name,
+                  proto.bounded(msg.reason, 1000), ASSIGN_RETRY_S)
+        peer.ready = False
+        peer.assign_error = proto.bounded(msg.reason, 500)
+        peer.retry_at = self.clock() + ASSIGN_RETRY_S
+        self.sent_assign.pop(peer.stage, None)
 
     def on_shard_request(self, peer: Peer, msg: proto.ShardRequest) -> None:
         if not peer.stage or self.plan is None:
@@ -227,6 +245,8 @@ class Membership:
             beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)
             for identity in self.stage_identities() + [c for c in busy_clients if c in self.peers]:
                 self.send(identity, beat)
+        if any(0 < p.retry_at <= now for p in self.peers.values() if p.stage):
+            self.assign_all()   # stages that refused their assignment get it again
         events: list = []
         for peer in list(self.peers.values()):
             silent = now - peer.last_seen
@@ -267,7 +287,7 @@ class Membership:
                 "node_id": p.name, "role": "stage", "stage": k, "address": p.data_addr, "layers": layers,
                 "model": self.config.model, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
                 "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
-                "ready": p.ready,
+                "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
                 **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
         return rows

@@ -8,7 +8,9 @@ came in on, so the two inbound sockets need no coordination.
 
 Lifecycle: JOIN (HELLO until WELCOME) -> wait ASSIGN -> shard (local, cache or fetch) -> load -> READY
 -> serve. If the head goes silent for `stage_timeout_s` the node goes back to JOIN (the head may have
-restarted); a SHUTDOWN ends it.
+restarted); a SHUTDOWN ends it. An ASSIGN the node cannot carry out (a shard that fails its checksum
+or cannot be fetched, a layer range the shard lacks, a load error) is answered with a REFUSE naming
+why; the node stays connected, unassigned, heartbeating, and takes the next ASSIGN.
 """
 from __future__ import annotations
 
@@ -135,12 +137,27 @@ class StageNode:
         self.last_head = time.monotonic()
         while not self.stop.is_set():
             msg = self._recv_ctrl(200)
-            if isinstance(msg, proto.Assign):
-                self._take(msg)
+            if isinstance(msg, proto.Assign) and self._take(msg):
                 return
             self._beat()
 
-    def _take(self, assign: proto.Assign) -> None:
+    def _take(self, assign: proto.Assign) -> bool:
+        """Carry out an assignment; on failure tell the head why (REFUSE) and stay up, unassigned."""
+        try:
+            self._apply(assign)
+            return True
+        except Exception as err:  # noqa: BLE001 - a bad assignment or shard must not end the node
+            if self.stop.is_set():
+                return False
+            why = f"stage {assign.stage_index}: cannot take layers [{assign.layer_start}, {assign.layer_end}) " \
+                  f"of shard {assign.shard_sha256[:12]}…: {type(err).__name__}: {err}"
+            log.error("%s; waiting for another assignment", why, exc_info=not isinstance(err, FlowedgeError))
+            self.assign, self.worker, self.inbox = None, None, None
+            self.phase = f"assignment failed: {proto.bounded(str(err), 200)}"
+            send_msg(self.ctrl, proto.Refuse(reason=f"assignment failed: {why}"))
+            return False
+
+    def _apply(self, assign: proto.Assign) -> None:
         """Apply an assignment: (re)load the layers if the shard changed, (re)connect the next hop."""
         if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
                 assign.quant != self.assign.quant or assign.head_sha256 != self.assign.head_sha256:
@@ -291,6 +308,9 @@ class StageNode:
 
     def _admit(self, msg: proto.Message) -> list:
         """The message as an engine event if it passes the boundary checks (else dropped and counted)."""
+        if self.inbox is None:   # the last assignment failed: nothing to run it on
+            self.drops.drop("unassigned", f"{msg.TYPE} while this node holds no layers")
+            return []
         event = self.inbox.admit(msg)
         return [] if event is None else [event]
 

@@ -20,6 +20,8 @@ def node_table(nodes: list[dict]) -> list[str]:
         layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
         step = n.get("step_ms_median")
         state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
+        if n.get("error"):   # e.g. a stage that could not take its assignment
+            state += f"; {n['error']}"
         dropped = n.get("dropped")
         if isinstance(dropped, dict) and dropped:   # messages the node refused, by rule
             state += f"; dropped {sum(dropped.values())} (" + ", ".join(

@@ -1,0 +1,139 @@
+"""A stage whose assignment fails stays up: a real StageNode (tiny model, in a thread) against a
+scripted head on real sockets. Each bad Assign (a layer range the model lacks, a shard the manifest
+does not name, a shard whose bytes fail their checksum) is answered with a Refuse naming why, the
+heartbeats go on, and a good Assign afterwards makes it Ready and it runs a prefill."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.shard_fetch import SIDE_FILES, stage_files
+from flowedge.daemon.stage_node import StageNode
+from flowedge.models.shards import split_model
+from flowedge.transport import protocol as p
+from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
+
+from daemon_helpers import free_port_pair
+
+H = 64   # the tiny model's hidden width
+
+
+class ScriptedHead:
+    """The head's end of one stage connection, driven by the test."""
+
+    def __init__(self, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.ctrl = self.ctx.socket(zmq.ROUTER)
+        self.ctrl.linger = 0
+        self.ctrl.bind(f"tcp://127.0.0.1:{port}")
+        self.ret = self.ctx.socket(zmq.PULL)
+        self.ret.linger = 0
+        self.ret.bind(f"tcp://127.0.0.1:{port + 1}")
+        self.stage: bytes | None = None
+        self.heartbeats = 0
+
+    def welcome(self) -> p.Hello:
+        got = recv_routed(self.ctrl, 20_000)
+        assert got is not None, "the stage never said HELLO"
+        self.stage, frames = got
+        send_routed(self.ctrl, self.stage, p.Welcome(node_id="scripted-head", heartbeat_interval_ms=100))
+        return p.decode(frames)
+
+    def next_answer(self, assign: p.Assign, timeout_s: float = 30.0, serve=None) -> p.Message:
+        """Send `assign`; the stage's first Refuse or Ready (ShardRequests go to `serve`)."""
+        send_routed(self.ctrl, self.stage, assign)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = recv_routed(self.ctrl, 200)
+            if got is None:
+                continue
+            msg = p.decode(got[1])
+            if isinstance(msg, p.Heartbeat):
+                self.heartbeats += 1
+                send_routed(self.ctrl, self.stage, p.Heartbeat(node_id="scripted-head", load=0.0, rss_bytes=0))
+            elif isinstance(msg, p.ShardRequest) and serve is not None:
+                send_routed(self.ctrl, self.stage, serve(msg))
+            elif isinstance(msg, (p.Refuse, p.Ready)):
+                return msg
+        raise AssertionError(f"no Refuse or Ready within {timeout_s} s")
+
+    def heartbeat(self, timeout_s: float = 5.0) -> p.Heartbeat:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = recv_routed(self.ctrl, 200)
+            msg = p.decode(got[1]) if got is not None else None
+            if isinstance(msg, p.Heartbeat):
+                return msg
+        raise AssertionError(f"no heartbeat within {timeout_s} s")
+
+    def close(self) -> None:
+        self.ctrl.close(0)
+        self.ret.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture()
+def split(tiny_pair, tmp_path):
+    out = tmp_path / "split"
+    split_model(tiny_pair[0], 2, out, model_name="tiny", quant="none")
+    return out
+
+
+def _assign(split, *, sha=None, layers=None, source_dir=True) -> p.Assign:
+    shard = stage_files(split, 1)
+    a, b = layers or (0, 2)
+    return p.Assign(stage_index=1, layer_start=a, layer_end=b, shard_sha256=sha or shard.sha256,
+                    shard_bytes=shard.size, next_addr="", model="tiny", hidden_wire="float16", quant="none",
+                    side_files={k: v for k, v in shard.side_files.items() if k in SIDE_FILES},
+                    source_dir=str(split) if source_dir else "")
+
+
+def test_a_failing_assign_leaves_the_stage_up_and_a_later_one_is_served(split, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path / "home"))
+    port = free_port_pair()
+    head = ScriptedHead(port)
+    stop = threading.Event()
+    node = StageNode(NodeConfig(role="stage", head=f"127.0.0.1:{port}", node_id="edge-1", insecure=True,
+                                same_host=True, heartbeat_ms=100, stage_timeout_s=5.0, threads=1), stop)
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    try:
+        assert head.welcome().node_id == "edge-1"
+        wrong_range = head.next_answer(_assign(split, layers=(0, 99)))
+        assert isinstance(wrong_range, p.Refuse) and "outside the model's" in wrong_range.reason
+        unknown = head.next_answer(_assign(split, sha="ab" * 32, source_dir=False))
+        assert isinstance(unknown, p.Refuse) and "not in the head's manifest" in unknown.reason
+        shard = stage_files(split, 1)
+
+        def garbage(req: p.ShardRequest) -> p.ShardChunk:   # chunks that hash right, a file that does not
+            n = min(req.length, shard.size - req.offset)
+            return p.ShardChunk.of(req.offset, bytes(n), shard.size)
+
+        corrupt = head.next_answer(_assign(split, source_dir=False), serve=garbage)
+        assert isinstance(corrupt, p.Refuse) and "ChecksumError" in corrupt.reason
+        assert thread.is_alive() and head.heartbeat().node_id == "edge-1"   # still beating, unassigned
+        assert node.phase.startswith("assignment failed")
+
+        ready = head.next_answer(_assign(split))
+        assert isinstance(ready, p.Ready) and ready.stage_index == 1
+        z = torch.zeros(3, dtype=torch.long)
+        push = head.ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(node.data_addr)
+        send_msg(push, p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="prefill",
+                                 sent_at_step=0, node_ids=z, parent_ids=z, positions=torch.arange(3),
+                                 hidden=torch.randn(3, H).half()))
+        out = recv_msg(head.ret, 20_000)   # stage 1 of 2 forwards its hidden states to the next hop
+        push.close(0)
+        assert isinstance(out, p.Segment) and out.request_id == 1 and tuple(out.hidden.shape) == (3, H)
+        assert node.drops.counts.get("request_failed", 0) == 0
+    finally:
+        stop.set()
+        thread.join(10)
+        head.close()
+    assert not thread.is_alive()
