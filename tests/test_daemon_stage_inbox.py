@@ -149,3 +149,59 @@ def test_fuzz_stage_message_handling(stage_model, seed, length, start_with_prefi
             messages.append(decode_valid(msg))
     inbox = _inbox(stage_model, "fuzz")
     assert _feed(inbox.handle, messages) == (0, 0)
+
+
+class _Poisoned:
+    """The tiny stage model, except that a forward containing a row whose first value is POISON raises
+    (a kernel error that one request's input sets off, whether batched or alone)."""
+    POISON = 1234.0
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward_layers(self, hidden, *args, **kwargs):
+        if bool((hidden[:, 0] == self.POISON).any()):
+            raise RuntimeError("poisoned row")
+        return self._model.forward_layers(hidden, *args, **kwargs)
+
+
+def _draft_of(request_id, hidden) -> p.Segment:
+    return p.Segment(request_id=request_id, round_id=0, seq=2, prune_version=0, kind="draft", sent_at_step=0,
+                     node_ids=torch.tensor([1, 2]), parent_ids=torch.tensor([0, 1]), positions=torch.arange(3, 5),
+                     hidden=hidden)
+
+
+def test_one_request_failing_inside_a_batched_forward_fails_only_that_request(stage_model):
+    """Three requests' segments packed into one forward; request 2's rows make it raise. Requests 1 and 3
+    get exactly the hidden states they get running alone, and keep serving; only 2 is failed."""
+    torch.manual_seed(14)
+    prefills = {rid: _prefill(request_id=rid) for rid in (1, 2, 3)}
+    drafts = {rid: _draft_of(rid, torch.randn(2, H).half()) for rid in (1, 2, 3)}
+    drafts[2] = _draft_of(2, torch.full((2, H), _Poisoned.POISON).half())
+    inbox = _inbox(stage_model)
+    inbox.worker.model = _Poisoned(stage_model)
+    for rid in (1, 2, 3):
+        inbox.handle(prefills[rid])
+    out = inbox.run([inbox.admit(drafts[rid]) for rid in (1, 2, 3)])   # one wave: a batch of three
+    assert inbox.worker.batch_sizes[-1] == 2            # the batch raised; 1 and 3 then ran alone
+    assert sorted(s.request_id for s in out.sends) == [1, 3]
+    assert inbox.drops.counts == {"request_failed": 1} and sorted(inbox.worker.slots) == [1, 3]
+    for rid in (1, 3):   # the reference: the same request on a fresh stage, alone
+        alone = _inbox(stage_model, log_name="alone")
+        alone.handle(prefills[rid])
+        ref = alone.handle(drafts[rid]).sends[0]
+        got = next(s for s in out.sends if s.request_id == rid)
+        assert torch.equal(got.hidden, ref.hidden)
+        assert inbox.worker.cache_lengths()[rid] == alone.worker.cache_lengths()[rid] == 5
+    commits = [p.Prune(request_id=rid, round_id=0, version=1, horizon=2, commit_ids=torch.tensor([0, 1]),
+                       keep_ids=torch.tensor([], dtype=torch.long)) for rid in (1, 3)]
+    assert inbox.run([inbox.admit(c) for c in commits]).sends == []   # both go on: commit both drafts
+    assert inbox.worker.slots[1].prefix_len == inbox.worker.slots[3].prefix_len == 5
+    batch = inbox.run([inbox.admit(p.Segment(
+        request_id=rid, round_id=0, seq=3, prune_version=1, kind="draft", sent_at_step=0,
+        node_ids=torch.tensor([3]), parent_ids=torch.tensor([2]), positions=torch.tensor([5]),
+        hidden=torch.randn(1, H).half())) for rid in (1, 3)])
+    assert sorted(s.request_id for s in batch.sends) == [1, 3] and inbox.worker.batch_sizes[-1] == 2

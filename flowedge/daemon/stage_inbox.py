@@ -3,9 +3,10 @@
 Every Segment, Prune or Reset a stage receives (from the previous hop or from the head) passes
 through `StageInbox.admit`: a message that breaks a data-plane rule (transport/validate.py) or that
 would take a request past the node's bounds (its context, its backlog, the number of live requests)
-is dropped and counted. `StageInbox.run` hands the admitted events to the worker as one batch; an
-unexpected exception inside the worker fails only the requests of that batch (their state is freed,
-the error logged and counted) and the node keeps serving.
+is dropped and counted. `StageInbox.run` hands the admitted events to the worker as one batch; the
+worker contains failures per request (an error while running one request frees that request alone,
+even inside a batched forward: see stage_worker.py), each counted here as `request_failed`. Should
+anything still escape the worker, the requests of that batch are freed and the node keeps serving.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from flowedge.daemon import wire
 from flowedge.daemon.droplog import DropLog
-from flowedge.engine.events import Compute, Finish, Send
+from flowedge.engine.events import Compute, Failed, Finish, Send
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, StagePlan, check_stage_input
@@ -43,6 +44,7 @@ def plan_for(worker: StageWorker, hidden_wire: str) -> StagePlan:
 class StageInbox:
     def __init__(self, worker: StageWorker, plan: StagePlan, drops: DropLog) -> None:
         self.worker = worker
+        worker.contain_failures = True   # a request's error fails that request, not its batch-mates
         self.plan = plan
         self.drops = drops
 
@@ -70,6 +72,10 @@ class StageInbox:
             for rid in failed:
                 self._free(rid)
             return Handled()
+        for a in actions:
+            if isinstance(a, Failed):
+                self.drops.drop("request_failed", f"request {a.request_id} failed: {proto.bounded(a.error, 300)}",
+                                level=logging.ERROR)
         return Handled(sends, any(isinstance(a, Compute) for a in actions))
 
     def handle(self, msg: proto.Message) -> Handled:

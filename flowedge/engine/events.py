@@ -83,6 +83,14 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
+class Failed:
+    """A stage gave up on one request (an error while running it; its KV cache is freed). Only a worker
+    that contains failures (the daemon's) reports these; elsewhere the error propagates."""
+    request_id: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class Emit:
     """Tokens newly accepted for the user, in order."""
     tokens: list[int]

@@ -6,6 +6,12 @@ Whatever segments of different requests are ready when the stage takes its messa
 forward (`receive_all`): packed rows, a block-diagonal mask, per-request positions and KV (see
 `models/kv_cache.PackedKV`). One request alone runs exactly as before.
 
+Failures (`contain_failures`, set by the daemon's inbox): an exception while handling one request's
+message, prune or rows frees that request alone and comes out as a `Failed` action. A batched forward
+that raises is rolled back (each cache truncated to where it was) and its requests run one at a time,
+so only a request that fails on its own is failed; the others go on exactly as if they ran alone.
+Without it (the simulator, tests) every error propagates.
+
 Cache layout per request: [committed context (prefix_len entries)][draft entries, ids in `draft_ids`]. A segment is
 run only after every prune it was built against has been applied (`prune_version`); tokens that a newer
 prune already killed are dropped on arrival, so in-flight hidden states are pruned too. Every stage
@@ -26,7 +32,7 @@ import torch
 
 from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
-from flowedge.engine.events import Compute, Finish, Prune, Segment, Send
+from flowedge.engine.events import Compute, Failed, Finish, Prune, Segment, Send
 from flowedge.models.kv_cache import PackedKV
 from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
 
@@ -88,10 +94,13 @@ class _Row:
 
 
 class StageWorker:
-    def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False) -> None:
+    def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False,
+                 contain_failures: bool = False) -> None:
         self.index = index                  # 1..N
         self.model = model
         self.can_choose = can_choose        # holds the lm_head (or stands in for one: shape-only stages)
+        self.contain_failures = contain_failures   # one request's error fails it alone (daemon); else raise
+        self._failed: list[Failed] = []
         self.next_node = 0 if index == n_stages else index + 1
         self.slots: dict[int, RequestSlot] = {}
         self._closed: deque[int] = deque(maxlen=CLOSED_REMEMBERED)
@@ -124,18 +133,37 @@ class StageWorker:
         """Take every message that arrived while the stage was busy, then run what is ready: one batched
         forward per wave, at most one segment per request in each (a request's own segments stay in order)."""
         for m in messages:
-            self._accept(m)
+            self._guarded(m.request_id, self._accept, m)
         actions: list = []
         while True:
             batch = []
             for slot in list(self.slots.values()):
-                self._apply_pending(slot)
-                seg = slot.next_ready()
+                seg = self._guarded(slot.request_id, self._next_ready, slot)
                 if seg is not None:
                     batch.append((slot, seg))
             if not batch:
-                return actions
+                failed, self._failed = self._failed, []
+                return actions + failed
             actions += self._run_batch(batch)
+
+    def _next_ready(self, slot: RequestSlot) -> Segment | None:
+        self._apply_pending(slot)
+        return slot.next_ready()
+
+    def _guarded(self, request_id: int, step, *args):
+        """`step(*args)`; with `contain_failures` an exception fails `request_id` alone (None returned)."""
+        if not self.contain_failures:
+            return step(*args)
+        try:
+            return step(*args)
+        except Exception as err:  # noqa: BLE001 - one request's error must not reach the others
+            self._fail(request_id, err)
+            return None
+
+    def _fail(self, request_id: int, err: Exception) -> None:
+        log.error("request %d failed on stage %d: %r; freed", request_id, self.index, err, exc_info=True)
+        self._free(request_id)
+        self._failed.append(Failed(request_id, f"{type(err).__name__}: {err}"[:300]))
 
     def _accept(self, message) -> None:
         rid = message.request_id
@@ -206,11 +234,15 @@ class StageWorker:
         return _Row(slot, seg, allowed, past)
 
     def _run_batch(self, batch: list[tuple[RequestSlot, Segment]]) -> list:
-        rows = [r for slot, seg in batch if (r := self._prepare(slot, seg)) is not None]
+        rows = [r for slot, seg in batch
+                if (r := self._guarded(slot.request_id, self._prepare, slot, seg)) is not None]
         if not rows:
             return []
         run = [r for r in rows if len(r.seg)]
-        hidden = self._forward(run) if run else []
+        by_row = dict(zip((id(r) for r in run), self._forward_contained(run) if run else []))
+        failed = {f.request_id for f in self._failed}
+        run = [r for r in run if r.slot.request_id not in failed]
+        rows = [r for r in rows if r.slot.request_id not in failed]
         if run:
             self.batch_sizes.append(len(run))
         n_total = sum(len(r.seg) for r in run)
@@ -218,15 +250,40 @@ class StageWorker:
         actions: list = [Compute("stage", n_total, sum(r.past for r in run),
                                  phases.pop() if len(phases) == 1 else "batch")] if run else []
         outs, lm_rows = [], 0
-        by_row = dict(zip((id(r) for r in run), hidden))
         for r in rows:
             h = by_row.get(id(r), r.seg.hidden)
-            out, chosen = self._finish_row(r, h)
-            outs.append(out)
-            lm_rows += chosen
+            finished = self._guarded(r.slot.request_id, self._finish_row, r, h)
+            if finished is not None:
+                outs.append(finished[0])
+                lm_rows += finished[1]
         if lm_rows:
             actions.append(Compute("lm_head", lm_rows, 0, actions[0].phase if actions else ""))
         return actions + [Send(self.next_node, out) for out in outs]
+
+    def _forward_contained(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+        """The batched forward; if it raises (and failures are contained), every cache goes back to
+        where it was and each request runs alone: only one that fails by itself is failed (None)."""
+        if not self.contain_failures:
+            return self._forward(rows)
+        try:
+            return self._forward(rows)
+        except Exception as err:  # noqa: BLE001 - isolate the request(s) that caused it
+            if len(rows) > 1:
+                log.warning("stage %d: a batched forward of requests %s raised %r; running them one at a time",
+                            self.index, [r.slot.request_id for r in rows], err)
+            for r in rows:
+                r.slot.cache.truncate(r.past)
+            if len(rows) == 1:
+                self._fail(rows[0].slot.request_id, err)
+                return [None]
+        return [self._guarded(r.slot.request_id, self._forward_alone, r) for r in rows]
+
+    def _forward_alone(self, r: _Row) -> torch.Tensor:
+        try:
+            return self._forward([r])[0]
+        except Exception:
+            r.slot.cache.truncate(r.past)
+            raise
 
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
         """One forward over every row of every request: [sum n, H] packed, block-diagonal mask."""
