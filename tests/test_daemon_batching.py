@@ -1,5 +1,5 @@
 """Several requests at once on real processes (3 nodes, tiny models, fp32 wire): each answer
-token-identical to plain greedy decoding, stages batching them; a cancelled request's KV freed on every
+token-identical to plain greedy decoding, stages batching them and node 0 sharing draft forwards; a cancelled request's KV freed on every
 stage (the stages report the KV tokens they hold in their heartbeats)."""
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def test_concurrent_answers_match_greedy_and_cancel_frees_stage_kv(cluster, tiny
     for t in threads:
         t.join(timeout=300)
     assert answers == refs
+    with Client(cluster.spec.addr) as client:   # node 0 shared draft forwards between the requests
+        drafts = next(n for n in client.status() if n.get("role") == "head")["draft_batching"]
+    assert drafts["calls"] > drafts["forwards"] > 0
     # a client that leaves mid-answer: its request is cancelled and every stage drops its KV
     with Client(cluster.spec.addr) as client:
         stream = client.stream(PROMPTS[0], max_new_tokens=400, strategy="ar-pp")

@@ -8,7 +8,7 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.membership import ClientGone, Membership, StageLost
 from flowedge.daemon.requests import Limits, Prepared, RequestBook, State, replay_params
-from flowedge.engine.events import Done, Emit, Send, Stats
+from flowedge.engine.events import Continue, Done, Emit, Send, Stats
 from flowedge.errors import FlowedgeError
 from flowedge.transport import protocol as proto
 
@@ -58,6 +58,9 @@ class FakePort:
 
     def engine(self, strategy):
         return self.engine_
+
+    def accept(self, engine, segment):
+        return segment
 
     def text_stream(self, sink):
         return Text(sink)
@@ -234,6 +237,54 @@ def test_a_bad_request_fails_with_its_error_and_a_stalled_one_is_replayed():
     b.tick(1.0, True)
     b.tick(6.5, True)   # nothing came back for 5 s: replay on the same (empty) committed tokens
     assert len(port.engine_.starts) == 2 and port.resets == [port.engine_.starts[0][0]]
+
+
+class ChainEngine:
+    """A segment n leads to follow-ups n.1 and n.2, n.1 to n.1.1; the leaves (n.1.1, n.2) emit a token."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.left = log, 0
+
+    def start(self, engine_id, ids, max_new, params):
+        self.id, self.left = engine_id, max_new
+        return []
+
+    def receive(self, event):
+        self.log.append((self.id, event))
+        if event.count(".") < (1 if event.endswith(".2") else 2):
+            return [Continue(event + ".1")] + ([Continue(event + ".2")] if "." not in event else [])
+        self.left -= 1
+        return [Emit([7])] + ([Done([7], Stats())] if self.left == 0 else [])
+
+
+def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
+    work: list = []
+    steps: list[list] = []
+
+    def side_by_side(handlers):   # what the draft batcher's run_step sees
+        before = len(work)
+        out = [h() for h in handlers]
+        steps.append(work[before:])
+        return out
+
+    port = FakePort()
+    port.engine = lambda strategy: ChainEngine(work)
+    b = RequestBook(port, Limits(max_running=2), run_handlers=side_by_side)
+    b.tick(0.0, True)
+    b.submit(b"a", prompt(1, max_new=3), 0.0, True, [])
+    b.submit(b"b", prompt(2, max_new=3), 0.0, True, [])
+    b.tick(0.0, True)
+    b.add_segment(1, "s", 0.1)
+    b.add_segment(2, "t", 0.1)
+    b.add_segment(1, "u", 0.1)
+    assert b.has_work()
+    while b.step():
+        pass
+    assert steps[:3] == [[(1, "s"), (2, "t")], [(1, "s.1"), (2, "t.1")], [(1, "s.1.1"), (2, "t.1.1")]]
+    # per request: the order of work it has alone (depth-first follow-ups, then the next segment)
+    assert [e for i, e in work if i == 1] == ["s", "s.1", "s.1.1", "s.2", "u", "u.1", "u.1.1"]
+    assert port.tokens(b"a") == [7, 7, 7] and port.done(b"a") and port.tokens(b"b") == [7, 7]
+    assert not b.has_work()
 
 
 def test_replay_params_keep_greedy_and_reseed_sampling():

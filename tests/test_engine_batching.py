@@ -189,7 +189,7 @@ def test_draft_batcher_shares_forwards_and_keeps_each_tree(tiny_pair):
     batcher = DraftBatcher(model)
     drafters = [Drafter(model, batcher) for _ in PROMPTS[:3]]
     trees = batcher.run_step([partial(d.build, p, shape) for d, p in zip(drafters, PROMPTS[:3])])
-    assert batcher.batch_sizes == [3, 3, 3]   # the prompt call, then one per level, for all three at once
+    assert list(batcher.batch_sizes) == [3, 3, 3]   # the prompt call, then one per level, for all three at once
     assert sum(len(d.drain_calls()) for d in drafters) == len(batcher.batch_sizes)
     for a, b in zip(alone, trees):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)

@@ -33,10 +33,11 @@ from flowedge.daemon.membership import ClientGone, ConnectionTracker, Membership
 from flowedge.daemon.plan import Replanner, prepare_plan
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.prompting import prompt_ids
-from flowedge.daemon.requests import Limits, Prepared, Request, RequestBook
+from flowedge.daemon.requests import Limits, Prepared, Request, RequestBook, run_in_turn
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.engine import assembly
 from flowedge.engine.config import SpecConfig
+from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done, Segment, Send
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
@@ -73,6 +74,7 @@ class HeadNode:
                                                  max_running=config.max_concurrent))
         # (strategy, placement ratio, stage devices) -> a function building one request's engine head
         self.engines: dict[tuple, Callable[[], object]] = {}
+        self.batcher: DraftBatcher | None = None   # node 0's draft calls shared across running requests
         self.plan = None
         self.was_ready = False
         self.shutdown_cluster = False
@@ -98,6 +100,7 @@ class HeadNode:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")
             self.plan = self.members.plan = prepare_plan(self.config, flowedge_home())
+            self._use_batcher()
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in self.plan.ranges])
             self.members.assign_all()
@@ -122,13 +125,14 @@ class HeadNode:
         for sock in (self.ctrl, self.ret, self.monitor):
             poller.register(sock, zmq.POLLIN)
         while not self.stop.is_set():
-            ready = dict(poller.poll(50))
+            ready = dict(poller.poll(0 if self.requests.has_work() else 50))
             if self.monitor in ready:   # first: a closed connection is known before its fd is reused
                 self._drain(self.monitor, self._on_monitor)
             if self.ret in ready:
                 self._drain(self.ret, self._on_return)
             if self.ctrl in ready:
                 self._drain(self.ctrl, self._on_ctrl)
+            self.requests.step()   # one piece of work per running request, draft calls batched
             self._housekeeping()
             self.drops.tick()
             self.notifier.tick(self.sd_status)
@@ -177,6 +181,13 @@ class HeadNode:
 
     def _on_new_plan(self, plan) -> None:
         self.plan, self.engines = plan, {}
+        self._use_batcher()
+
+    def _use_batcher(self) -> None:
+        """A draft batcher for the plan's draft model: the requests' handlers of one step run side by side
+        and their draft calls share forwards (engine/draft_batch.py); without a draft model, in turn."""
+        self.batcher = DraftBatcher(self.plan.draft_model) if self.plan.draft_model is not None else None
+        self.requests.run_handlers = self.batcher.run_step if self.batcher is not None else run_in_turn
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())
@@ -238,6 +249,7 @@ class HeadNode:
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
+            "draft_batching": self.batcher.counts() if self.batcher is not None else None,
         }] + self.members.status_rows()
 
     # ---- the request lifecycle's port -------------------------------------------------------------
@@ -275,7 +287,7 @@ class HeadNode:
             self.engines[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
                                         cfg.stages, spec, stop_ids(plan.base_config),
                                         tree_costs=costs if sizing else None, lm_head_ratio=ratio,
-                                        predict_costs=costs)
+                                        predict_costs=costs, batcher=self.batcher)
         return self.engines[key]()
 
     def _last_stage_lm_head_ratio(self) -> float | None:
@@ -340,25 +352,33 @@ class HeadNode:
 
     # ---- data plane and liveness ----------------------------------------------------------------
     def _on_return(self, frames: list) -> None:
+        """A segment back from the last stage: queued on its request; checked when a step takes it."""
         try:
             msg = proto.decode(frames)
             if not isinstance(msg, proto.Segment):
                 raise InvalidMessage("unexpected_type", f"{msg.TYPE} on the pipeline return port")
-            engine = self.requests.engine_of(msg.request_id)
-            if engine is None:
-                return   # output of a cancelled, paused, replayed or finished run
-            if msg.kind == "prefill" or msg.round_id == engine.round_id:   # older rounds: the engine skips them
-                cfg = self.plan.base_config
-                known = int(engine.alive.numel()) if hasattr(engine, "alive") else 0   # ids the engine indexes
-                check_returned_segment(msg, ReturnPlan(cfg.hidden_size, cfg.vocab_size), known)
         except InvalidMessage as err:
             self.drops.drop(err.rule, f"pipeline return: {err}")
             return
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
             return
-        self.requests.on_segment(msg.request_id, wire.segment_from_wire(msg, self.plan.head_model.dtype),
-                                 time.monotonic())
+        self.requests.add_segment(msg.request_id, msg, time.monotonic())
+
+    def accept(self, engine, msg: proto.Segment):
+        """A returned segment as its engine's event, checked against the engine as it is now (after the
+        work queued before it); None: dropped and counted."""
+        try:
+            if msg.kind == "prefill" or msg.round_id == engine.round_id:   # older rounds: the engine skips them
+                cfg = self.plan.base_config
+                known = int(engine.alive.numel()) if hasattr(engine, "alive") else 0   # ids the engine indexes
+                check_returned_segment(msg, ReturnPlan(cfg.hidden_size, cfg.vocab_size), known)
+            return wire.segment_from_wire(msg, self.plan.head_model.dtype)
+        except InvalidMessage as err:
+            self.drops.drop(err.rule, f"pipeline return: {err}")
+        except ProtocolError as err:
+            self.drops.drop("malformed", f"pipeline return: {err}")
+        return None
 
     def _housekeeping(self) -> None:
         if self.members.replanner.busy:

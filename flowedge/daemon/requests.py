@@ -19,6 +19,13 @@ before it). Past `recovery_s` without a full cluster a waiting request fails wit
 
 `max_running` bounds how many requests run at once, each with its own engine head (the config's
 `max_concurrent`: their segments interleave in the pipeline and the stages batch them).
+
+Node 0 batches its draft calls across the running requests the way the simulator does
+(sim/cluster.py, `step_node0`): segments back from the pipeline and each engine's own follow-ups
+(`Continue`) queue on their request, and every `step` takes one piece of work per request — follow-ups
+first, depth-first, then segments in arrival order, so each request sees the order of work it would have
+alone — and runs those handlers side by side through `run_handlers` (the head passes the
+`DraftBatcher`'s `run_step`: the k-th draft call of every handler becomes one packed forward).
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.prompting import StopText
@@ -59,6 +67,7 @@ class Port(Protocol):
     """What the lifecycle needs from the head node."""
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
+    def accept(self, engine, segment): ...   # a returned segment -> engine event, or None (dropped)
     def engine(self, strategy: str): ...
     def text_stream(self, sink): ...
     def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
@@ -85,6 +94,7 @@ class Request:
     last_progress_s: float = 0.0
     replays: int = 0
     stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
+    work: deque = field(default_factory=deque)   # (is_follow_up, item): the engine's next events
 
     @property
     def request_id(self) -> int:
@@ -112,9 +122,18 @@ def replay_params(params: SamplingParams, committed: int) -> SamplingParams:
     return replace(params, seed=int.from_bytes(digest[:7], "big"))
 
 
+Handlers = Callable[[list[Callable[[], list]]], list]
+
+
+def run_in_turn(handlers: list[Callable[[], list]]) -> list:
+    """`run_handlers` without a draft batcher: one after another."""
+    return [h() for h in handlers]
+
+
 class RequestBook:
-    def __init__(self, port: Port, limits: Limits = Limits()) -> None:
+    def __init__(self, port: Port, limits: Limits = Limits(), run_handlers: Handlers = run_in_turn) -> None:
         self.port, self.limits = port, limits
+        self.run_handlers = run_handlers   # one step's handlers, side by side (the draft batcher) or in turn
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}     # key -> running or paused request
         self.by_engine: dict[int, Request] = {}   # engine id -> running request
@@ -139,12 +158,50 @@ class RequestBook:
             req.deadline_s = now + self.limits.recovery_s
         self.queue.append(req)
 
-    def on_segment(self, engine_id: int, event, now: float) -> None:
+    def add_segment(self, engine_id: int, segment, now: float) -> None:
+        """A segment back from the pipeline, queued on its request until a `step` takes it."""
         req = self.by_engine.get(engine_id)
         if req is None or req.state is not State.RUNNING:
             return   # output of a cancelled, paused, replayed or finished run
         req.last_progress_s = now
-        self._run(req, lambda: req.engine.receive(event))
+        req.work.append((False, segment))
+
+    def on_segment(self, engine_id: int, segment, now: float) -> None:
+        """A segment, and every step it leads to, at once (the lifecycle tests' driver)."""
+        self.add_segment(engine_id, segment, now)
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One piece of work per running request, their handlers side by side (their draft calls share
+        forwards); their actions carried out request after request. Returns whether work is left."""
+        batch: list[tuple[Request, object]] = []
+        for req in list(self.running.values()):
+            event = self._next_event(req)
+            if event is not None:
+                batch.append((req, event))
+        if batch:
+            results = self.run_handlers([partial(_guarded, req.engine.receive, ev) for req, ev in batch])
+            for (req, _), result in zip(batch, results):
+                if req.state is State.RUNNING:
+                    self._run(req, partial(_reraise, result))
+        return self.has_work()
+
+    def has_work(self) -> bool:
+        return any(r.work for r in self.running.values() if r.state is State.RUNNING)
+
+    def _next_event(self, req: Request):
+        """The request's next engine event: its oldest follow-up, else its oldest segment that passes the
+        port's checks (made against the engine as it is now, after the work before it)."""
+        if req.state is not State.RUNNING:
+            req.work.clear()
+            return None
+        while req.work:
+            follow_up, item = req.work.popleft()
+            event = item if follow_up else self.port.accept(req.engine, item)
+            if event is not None:
+                return event
+        return None
 
     def cancel(self, owner: bytes, request_id: int, why: str = "cancelled by its client") -> None:
         for req in [r for r in self._all() if r.owner == owner and r.request_id == request_id]:
@@ -226,6 +283,7 @@ class RequestBook:
             return
         self.engine_ids += 1
         req.engine_id = self.engine_ids
+        req.work.clear()   # a replay: whatever the old run had queued is void
         self.by_engine[req.engine_id] = req
         req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
         left = req.msg.max_new_tokens - len(req.emitted)
@@ -264,6 +322,7 @@ class RequestBook:
         self.port.to_client(req.owner, proto.ErrorReply(request_id=req.request_id, message=prefix + why))
 
     def _forget(self, req: Request) -> None:
+        req.work.clear()
         self.running.pop(req.key, None)
         self.by_engine.pop(req.engine_id, None)
         if req in self.queue:
@@ -281,6 +340,8 @@ class RequestBook:
             self._end(req, State.FAILED, f"internal error: {type(err).__name__}: {err}", prefix="")
 
     def _execute(self, req: Request, actions: list) -> None:
+        """Carry out one engine step's actions; its follow-ups go first in the request's work (in order)."""
+        follow_ups = []
         for a in actions:
             if req.state is not State.RUNNING:
                 return
@@ -296,11 +357,13 @@ class RequestBook:
                     self._finish(req, Done(list(req.engine.outputs), req.engine.stats))
                     self.port.reset_stages(req.engine_id)
             elif isinstance(a, Continue):
-                self._execute(req, req.engine.receive(a.event))
+                follow_ups.append((True, a.event))
             elif isinstance(a, Done):
                 self._finish(req, a)
             elif not isinstance(a, Compute):
                 log.warning("unhandled engine action %r", a)
+        if req.state is State.RUNNING:
+            req.work.extendleft(reversed(follow_ups))
 
     def _finish(self, req: Request, done: Done) -> None:
         stats = self.port.finish_stats(req, done)
@@ -317,3 +380,17 @@ class RequestBook:
         self.last_auto = stats.get("auto") or self.last_auto
         log.info("request %d done: %d tokens in %.2f s%s", req.key, len(req.emitted), stats.get("wall_s", 0.0),
                  f" ({req.replays} replays)" if req.replays else "")
+
+
+def _guarded(receive, event):
+    """One request's engine step; an exception comes back as the result (it fails that request only)."""
+    try:
+        return receive(event)
+    except Exception as err:  # noqa: BLE001 - handed to RequestBook._run, which fails the request
+        return err
+
+
+def _reraise(result):
+    if isinstance(result, Exception):
+        raise result
+    return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -27,6 +28,8 @@ from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+BATCHES_REMEMBERED = 100_000   # batch sizes kept for reports (a long-running daemon keeps counts only)
 
 
 @dataclass
@@ -49,7 +52,13 @@ class DraftBatcher:
         self._live = 0                       # handlers of the current step that may still call
         self._pending: list[_Call] = []
         self._local = threading.local()
-        self.batch_sizes: list[int] = []
+        self.batch_sizes: deque[int] = deque(maxlen=BATCHES_REMEMBERED)   # requests per forward, recent
+        self.forwards = 0    # packed draft forwards run, and the requests' calls they held (all time)
+        self.calls = 0
+
+    def counts(self) -> dict:
+        """All-time draft forwards and the calls they held (calls / forwards = requests per draft call)."""
+        return {"forwards": self.forwards, "calls": self.calls}
 
     def run_step(self, handlers: list[Callable[[], T]]) -> list[T]:
         """Run the handlers side by side, batching their draft calls; results in handler order."""
@@ -127,4 +136,6 @@ class DraftBatcher:
         h = self.model.forward_layers(h, positions, bool_to_float_mask(mask, h.dtype), cache)
         logp = torch.log_softmax(self.model.logits(h), dim=-1)
         self.batch_sizes.append(len(batch))
+        self.forwards += 1
+        self.calls += len(batch)
         return list(logp.split(sizes)), (sum(sizes), context, time.perf_counter() - t0)
