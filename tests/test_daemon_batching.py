@@ -1,5 +1,6 @@
 """Several requests at once on real processes (3 nodes, tiny models, fp32 wire): each answer
-token-identical to plain greedy decoding, stages batching them and node 0 sharing draft forwards; a cancelled request's KV freed on every
+token-identical to plain greedy decoding, stages batching them and node 0 sharing draft forwards, within
+a per-stage KV budget that holds two of them at a time (a request that can never fit is refused at once); a cancelled request's KV freed on every
 stage (the stages report the KV tokens they hold in their heartbeats)."""
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import time
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair, start_cluster
-from flowedge.daemon.client import Client
+from flowedge.daemon.client import Client, RequestFailed
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.runner import GenerateRequest, run_generate
 
 PROMPTS = ["abc def ghi jkl", "The quick brown fox", "zzzz", "def fib(n):"]
 MAX_NEW = 32
+KV_BUDGET = 400   # tokens per stage: each request reserves prompt + 32 + a 144-entry tree, so two fit at once
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def cluster(tiny_pair, tmp_path_factory):
     base, draft = tiny_pair
     with flowedge_home(tmp_path_factory.mktemp("home")):
         spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
-                                wire_dtype="float32", device="orin-nano-8gb", max_concurrent=3)
+                                wire_dtype="float32", device="orin-nano-8gb", max_concurrent=3,
+                                kv_budget_tokens=KV_BUDGET)
         c = start_cluster(spec)
         yield c
         c.stop()
@@ -52,9 +55,12 @@ def test_concurrent_answers_match_greedy_and_cancel_frees_stage_kv(cluster, tiny
     with Client(cluster.spec.addr) as client:   # node 0 shared draft forwards between the requests
         drafts = next(n for n in client.status() if n.get("role") == "head")["draft_batching"]
     assert drafts["calls"] > drafts["forwards"] > 0
+    with Client(cluster.spec.addr) as client:   # 300 new tokens + a tree > 400: never fits, one clear error
+        with pytest.raises(RequestFailed, match="KV tokens on every stage.*stage 1 can hold 400"):
+            client.generate(PROMPTS[0], max_new_tokens=300, strategy="flowspec")
     # a client that leaves mid-answer: its request is cancelled and every stage drops its KV
     with Client(cluster.spec.addr) as client:
-        stream = client.stream(PROMPTS[0], max_new_tokens=400, strategy="ar-pp")
+        stream = client.stream(PROMPTS[0], max_new_tokens=200, strategy="ar-pp")
         next(stream)
         stream.close()   # leaving the loop early sends Cancel
     deadline = time.monotonic() + 30

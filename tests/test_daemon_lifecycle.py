@@ -6,6 +6,7 @@ import pytest
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.kv_budget import KvBudget, StageMemory, kv_bytes_per_token, stage_budget, tightest
 from flowedge.daemon.membership import ClientGone, Membership, StageLost
 from flowedge.daemon.requests import Limits, Prepared, RequestBook, State, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
@@ -50,6 +51,13 @@ class FakePort:
         self.client: list[tuple[bytes, proto.Message]] = []
         self.stages: list = []
         self.resets: list[int] = []
+        self.budget: KvBudget | None = None
+
+    def kv_budget(self):
+        return self.budget
+
+    def kv_need(self, prepared, max_new_tokens):
+        return len(prepared.prompt_ids) + max_new_tokens
 
     def prepare(self, msg):
         if msg.strategy == "bad":
@@ -285,6 +293,43 @@ def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
     assert [e for i, e in work if i == 1] == ["s", "s.1", "s.1.1", "s.2", "u", "u.1", "u.1.1"]
     assert port.tokens(b"a") == [7, 7, 7] and port.done(b"a") and port.tokens(b"b") == [7, 7]
     assert not b.has_work()
+
+
+def test_admission_waits_for_kv_on_every_stage_first_come_first_served():
+    b, port = book(max_running=4)
+    port.budget = KvBudget(100, 2, "test")
+    b.tick(0.0, True)
+    b.submit(b"big", prompt(1, max_new=200), 0.0, True, [])     # 3 + 200 > 100: can never fit
+    assert port.errors(b"big") == ["the request needs 203 KV tokens on every stage (prompt + max_tokens + a "
+                                   "draft tree); stage 2 can hold 100 (test): shorten the prompt or lower max_tokens"]
+    for owner, max_new in ((b"a", 57), (b"b", 47), (b"c", 27)):   # needs 60, 50, 30
+        b.submit(owner, prompt(1, max_new=max_new), 0.0, True, [])
+    b.tick(0.1, True)
+    assert [r.owner for r in b.running.values()] == [b"a"] and b.kv_reserved() == 60
+    assert [r.owner for r in b.queue] == [b"b", b"c"]   # c would fit, but does not overtake b
+    a = next(iter(b.running.values()))
+    for t in range(57):
+        b.on_segment(a.engine_id, t, 0.2)
+    assert port.done(b"a")
+    b.tick(0.3, True)
+    assert sorted(r.owner for r in b.running.values()) == [b"b", b"c"] and b.kv_reserved() == 80
+
+
+def test_a_stage_s_kv_budget_comes_from_its_free_memory_less_weights_capped_by_the_setting():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                          num_hidden_layers=4, vocab_size=100, head_dim=16)
+    per_token = kv_bytes_per_token(cfg, 2, 4)
+    assert per_token == 2 * 2 * (2 * 16) * 4   # layers x (K, V) x kv width x fp32
+    free, weights = 2_000_000_000, 100_000_000
+    stage = StageMemory(stage=1, layers=2, free_memory_bytes=free, weights_bytes=weights)
+    derived = stage_budget(cfg, stage, 4)
+    assert derived.tokens == int((free * 0.9 - weights - 0.75 * (1 << 30)) // per_token) and "GB free" in derived.why
+    assert stage_budget(cfg, stage, 4, cap_tokens=1000) == KvBudget(1000, 1, "kv_budget_tokens = 1000")
+    assert stage_budget(cfg, StageMemory(2, 2, 0, weights), 4) is None   # nothing known: no limit
+    poor = StageMemory(2, 2, 900_000_000, weights)                        # less free than weights + runtime
+    assert tightest(cfg, [stage, poor], 4).tokens == 0 and tightest(cfg, [stage, poor], 4).stage == 2
 
 
 def test_replay_params_keep_greedy_and_reseed_sampling():

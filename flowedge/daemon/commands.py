@@ -72,7 +72,10 @@ def liveness_options(head: bool):
                  click.option("--stall-timeout", type=float, default=None,
                               help="Seconds without pipeline output before a request is replayed (120)."),
                  click.option("--max-concurrent", type=int, default=None,
-                              help="Requests in the pipeline at once, batched on every stage (4); the rest queue.")]
+                              help="Requests in the pipeline at once, batched on every stage (4); the rest queue."),
+                 click.option("--kv-budget-tokens", type=int, default=None,
+                              help="KV tokens each stage holds for all its requests (default 0: from each "
+                                   "stage's free memory); a request waits until it fits.")]
 
     def apply(fn):
         for opt in reversed(opts):
@@ -88,12 +91,13 @@ def liveness_options(head: bool):
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
 @liveness_options(head=True)
 def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout,
-          max_concurrent) -> None:
+          max_concurrent, kv_budget_tokens) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
     _daemon_logging()
     _run_node(load_node_config(config_path, role=role, threads=threads, heartbeat_ms=heartbeat_ms,
                                stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
-                               stall_timeout_s=stall_timeout, max_concurrent=max_concurrent))
+                               stall_timeout_s=stall_timeout, max_concurrent=max_concurrent,
+                               kv_budget_tokens=kv_budget_tokens))
 
 
 @click.command()
@@ -142,7 +146,7 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
        detach, ready_timeout, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
-       insecure) -> None:
+       kv_budget_tokens, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
@@ -152,7 +156,8 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
         wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers),
         **{k: v for k, v in dict(heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout,
                                  client_timeout_s=client_timeout, recovery_s=recovery,
-                                 stall_timeout_s=stall_timeout, max_concurrent=max_concurrent).items()
+                                 stall_timeout_s=stall_timeout, max_concurrent=max_concurrent,
+                                 kv_budget_tokens=kv_budget_tokens).items()
                    if v is not None})
     cluster = local_cluster.start(spec, detach=detach)
     click.echo(f"starting {nodes} nodes on 127.0.0.1:{port} (logs: {cluster.run_dir})", err=True)

@@ -44,6 +44,8 @@ class NodeConfig:
     recovery_s: float = 30.0                  # a request waits this long for a lost stage's slot to be filled
     stall_timeout_s: float = 120.0            # a running request with no pipeline output this long is replayed
     max_concurrent: int = 4                   # requests in the pipeline at once (stages batch them); the rest queue
+    kv_budget_tokens: int = 0                 # KV tokens a stage holds for all its requests; 0 = from each
+                                              # stage's free memory (daemon/kv_budget.py); else also a cap
     # head only
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
@@ -94,6 +96,8 @@ class NodeConfig:
             raise ConfigError("heartbeat_ms must be >= 10 and stage_timeout_s at least two heartbeats")
         if self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.kv_budget_tokens < 0:
+            raise ConfigError(f"kv_budget_tokens must be >= 0 (0 = from free memory), got {self.kv_budget_tokens}")
         for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):
             if not getattr(self, name) * 1000 >= 2 * self.heartbeat_ms:
                 raise ConfigError(f"{name} must be at least two heartbeats ({2 * self.heartbeat_ms} ms)")

@@ -32,6 +32,7 @@ from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.membership import ClientGone, ConnectionTracker, Membership, Peer, StageLost
 from flowedge.daemon.plan import Replanner, prepare_plan
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon import kv_budget
 from flowedge.daemon.prompting import prompt_ids
 from flowedge.daemon.requests import Limits, Prepared, Request, RequestBook, run_in_turn
 from flowedge.daemon.sd_notify import Notifier
@@ -261,6 +262,24 @@ class HeadNode:
         check_context(len(ids), m.max_new_tokens, self.plan.base_config.max_position_embeddings)
         return Prepared(ids, params, m.strategy or self.config.strategy)
 
+    def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
+        spec = self._spec()
+        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
+        return kv_budget.request_need(len(prepared.prompt_ids), max_new_tokens, reserve)
+
+    def kv_budget(self) -> kv_budget.KvBudget | None:
+        """The tightest stage's KV budget, from the stages that joined (daemon/kv_budget.py)."""
+        plan, m = self.plan, self.members
+        stages = [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
+                  for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
+        return kv_budget.tightest(plan.base_config, stages, plan.head_model.dtype.itemsize,
+                                  self.config.kv_budget_tokens)
+
+    def _spec(self) -> SpecConfig:
+        cfg = self.config
+        return SpecConfig().with_(tree_nodes=cfg.tree_nodes or None, lm_head_at=cfg.lm_head_at,
+                                  lookup_tokens=cfg.lookup_tokens)
+
     def text_stream(self, sink):
         from flowedge.runner import TextStream
 
@@ -277,8 +296,7 @@ class HeadNode:
             from flowedge.engine.local import stop_ids
 
             plan, cfg = self.plan, self.config
-            spec = SpecConfig().with_(tree_nodes=cfg.tree_nodes or None, lm_head_at=cfg.lm_head_at,
-                                      lookup_tokens=cfg.lookup_tokens)
+            spec = self._spec()
             costs = None
             if plan.draft_model is not None:
                 costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,

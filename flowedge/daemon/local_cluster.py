@@ -49,6 +49,7 @@ class LocalClusterSpec:
     recovery_s: float = 30.0
     stall_timeout_s: float = 120.0
     max_concurrent: int = 4          # requests in the pipeline at once
+    kv_budget_tokens: int = 0        # per stage; 0 = from free memory
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -128,7 +129,8 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
         f"heartbeat_ms = {spec.heartbeat_ms}", f"stage_timeout_s = {spec.stage_timeout_s}",
         f"client_timeout_s = {spec.client_timeout_s}", f"recovery_s = {spec.recovery_s}",
-        f"stall_timeout_s = {spec.stall_timeout_s}", f"max_concurrent = {spec.max_concurrent}", f'device = "{spec.device}"',
+        f"stall_timeout_s = {spec.stall_timeout_s}", f"max_concurrent = {spec.max_concurrent}",
+        f"kv_budget_tokens = {spec.kv_budget_tokens}", f'device = "{spec.device}"',
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base = [sys.executable, "-m", "flowedge", "-v"]

@@ -18,7 +18,11 @@ with the same seed; reusing the seed's stream would correlate the draws after th
 before it). Past `recovery_s` without a full cluster a waiting request fails with one clear error.
 
 `max_running` bounds how many requests run at once, each with its own engine head (the config's
-`max_concurrent`: their segments interleave in the pipeline and the stages batch them).
+`max_concurrent`: their segments interleave in the pipeline and the stages batch them). Admission also
+respects the stages' KV memory (daemon/kv_budget.py): a request starts only when its worst-case KV
+(prompt + max new tokens + a draft tree) fits on every stage next to what the running ones reserve;
+otherwise it waits its turn (first come, first served: nothing overtakes it), and one that could never
+fit gets one clear error as soon as it arrives.
 
 Node 0 batches its draft calls across the running requests the way the simulator does
 (sim/cluster.py, `step_node0`): segments back from the pipeline and each engine's own follow-ups
@@ -38,6 +42,7 @@ from functools import partial
 from typing import Callable, Protocol
 
 from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.kv_budget import KvBudget
 from flowedge.daemon.prompting import StopText
 from flowedge.engine.events import Compute, Continue, Done, Emit, Send
 from flowedge.errors import FlowedgeError
@@ -68,6 +73,8 @@ class Port(Protocol):
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
     def accept(self, engine, segment): ...   # a returned segment -> engine event, or None (dropped)
+    def kv_budget(self) -> KvBudget | None: ...   # the tightest stage's KV tokens (None: no limit known)
+    def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int: ...
     def engine(self, strategy: str): ...
     def text_stream(self, sink): ...
     def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
@@ -95,6 +102,7 @@ class Request:
     replays: int = 0
     stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
     work: deque = field(default_factory=deque)   # (is_follow_up, item): the engine's next events
+    kv_tokens: int = 0                # KV tokens it may hold on every stage (reserved while it runs)
 
     @property
     def request_id(self) -> int:
@@ -154,6 +162,8 @@ class RequestBook:
             return
         self.keys += 1
         req = Request(self.keys, owner, msg, now)
+        if not self._prepare(req) or not self._can_ever_fit(req):
+            return
         if not ready:   # the cluster lost a stage: wait for it, within the recovery deadline
             req.deadline_s = now + self.limits.recovery_s
         self.queue.append(req)
@@ -239,7 +249,28 @@ class RequestBook:
         for req in [r for r in self.running.values() if r.state is State.PAUSED]:
             self._replay(req, now)
         while self.queue and len(self.running) < self.limits.max_running:
+            if not self._can_ever_fit(self.queue[0]):
+                continue
+            if not self._fits_now(self.queue[0]):
+                break   # waits for running requests to free KV; nothing behind it overtakes
             self._start(self.queue.popleft(), now)
+
+    def kv_reserved(self) -> int:
+        """KV tokens the running (and paused) requests reserve on every stage."""
+        return sum(r.kv_tokens for r in self.running.values())
+
+    def _can_ever_fit(self, req: Request) -> bool:
+        budget = self.port.kv_budget()
+        if budget is None or req.kv_tokens <= budget.tokens:
+            return True
+        self._end(req, State.FAILED, f"the request needs {req.kv_tokens} KV tokens on every stage (prompt + "
+                                     f"max_tokens + a draft tree); stage {budget.stage} can hold {budget.tokens} "
+                                     f"({budget.why}): shorten the prompt or lower max_tokens", prefix="")
+        return False
+
+    def _fits_now(self, req: Request) -> bool:
+        budget = self.port.kv_budget()
+        return budget is None or self.kv_reserved() + req.kv_tokens <= budget.tokens
 
     # ---- queries ----------------------------------------------------------------------------------
     def engine_of(self, engine_id: int):
@@ -257,18 +288,23 @@ class RequestBook:
         return list(self.running.values()) + list(self.queue)
 
     # ---- transitions ------------------------------------------------------------------------------
-    def _start(self, req: Request, now: float) -> None:
+    def _prepare(self, req: Request) -> bool:
+        """Token ids, sampling params and KV need, on arrival (a bad request is refused at once)."""
         try:
             req.prepared = self.port.prepare(req.msg)
+            req.kv_tokens = self.port.kv_need(req.prepared, req.msg.max_new_tokens)
             req.text = self.port.text_stream(req.pieces.append)
             req.stop = StopText(req.msg.stop)
         except FlowedgeError as err:
             self._end(req, State.FAILED, str(err), prefix="")
-            return
+            return False
         except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
             log.exception("request %d could not start", req.key)
             self._end(req, State.FAILED, f"internal error: {type(err).__name__}: {err}", prefix="")
-            return
+            return False
+        return True
+
+    def _start(self, req: Request, now: float) -> None:
         req.started_s = now
         self.running[req.key] = req
         self._launch(req, now)

@@ -1,0 +1,67 @@
+"""How many KV-cache tokens each stage can hold for all the requests it serves at once, and what one
+request needs: the head admits a request only when it fits on every stage next to the running ones.
+
+A stage's budget comes from what it reported when it joined (its Hello's free memory, taken before it
+loaded anything) less its shard's weights, the runtime's own footprint and a safety margin, divided by
+the bytes one token's K and V take over the stage's layers (in the dtype the stages compute in). The
+`kv_budget_tokens` setting caps it (and is the whole budget where a stage reported no free memory).
+A request needs its prompt, every token it may generate and the largest draft tree it can have in
+flight on a stage (the engine's `MultiHead.footprint` reserves the same).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowedge.plan.memory import RUNTIME_OVERHEAD_BYTES
+from flowedge.sim.costs import shape_of_layers
+
+MARGIN_FRACTION = 0.1   # of a stage's free memory, kept back: allocator slack, activations, other tenants
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What the head knows about one stage's memory."""
+    stage: int
+    layers: int
+    free_memory_bytes: int   # reported in its Hello; 0 = unknown
+    weights_bytes: int       # its shard files
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudget:
+    """The tightest stage's budget; `why` says how it was worked out (for the error a client sees)."""
+    tokens: int
+    stage: int
+    why: str
+
+
+def kv_bytes_per_token(base_config: Any, layers: int, dtype_bytes: int) -> float:
+    """K and V of one context token over `layers` decoder layers, at `dtype_bytes` per element."""
+    return shape_of_layers(base_config, 0, layers).kv_bytes_per_token * dtype_bytes / 2.0
+
+
+def stage_budget(base_config: Any, stage: StageMemory, dtype_bytes: int, cap_tokens: int = 0) -> KvBudget | None:
+    """One stage's KV budget in tokens; None when neither its free memory nor a cap is known."""
+    cap = KvBudget(cap_tokens, stage.stage, f"kv_budget_tokens = {cap_tokens}") if cap_tokens else None
+    per_token = kv_bytes_per_token(base_config, stage.layers, dtype_bytes)
+    if not stage.free_memory_bytes or per_token <= 0:
+        return cap
+    spare = stage.free_memory_bytes * (1 - MARGIN_FRACTION) - stage.weights_bytes - RUNTIME_OVERHEAD_BYTES
+    tokens = max(0, int(spare // per_token))
+    derived = KvBudget(tokens, stage.stage, (
+        f"{stage.free_memory_bytes / 1e9:.2f} GB free when it joined, less {MARGIN_FRACTION:.0%}, "
+        f"{stage.weights_bytes / 1e9:.2f} GB of weights and {RUNTIME_OVERHEAD_BYTES / 1e9:.2f} GB of runtime, "
+        f"at {per_token / 1024:.1f} KiB per token over its {stage.layers} layers"))
+    return derived if cap is None or derived.tokens < cap.tokens else cap
+
+
+def tightest(base_config: Any, stages: list[StageMemory], dtype_bytes: int, cap_tokens: int = 0) -> KvBudget | None:
+    """The smallest stage budget (every request holds KV on every stage); None: no limit known."""
+    budgets = [b for s in stages if (b := stage_budget(base_config, s, dtype_bytes, cap_tokens)) is not None]
+    return min(budgets, key=lambda b: b.tokens) if budgets else None
+
+
+def request_need(prompt_tokens: int, max_new_tokens: int, tree_reserve: int) -> int:
+    """KV tokens one request can hold on a stage: its whole context plus a draft tree in flight."""
+    return prompt_tokens + max_new_tokens + tree_reserve
