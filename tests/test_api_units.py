@@ -147,3 +147,72 @@ def test_http_unit_passes_systemd_analyze_verify(tmp_path):
     out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / unit)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and unit not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def live_api():
+    """The app under uvicorn on a real port (header deadline 1 s), in front of a head that is not there."""
+    import socket
+    import threading
+    import time
+
+    from flowedge.api.server import build_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = ApiSettings(head="127.0.0.1:9", header_timeout_s=1.0, read_timeout_s=3.0, status_timeout_s=0.3,
+                           request_timeout_s=0.5)
+    server = build_server(settings, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield port
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def _closed_after_s(sock, trickle: bytes, t0: float) -> float:
+    """Send `trickle` every 0.2 s until the server closes the connection; seconds from `t0` to then."""
+    import time
+
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < 10:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        try:
+            sock.sendall(trickle)
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - t0
+    raise AssertionError("the server kept a trickling connection open for 10 s")
+
+
+def test_a_client_trickling_its_headers_is_cut_off_and_others_are_served(live_api):
+    import socket
+    import time
+
+    import httpx
+
+    t0 = time.monotonic()
+    slow, silent = socket.create_connection(("127.0.0.1", live_api)), socket.create_connection(("127.0.0.1", live_api))
+    with slow, silent:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        assert httpx.get(f"http://127.0.0.1:{live_api}/health").status_code == 503   # served meanwhile
+        assert 0.9 < _closed_after_s(slow, b"X-Slow: 1\r\n", t0) < 2.5
+        assert _closed_after_s(silent, b"", t0) < 2.5   # one that sends nothing at all
+    # the deadline covers the head only: a body slower than it (within the body timeout) is still read
+    with socket.create_connection(("127.0.0.1", live_api)) as body:
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 15\r\n\r\n")
+        time.sleep(1.5)
+        body.sendall(b'{"prompt": "a"}')
+        body.settimeout(5)
+        assert body.recv(4096).startswith(b"HTTP/1.1 503")   # answered (the head is not there)

@@ -19,6 +19,8 @@ class ApiSettings:
     insecure: bool = False
     api_keys: tuple[str, ...] = ()         # bearer tokens; empty = no authentication (loopback only)
     read_timeout_s: float = 10.0           # longest wait for the next piece of a request body
+    header_timeout_s: float = 10.0         # longest wait for a whole request head (api/header_deadline.py)
+    max_connections: int = 128             # open connections + running requests; 503 beyond (uvicorn)
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0       # longest silence from the head during one answer
     status_timeout_s: float = 3.0          # /health and /metrics asking the head

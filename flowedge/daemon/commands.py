@@ -296,9 +296,14 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
               help="Seconds to wait for the rest of a request body.")
 @click.option("--request-timeout", default=300.0, show_default=True, type=float,
               help="Seconds of silence from the head before an answer fails.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a client has to send a whole request head (request line + headers).")
+@click.option("--max-connections", default=128, show_default=True, type=int,
+              help="Open connections + running requests; beyond it new ones get 503.")
 @KEYS_OPTION
 @INSECURE_OPTION
-def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, keys_dir, insecure) -> None:
+def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
+         keys_dir, insecure) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) in front of a head."""
     from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
@@ -307,7 +312,8 @@ def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, ke
     host, port = split_listen(listen)
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
                            api_keys=load_api_keys(api_keys, api_key_file), read_timeout_s=read_timeout,
-                           request_timeout_s=request_timeout)
+                           request_timeout_s=request_timeout, header_timeout_s=header_timeout,
+                           max_connections=max_connections)
     from flowedge.api.server import build_server
 
     server = build_server(settings, host, port)

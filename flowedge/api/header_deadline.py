@@ -1,0 +1,75 @@
+"""A deadline for a request's head (request line + headers) on uvicorn's h11 protocol.
+
+uvicorn (0.54) has no such timeout: `timeout_keep_alive` only covers the idle time between requests and
+is cancelled by the first byte that arrives, so a client that opens a connection and trickles header
+bytes (slowloris) holds it for ever, and enough of them exhaust the server. uvicorn's own settings bound
+what they can: `h11_max_incomplete_event_size` the bytes of a head, `limit_concurrency` the connections
+and tasks at once (503 beyond it) — `build_server` sets both — but neither bounds time (uvicorn issue
+#157, "timeout-request-start", still open). The body has the guard's per-chunk `read_timeout_s`.
+
+`header_deadline_protocol(timeout_s)` is uvicorn's `H11Protocol` with one addition: while the server
+waits for a request's head (h11's `their_state` is IDLE and bytes have arrived, or the connection has
+just opened) a timer runs, armed once and not reset by further bytes; if the head is not complete when
+it fires, the connection is closed. Once the head is parsed the timer is off, so a long streamed answer
+is never cut. Passed to uvicorn as its `http` protocol class (a documented `Config` option).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from flowedge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HEADER_TIMEOUT_S = 10.0
+
+
+class HeaderDeadlineH11(H11Protocol):
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _waiting_for_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+
+    def _watch_head(self) -> None:
+        """Arm the deadline when a head is awaited (once per head); disarm once it is complete."""
+        if not self._waiting_for_head():
+            self._stop_head_timer()
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self._waiting_for_head():
+            client = "%s:%d" % self.client if self.client else "a client"
+            log.warning("closing the connection from %s: no complete request head within %g s",
+                        client, self.header_timeout_s)
+            self.transport.close()
+
+
+def header_deadline_protocol(timeout_s: float) -> type[HeaderDeadlineH11]:
+    """uvicorn's h11 protocol class with a `timeout_s` deadline for each request head."""
+    if not timeout_s > 0:
+        raise ConfigError(f"the header timeout must be > 0 s, got {timeout_s}")
+    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": float(timeout_s)})
