@@ -4,6 +4,8 @@ For each level a local cluster is started with `max_concurrent` = that level; ev
 once, each by its own client. Reported as in the simulated sweep (bench/concurrency.py), except the time
 between tokens: a client sees text pieces, not tokens, so here it is the time between streamed pieces.
 "matches" compares each answer with the same prompt served at the first level (one at a time).
+"Requests per draft call" comes from the head's status (its draft batcher's forwards and the calls they
+held during the level's run).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
             wait_ready(spec.addr, 1800, alive=cluster.alive)
             for name in cfg.strategies:
                 answers: list[dict] = [{} for _ in prompts]
+                drafts0 = _draft_counts(spec.addr)
                 t0 = time.monotonic()
                 workers = [threading.Thread(target=_ask, args=(spec.addr, p.text, cfg, name, answers[i]))
                            for i, p in enumerate(prompts)]
@@ -59,6 +62,7 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
                     w.join()
                 wall_s = time.monotonic() - t0
                 row = _row(name, c, answers, wall_s, alone)
+                row["mean_draft_batch"] = _per_forward(drafts0, _draft_counts(spec.addr))
                 results["rows"].append(row)
                 say(f"{name} x{c}: {row['tokens_per_s']:.2f} tok/s (wall), p50 {row['p50_tbt_ms']:.0f} ms, "
                     f"p99 {row['p99_tbt_ms']:.0f} ms between pieces")
@@ -68,6 +72,20 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
     (out / "table.md").write_text(concurrency_table(results))
     plot_concurrency(results, out / "concurrency.png")
     return results
+
+
+def _draft_counts(addr: str) -> dict:
+    from flowedge.daemon.client import Client
+
+    with Client(addr) as client:
+        head = next(n for n in client.status() if n.get("role") == "head")
+    return head.get("draft_batching") or {"forwards": 0, "calls": 0}
+
+
+def _per_forward(before: dict, after: dict) -> float | None:
+    """Draft calls per packed draft forward between two status readings (None: no draft calls)."""
+    forwards = after["forwards"] - before["forwards"]
+    return (after["calls"] - before["calls"]) / forwards if forwards else None
 
 
 def _row(name: str, c: int, answers: list[dict], wall_s: float, alone: dict) -> dict:
