@@ -103,6 +103,7 @@ class Request:
     stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
     work: deque = field(default_factory=deque)   # (is_follow_up, item): the engine's next events
     kv_tokens: int = 0                # KV tokens it may hold on every stage (reserved while it runs)
+    kv_waited: bool = False           # has waited in the queue for KV (logged once)
 
     @property
     def request_id(self) -> int:
@@ -252,6 +253,7 @@ class RequestBook:
             if not self._can_ever_fit(self.queue[0]):
                 continue
             if not self._fits_now(self.queue[0]):
+                self._note_kv_wait(self.queue[0])
                 break   # waits for running requests to free KV; nothing behind it overtakes
             self._start(self.queue.popleft(), now)
 
@@ -267,6 +269,12 @@ class RequestBook:
                                      f"max_tokens + a draft tree); stage {budget.stage} can hold {budget.tokens} "
                                      f"({budget.why}): shorten the prompt or lower max_tokens", prefix="")
         return False
+
+    def _note_kv_wait(self, req: Request) -> None:
+        if not req.kv_waited:
+            req.kv_waited = True
+            log.info("request %d waits for KV: needs %d tokens per stage, %d of %d held by %d running", req.key,
+                     req.kv_tokens, self.kv_reserved(), self.port.kv_budget().tokens, len(self.running))
 
     def _fits_now(self, req: Request) -> bool:
         budget = self.port.kv_budget()
