@@ -62,10 +62,12 @@ def random_message(rng: random.Random, hidden_size: int) -> p.Message | None:
         hidden = torch.randn(n, width).to(p.WIRE_DTYPES[wire])
         sampling = dict(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.randrange(5),
                         seed=rng.randrange(100)) if rng.random() < 0.2 else {}
+        ids = 0 if kind == "prefill" and rng.random() < 0.9 else n   # a prefill names no nodes (mostly)
+        roots = sorted(rng.sample(range(ids), rng.randrange(min(ids, 2) + 1))) if rng.random() < 0.7 else None
         return p.Segment(request_id=rng.randrange(3), round_id=rng.randrange(3), seq=rng.randrange(50),
-                         prune_version=rng.randrange(5), kind=kind, sent_at_step=0, node_ids=_ids(rng, n, 12),
-                         parent_ids=_ids(rng, n, 12), positions=positions, hidden=hidden, hidden_wire=wire,
-                         **sampling)
+                         prune_version=rng.randrange(5), kind=kind, sent_at_step=0, node_ids=_ids(rng, ids, 12),
+                         parent_ids=_ids(rng, ids, 12), positions=positions, hidden=hidden, hidden_wire=wire,
+                         root_rows=None if roots is None else torch.tensor(roots, dtype=torch.long), **sampling)
     except ProtocolError:
         return None
 

@@ -122,9 +122,10 @@ def test_a_bogus_returned_segment_is_dropped_and_the_request_completes(nodes):
     sock.linger = 0
     security.secure_client(sock, security.load_keys())
     sock.connect(f"tcp://{host}:{int(port) + 1}")
-    for rid in range(1, 200):   # whichever run is live gets a prefill row naming draft node 99
+    none = torch.empty(0, dtype=torch.long)
+    for rid in range(1, 200):   # whichever run is live gets a prefill row of the wrong width
         bogus = proto.Segment(request_id=rid, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=1,
-                              node_ids=torch.tensor([99]), parent_ids=torch.tensor([0]), positions=torch.tensor([0]),
+                              node_ids=none, parent_ids=none, positions=torch.tensor([0]),
                               hidden=torch.zeros(1, 8))
         sock.send_multipart(bogus.to_frames())
     sock.close(0)

@@ -34,15 +34,17 @@ def _inbox(model, log_name="inbox-test") -> StageInbox:
 
 
 def _prefill(request_id=1, n=3) -> p.Segment:
-    z = torch.zeros(n, dtype=torch.long)
+    none = torch.empty(0, dtype=torch.long)
     return p.Segment(request_id=request_id, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=0,
-                     node_ids=z, parent_ids=z, positions=torch.arange(n), hidden=torch.randn(n, H).half())
+                     node_ids=none, parent_ids=none, positions=torch.arange(n), hidden=torch.randn(n, H).half())
 
 
-def _draft(node_ids, parent_ids, width=H, prune_version=0) -> p.Segment:
+def _draft(node_ids, parent_ids, width=H, prune_version=0, roots=None) -> p.Segment:
+    """Tree nodes (ids as the engine's, no shift); `roots`: rows hanging off the committed context."""
     n = len(node_ids)
     return p.Segment(request_id=1, round_id=0, seq=2, prune_version=prune_version, kind="draft", sent_at_step=0,
                      node_ids=torch.tensor(node_ids), parent_ids=torch.tensor(parent_ids),
+                     root_rows=None if roots is None else torch.tensor(roots),
                      positions=torch.arange(3, 3 + n), hidden=torch.randn(n, width).half())
 
 
@@ -68,9 +70,10 @@ def test_a_self_parent_segment_returns_at_once(stage_model):
 
 
 def test_the_ancestor_walk_ends_even_on_a_cycle():
-    parent_of = torch.tensor([1, 0, 2, -1])          # 0 <-> 1 a cycle, 2 its own parent
+    parent_of = torch.tensor([1, 0, 2, 0])          # 0 <-> 1 a cycle, 2 its own parent, 3 a root
+    is_root = torch.tensor([False, False, False, True])
     with time_bound(MESSAGE_BOUND_S):
-        rows = tree_rows(parent_of, torch.tensor([0, 2, 3]), torch.tensor([0, 1, 2, 3]))
+        rows = tree_rows(parent_of, is_root, torch.tensor([0, 2, 3]), torch.tensor([0, 1, 2, 3]))
     assert rows.tolist() == [[True, True, False, False], [False, False, True, False],
                              [False, False, False, True]]
 
@@ -78,9 +81,9 @@ def test_the_ancestor_walk_ends_even_on_a_cycle():
 def test_hidden_states_of_the_wrong_width_are_dropped(stage_model):
     inbox = _inbox(stage_model)
     inbox.handle(_prefill())
-    assert inbox.handle(_draft([1], [0], width=H + 1)).sends == []
+    assert inbox.handle(_draft([0], [0], width=H + 1, roots=[0])).sends == []
     assert inbox.drops.counts == {"segment_width": 1}
-    assert len(inbox.handle(_draft([1], [0])).sends) == 1      # the stage still serves the request
+    assert len(inbox.handle(_draft([0], [0], roots=[0])).sends) == 1      # the stage still serves the request
 
 
 def test_an_error_inside_the_worker_fails_only_that_request(stage_model):
@@ -97,8 +100,8 @@ def test_a_request_past_the_model_context_is_reset(stage_model):
     inbox = _inbox(stage_model)
     inbox.handle(_prefill())
     inbox.plan = type(inbox.plan)(hidden_size=H, hidden_wire="float16", max_positions=6)
-    assert len(inbox.handle(_draft([1, 2], [0, 1])).sends) == 1    # 3 + 2 entries fit
-    assert inbox.handle(_draft([3, 4], [0, 3])).sends == []          # 5 + 2 do not
+    assert len(inbox.handle(_draft([0, 1], [0, 0], roots=[0])).sends) == 1    # 3 + 2 entries fit
+    assert inbox.handle(_draft([2, 3], [1, 2])).sends == []          # 5 + 2 do not
     assert inbox.drops.counts == {"context_full": 1}
     assert inbox.worker.slots == {}
 
@@ -170,8 +173,8 @@ class _Poisoned:
 
 def _draft_of(request_id, hidden) -> p.Segment:
     return p.Segment(request_id=request_id, round_id=0, seq=2, prune_version=0, kind="draft", sent_at_step=0,
-                     node_ids=torch.tensor([1, 2]), parent_ids=torch.tensor([0, 1]), positions=torch.arange(3, 5),
-                     hidden=hidden)
+                     node_ids=torch.tensor([0, 1]), parent_ids=torch.tensor([0, 0]), root_rows=torch.tensor([0]),
+                     positions=torch.arange(3, 5), hidden=hidden)
 
 
 def test_one_request_failing_inside_a_batched_forward_fails_only_that_request(stage_model):
@@ -202,6 +205,6 @@ def test_one_request_failing_inside_a_batched_forward_fails_only_that_request(st
     assert inbox.worker.slots[1].prefix_len == inbox.worker.slots[3].prefix_len == 5
     batch = inbox.run([inbox.admit(p.Segment(
         request_id=rid, round_id=0, seq=3, prune_version=1, kind="draft", sent_at_step=0,
-        node_ids=torch.tensor([3]), parent_ids=torch.tensor([2]), positions=torch.tensor([5]),
+        node_ids=torch.tensor([2]), parent_ids=torch.tensor([1]), positions=torch.tensor([5]),
         hidden=torch.randn(1, H).half())) for rid in (1, 3)])
     assert sorted(s.request_id for s in batch.sends) == [1, 3] and inbox.worker.batch_sizes[-1] == 2

@@ -48,24 +48,29 @@ def test_missing_config_file_names_the_example(tmp_path):
 
 @pytest.mark.parametrize("wire_dtype", ["float32", "float16"])
 def test_segment_survives_the_wire(wire_dtype):
-    seg = events.Segment(3, 2, 7, 5, torch.tensor([4, 5, 9]), torch.tensor([-1, 4, 5]), torch.tensor([30, 31, 32]),
-                         torch.randn(3, 8), "expansion")
-    frames = [bytes(f) for f in wire.to_wire(seg, wire_dtype).to_frames()]
+    seg = events.Segment(3, 2, 7, 5, torch.tensor([0, 4, 5, 9]), torch.tensor([0, 0, 4, 5]),
+                         torch.tensor([30, 31, 32, 33]), torch.randn(4, 8), "expansion",
+                         roots=torch.tensor([True, False, False, False]))
+    msg = wire.to_wire(seg, wire_dtype)
+    assert msg.node_ids is seg.node_ids and msg.parent_ids is seg.parent_ids   # no shift: no copy
+    assert msg.root_rows.tolist() == [0]
+    frames = [bytes(f) for f in msg.to_frames()]
     back = wire.from_wire(proto.decode(frames), torch.float32)
     assert (back.request_id, back.round_id, back.seq, back.prune_version, back.phase) == (3, 2, 7, 5, "expansion")
-    for name in ("node_ids", "parent_ids", "positions"):
+    for name in ("node_ids", "parent_ids", "positions", "roots"):
         assert torch.equal(getattr(back, name), getattr(seg, name))
     tol = 0 if wire_dtype == "float32" else 1e-2
     assert back.hidden.dtype == torch.float32
     torch.testing.assert_close(back.hidden, seg.hidden, atol=tol, rtol=tol)
 
 
-def test_prefill_segment_ids_travel_shifted_and_prune_keeps_end_round():
+def test_prefill_segments_carry_no_tree_ids_and_prune_keeps_end_round():
     n = 4
-    seg = events.Segment(1, 0, 0, 0, torch.full((n,), -1), torch.full((n,), -1), torch.arange(n), torch.zeros(n, 2),
-                         "prefill")
+    seg = events.Segment.prefill(1, 0, torch.arange(n), torch.zeros(n, 2))
     msg = wire.to_wire(seg, "float32")
-    assert msg.node_ids.tolist() == [0] * n      # no negative ids on the wire
+    assert msg.node_ids.numel() == msg.parent_ids.numel() == 0 and msg.root_rows is None and len(msg) == n
+    back = wire.from_wire(proto.decode(msg.to_frames()), torch.float32)
+    assert len(back) == n and back.node_ids.numel() == 0 and back.roots is None
     prune = events.Prune(1, 0, 3, PruneSet(torch.tensor([2, 5]), torch.tensor([6, 7]), 9), True)
     frames = wire.to_wire(prune, "float16").to_frames()
     back = wire.from_wire(proto.decode(frames), torch.float32)
@@ -84,22 +89,26 @@ def test_node_config_defaults_are_valid():
 def test_stage_chosen_tokens_and_sampling_params_survive_the_wire():
     from flowedge.core.sampling import SamplingParams
 
-    seg = events.Segment(1, 0, 1, 0, torch.tensor([0, 3]), torch.tensor([-1, 0]), torch.tensor([5, 6]),
-                         torch.zeros(2, 0), "init-segment", tokens=torch.tensor([42, -1]))
+    seg = events.Segment(1, 0, 1, 0, torch.tensor([0, 3]), torch.tensor([0, 0]), torch.tensor([5, 6]),
+                         torch.zeros(2, 0), "init-segment", tokens=torch.tensor([42, 0]),
+                         roots=torch.tensor([True, False]))
     msg = wire.to_wire(seg, "float16")
-    assert msg.hidden is None and msg.token_ids.tolist() == [43, 0]    # no negative ids on the wire
+    assert msg.hidden is None and msg.token_ids.tolist() == [42, 0]    # token 0 is a token, not "none"
     back = wire.from_wire(proto.decode([bytes(f) for f in msg.to_frames()]), torch.float32)
-    assert back.tokens.tolist() == [42, -1] and back.hidden.shape == (2, 0) and back.sampling is None
+    assert back.tokens.tolist() == [42, 0] and back.hidden.shape == (2, 0) and back.sampling is None
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)
-    pre = events.Segment(1, 0, 1, 0, torch.full((2,), -1), torch.full((2,), -1), torch.arange(2), torch.randn(2, 4),
-                         "prefill", sampling=params)
+    pre = events.Segment.prefill(1, 1, torch.arange(2), torch.randn(2, 4), params)
     back = wire.from_wire(proto.decode([bytes(f) for f in wire.to_wire(pre, "float32").to_frames()]), torch.float32)
     assert back.sampling == params and back.tokens is None
+    chosen = events.Segment.prefill(1, 1, torch.arange(2), torch.zeros(2, 0)).select(
+        torch.ones(2, dtype=torch.bool), tokens=torch.tensor([9]))   # the one choice after the chunk
+    back = wire.from_wire(proto.decode(wire.to_wire(chosen, "float16").to_frames()), torch.float32)
+    assert back.tokens.tolist() == [9] and back.hidden.shape == (2, 0)
 
 
 def test_bad_sampling_fields_are_protocol_errors():
     with pytest.raises(ProtocolError, match="top_p"):
         proto.Segment(request_id=1, round_id=0, seq=0, prune_version=0, kind="prefill", sent_at_step=0,
-                      node_ids=torch.zeros(1, dtype=torch.long), parent_ids=torch.zeros(1, dtype=torch.long),
+                      node_ids=torch.zeros(0, dtype=torch.long), parent_ids=torch.zeros(0, dtype=torch.long),
                       positions=torch.zeros(1, dtype=torch.long), hidden=torch.zeros(1, 2), temperature=1.0,
                       top_p=0.0)

@@ -26,8 +26,7 @@ def models(tiny_pair):
 
 
 def prefill(request_id: int, n: int, hidden: int, start: int = 0) -> Segment:
-    return Segment(request_id, 0, 1, 0, torch.full((n,), -1), torch.full((n,), -1), torch.arange(start, start + n),
-                   torch.randn(n, hidden), "prefill")
+    return Segment.prefill(request_id, 1, torch.arange(start, start + n), torch.randn(n, hidden))
 
 
 def test_a_segment_built_against_a_newer_prune_waits_for_it(models):
@@ -37,8 +36,8 @@ def test_a_segment_built_against_a_newer_prune_waits_for_it(models):
     compute, send = w.receive(prefill(7, 3, h))
     assert isinstance(compute, Compute) and compute.tokens == 3
     assert send.to == 2 and send.message.hidden.shape == (3, h) and w.slots[7].prefix_len == 3
-    draft = Segment(7, 0, 2, 1, torch.tensor([0, 1]), torch.tensor([-1, 0]), torch.tensor([3, 4]),
-                    torch.randn(2, h), "init-segment")
+    draft = Segment(7, 0, 2, 1, torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([3, 4]),
+                    torch.randn(2, h), "init-segment", roots=torch.tensor([True, False]))
     assert w.receive(draft) == []                       # built after prune 1, which has not arrived
     acts = w.receive(Prune(7, 0, 1, PruneSet(EMPTY, torch.tensor([0, 1]), 2), False))
     assert [type(a) for a in acts] == [Compute, Send] and acts[1].message.node_ids.tolist() == [0, 1]
@@ -50,8 +49,8 @@ def test_a_round_ending_prune_commits_and_drops_the_rest_and_finish_frees_the_ca
     h = layers.config.hidden_size
     w = StageWorker(2, layers, 2)
     w.receive(prefill(3, 4, h))
-    w.receive(Segment(3, 0, 2, 0, torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]), torch.tensor([4, 5, 5]),
-                      torch.randn(3, h), "init-segment"))
+    w.receive(Segment(3, 0, 2, 0, torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]), torch.tensor([4, 5, 5]),
+                      torch.randn(3, h), "init-segment", roots=torch.tensor([True, False, False])))
     w.receive(Prune(3, 0, 1, PruneSet(torch.tensor([0, 1]), EMPTY, 3), True))
     slot = w.slots[3]
     assert (slot.prefix_len, slot.round_id, slot.draft_ids.numel(), slot.cache.length) == (6, 1, 0, 6)
@@ -81,7 +80,7 @@ def test_the_head_chunks_its_prefill_and_carries_sampling_only_to_a_token_choosi
         assert [a.to for a in acts] == [1, 1, 1]
         segs = [a.message for a in acts]
         assert torch.cat([s.positions for s in segs]).tolist() == [0, 1, 2, 3, 4]
-        assert all(s.phase == "prefill" and s.request_id == 4 and (s.node_ids == -1).all() for s in segs)
+        assert all(s.phase == "prefill" and s.request_id == 4 and s.node_ids.numel() == 0 for s in segs)
         assert all((s.sampling == params) == carries for s in segs)
 
 

@@ -20,11 +20,14 @@ from flowedge.transport.validate import (
 PLAN = StagePlan(hidden_size=8, hidden_wire="float16", max_positions=512)
 
 
-def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, **kw) -> p.Segment:
-    n = len(node_ids)
+def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, roots=None, **kw) -> p.Segment:
+    n = len(node_ids) if positions is None else len(positions)
+    if kind == "prefill":
+        node_ids = parent_ids = []
     return p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind=kind, sent_at_step=1,
                      node_ids=torch.tensor(node_ids, dtype=torch.long),
                      parent_ids=torch.tensor(parent_ids, dtype=torch.long),
+                     root_rows=None if roots is None else torch.tensor(roots, dtype=torch.long),
                      positions=torch.arange(10, 10 + n) if positions is None else torch.tensor(positions, dtype=torch.long),
                      hidden=torch.zeros(n, width, dtype=torch.float16), **kw)
 
@@ -61,6 +64,7 @@ def test_overlapping_prune_sets_are_refused():
 def test_a_node_that_is_its_own_parent_is_refused():
     assert _rule(_seg([5], [5])) == "segment_parents"
     assert _rule(_seg([3, 4], [4, 3])) == "segment_parents"   # a two-node cycle
+    assert _rule(_seg([0, 4], [4, 0], roots=[1])) == "segment_parents"   # a root row names no parent
 
 
 def test_hidden_states_of_the_wrong_width_are_refused():
@@ -70,7 +74,8 @@ def test_hidden_states_of_the_wrong_width_are_refused():
 # ---- the other rules -------------------------------------------------------------------------------
 def test_a_well_formed_tree_segment_and_prefill_pass():
     check_stage_input(_seg([1, 2, 3], [0, 1, 1]), PLAN)
-    check_stage_input(_seg([0, 0], [0, 0], kind="prefill", positions=[0, 1]), PLAN)
+    check_stage_input(_seg([0, 1, 2], [0, 0, 1], roots=[0]), PLAN)   # node 0 hangs off the committed context
+    check_stage_input(_seg([], [], kind="prefill", positions=[0, 1]), PLAN)
     check_stage_input(_seg([], [], positions=[]), PLAN)
     check_stage_input(_prune([0, 4], [5, 7]), PLAN)
     check_stage_input(p.Reset(request_id=3), PLAN)
@@ -78,12 +83,11 @@ def test_a_well_formed_tree_segment_and_prefill_pass():
 
 @pytest.mark.parametrize("msg, rule", [
     (_seg([1, 1], [0, 0]), "segment_ids"),
-    (_seg([0], [0]), "segment_ids"),                                        # wire 0 is context, not a node
+    (_seg([0], [0]), "segment_parents"),            # node 0 as its own parent: a root must say so (root_rows)
     (_seg([70_000], [0]), "segment_ids"),
     (_seg([1], [0], positions=[600]), "segment_positions"),
     (_seg([], [], kind="prefill", positions=[]), "prefill_empty"),
-    (_seg([0, 2], [0, 0], kind="prefill", positions=[0, 1]), "prefill_ids"),
-    (_seg([0, 0], [0, 0], kind="prefill", positions=[0, 2]), "prefill_positions"),
+    (_seg([], [], kind="prefill", positions=[0, 2]), "prefill_positions"),
     (_seg([1], [0], hidden_wire="bfloat16"), "segment_dtype"),
     (_seg([1], [0], temperature=1000.0), "segment_sampling"),
     (_prune([1], [3, 2]), "prune_order"),
@@ -94,6 +98,35 @@ def test_a_well_formed_tree_segment_and_prefill_pass():
 ])
 def test_each_rule_names_itself(msg, rule):
     assert _rule(msg) == rule
+
+
+def test_the_tree_fields_are_checked_on_decode():
+    """1.4: a prefill chunk carries no tree ids; root rows are ascending rows of the segment; a
+    prefill's returned choice is one token."""
+    z = torch.zeros(2, dtype=torch.long)
+    base = dict(request_id=1, round_id=0, seq=1, prune_version=0, sent_at_step=1, positions=torch.arange(2),
+                hidden=torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ProtocolError, match="node_ids"):
+        p.Segment(kind="prefill", node_ids=z, parent_ids=z, **base)
+    with pytest.raises(ProtocolError, match="root_rows"):
+        p.Segment(kind="draft", node_ids=torch.tensor([1, 2]), parent_ids=z, root_rows=torch.tensor([2]), **base)
+    with pytest.raises(ProtocolError, match="root_rows"):
+        p.Segment(kind="draft", node_ids=torch.tensor([1, 2]), parent_ids=z, root_rows=torch.tensor([1, 0]), **base)
+    empty = torch.empty(0, dtype=torch.long)
+    choice = dict(base, hidden=None, token_ids=torch.tensor([7]))
+    assert p.decode(p.encode(p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **choice))).token_ids.tolist() == [7]
+    with pytest.raises(ProtocolError, match="token_ids"):
+        p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **dict(choice, token_ids=torch.tensor([7, 8])))
+
+
+def test_a_segment_from_a_peer_before_1_4_is_refused_with_a_clear_error():
+    seg = _seg([0, 1], [0, 0], roots=[0])
+    frames = [bytes(memoryview(f)) for f in p.encode(seg)]
+    header = msgpack.unpackb(frames[0])
+    header["v"] = [1, 3]
+    with pytest.raises(ProtocolError, match=r"protocol 1\.3.*1\.4 or newer"):
+        p.decode([msgpack.packb(header), *frames[1:]])
+    assert p.decode(frames) == seg
 
 
 def test_a_segment_of_token_ids_is_no_stage_input():
@@ -114,15 +147,15 @@ def test_prune_check_alone_accepts_empty_sets():
 
 def test_returned_segments_name_only_nodes_the_head_sent():
     plan = ReturnPlan(hidden_size=8, vocab_size=100)
-    check_returned_segment(_seg([1, 2], [0, 1]), plan, known_ids=2)
-    for seg, rule in ((_seg([3], [0]), "return_ids"), (_seg([1], [0], width=4), "return_width"),
-                      (_seg([1, 0], [0, 0], kind="prefill", positions=[0, 1]), "return_ids")):
+    check_returned_segment(_seg([0, 1], [0, 0], roots=[0]), plan, known_ids=2)
+    check_returned_segment(_seg([], [], kind="prefill", positions=[0, 1]), plan, known_ids=0)
+    for seg, rule in ((_seg([2], [0]), "return_ids"), (_seg([1], [0], width=4), "return_width")):
         with pytest.raises(InvalidMessage) as err:
             check_returned_segment(seg, plan, known_ids=2)
         assert err.value.rule == rule
     tokens = p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
                        node_ids=torch.tensor([1]), parent_ids=torch.tensor([0]), positions=torch.tensor([3]),
-                       token_ids=torch.tensor([101]))
+                       token_ids=torch.tensor([100]))
     with pytest.raises(InvalidMessage, match="vocabulary"):
         check_returned_segment(tokens, plan, known_ids=2)
 

@@ -108,6 +108,9 @@ class Membership:
             return "this cluster already has a head"
         if hello.role != "stage":
             return None
+        if too_old_for_the_data_plane(hello.version):
+            return (f"stage speaks flowedge protocol {proto.version_text(hello.version)}; this cluster's data plane "
+                    f"needs {proto.PROTOCOL_VERSION[0]}.{proto.Segment.MIN_MINOR} or newer: upgrade the stage")
         old = self.holder(hello.node_id)
         if old is not None and self.alive(old):
             return (f"node id {hello.node_id!r} holds stage {old.stage} on a live connection; a node rejoins "
@@ -291,6 +294,11 @@ class Membership:
                 **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
         return rows
+
+
+def too_old_for_the_data_plane(version: tuple[int, int]) -> bool:
+    """A peer whose segments this node would misread (protocol.Segment.MIN_MINOR)."""
+    return version[0] == proto.PROTOCOL_VERSION[0] and version[1] < proto.Segment.MIN_MINOR
 
 
 def heartbeats(peer: Peer) -> bool:

@@ -30,6 +30,7 @@ import zmq
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
@@ -125,7 +126,12 @@ class StageNode:
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             try:
                 welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS)
-                break
+                if not too_old_for_the_data_plane(welcome.version):
+                    break
+                log.error("the head speaks flowedge protocol %s; this stage's data plane needs %d.%d or newer: "
+                          "upgrade the head", proto.version_text(welcome.version), proto.PROTOCOL_VERSION[0],
+                          proto.Segment.MIN_MINOR)
+                time.sleep(5.0)
             except ProtocolError as err:
                 log.warning("joining %s: %s", self.config.head, err)
                 if "refused" in str(err) or "protocol" in str(err):

@@ -1,8 +1,9 @@
 """Engine messages <-> wire messages. The only place that knows both vocabularies.
 
-Convention: the engine marks "committed context" with id -1 (prefill rows, parents of first-level
-nodes); the wire carries only non-negative ids, so segment node and parent ids travel shifted by one
-(0 = committed context). Prune sets hold real node ids only and travel unshifted.
+The two say the same things in the same ids (no shift): a tree node that hangs off the committed
+context is marked by the engine's `roots` mask and travels as an index set of those rows
+(`root_rows`); a prompt chunk carries no tree ids at all; token choices travel as they are. Only the
+roots change form (mask <-> rows); every other tensor passes through without a copy.
 """
 from __future__ import annotations
 
@@ -17,25 +18,35 @@ from flowedge.transport.channel import wire_bytes
 
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
-    """Hidden states, or the last stage's chosen tokens (shifted by one too: 0 = no choice)."""
+    """Hidden states, or the last stage's chosen tokens."""
     sampling = {} if seg.sampling is None else dict(
         temperature=float(seg.sampling.temperature), top_k=seg.sampling.top_k, top_p=float(seg.sampling.top_p),
         seed=seg.sampling.seed)
-    payload = dict(hidden=seg.hidden) if seg.tokens is None else dict(token_ids=seg.tokens + 1)
+    if seg.tokens is not None:
+        payload = dict(token_ids=seg.tokens)
+    elif seg.hidden.shape[-1] == 0 and len(seg):
+        raise ProtocolError("a segment without hidden states must carry token choices")
+    else:
+        payload = dict(hidden=seg.hidden)
+    roots = None if seg.roots is None or not bool(seg.roots.any()) else seg.roots.nonzero().flatten()
     return proto.Segment(
         request_id=seg.request_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
-        kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids + 1, parent_ids=seg.parent_ids + 1,
-        positions=seg.positions, hidden_wire=hidden_wire, **payload, **sampling)
+        kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids, parent_ids=seg.parent_ids,
+        root_rows=roots, positions=seg.positions, hidden_wire=hidden_wire, **payload, **sampling)
 
 
 def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
     sampling = None if msg.temperature is None else SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
     if msg.hidden is None:   # the last stage's token choices: no hidden states to carry
-        hidden, tokens = torch.empty(msg.node_ids.numel(), 0, dtype=dtype), msg.token_ids - 1
+        hidden, tokens = torch.empty(len(msg), 0, dtype=dtype), msg.token_ids
     else:   # hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy
         hidden, tokens = msg.hidden.to(dtype), None
-    return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids - 1,
-                          msg.parent_ids - 1, msg.positions, hidden, msg.kind, tokens, sampling)
+    roots = None
+    if msg.root_rows is not None and msg.root_rows.numel():
+        roots = torch.zeros(msg.node_ids.numel(), dtype=torch.bool)
+        roots[msg.root_rows] = True
+    return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids,
+                          msg.parent_ids, msg.positions, hidden, msg.kind, tokens, sampling, roots)
 
 
 def prune_to_wire(p: events.Prune) -> proto.Prune:

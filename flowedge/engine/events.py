@@ -15,29 +15,46 @@ from flowedge.core.sampling import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A run of draft-tree nodes travelling head -> stage 1 -> ... -> stage N -> head.
+    """A run of rows travelling head -> stage 1 -> ... -> stage N -> head: draft-tree nodes, or a chunk
+    of the prompt (`phase == "prefill"`).
 
-    `hidden` is the input of the next hop ([n, H]); ids are stable within a round; positions are
-    absolute; `prune_version` is the newest prune the sender had issued/applied when it was built, so
-    a stage never runs it against an older tree.
+    `hidden` is the input of the next hop ([rows, H]); positions are absolute; `prune_version` is the
+    newest prune the sender had issued/applied when it was built, so a stage never runs it against an
+    older tree. Tree segments name their nodes (`node_ids`, stable within a round) and each node's
+    parent: `roots[i]` is True when node i hangs off the committed context, else its parent is node
+    `parent_ids[i]` (read only where `roots` is False; senders put 0 there). A prompt chunk's rows are
+    committed context themselves: its node_ids, parent_ids and roots are empty.
 
     When the last stage holds the lm_head (`lm_head_at = "last-stage"`) it returns no hidden states
-    ([n, 0]) but `tokens`: the base model's choice at every node, drawn with the request's sampling
-    params (prefill chunks carry them in `sampling`)."""
+    ([rows, 0]) but `tokens`: the base model's choice at every node, or for a prompt chunk the one
+    choice after its last row, drawn with the request's sampling params (prefill chunks carry them in
+    `sampling`). No choice at all (a shape-only stage in the simulator): `tokens` is None."""
     request_id: int
     round_id: int
     seq: int
     prune_version: int
-    node_ids: torch.Tensor      # [n] int64
-    parent_ids: torch.Tensor    # [n] int64, -1 = parent is committed context
-    positions: torch.Tensor     # [n] int64
-    hidden: torch.Tensor        # [n, H]
+    node_ids: torch.Tensor      # [n] int64 (prefill: [0])
+    parent_ids: torch.Tensor    # [n] int64, where not a root
+    positions: torch.Tensor     # [rows] int64
+    hidden: torch.Tensor        # [rows, H]
     phase: str = "draft"        # "prefill" | "init-segment" | "expansion" | "ar" | "level"
-    tokens: torch.Tensor | None = None          # [n] int64 base-model choices (-1 = none), last stage only
+    tokens: torch.Tensor | None = None          # [n] int64 base-model choices ([1] on prefill), last stage only
     sampling: SamplingParams | None = None      # on prefill chunks: how the last stage chooses tokens
+    roots: torch.Tensor | None = None           # [n] bool: parent is the committed context (None: no roots)
+
+    @classmethod
+    def prefill(cls, request_id: int, seq: int, positions: torch.Tensor, hidden: torch.Tensor,
+                sampling: SamplingParams | None = None) -> "Segment":
+        """A chunk of the prompt: rows of committed context, no tree ids."""
+        none = torch.empty(0, dtype=torch.long)
+        return cls(request_id, 0, seq, 0, none, none, positions, hidden, "prefill", None, sampling)
 
     def __len__(self) -> int:
-        return int(self.node_ids.numel())
+        return int(self.positions.numel())
+
+    def root_mask(self) -> torch.Tensor:
+        """[n] bool: the nodes whose parent is the committed context."""
+        return self.roots if self.roots is not None else torch.zeros(self.node_ids.numel(), dtype=torch.bool)
 
     def select(self, keep: torch.Tensor, hidden: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> "Segment":
@@ -46,8 +63,12 @@ class Segment:
         h = self.hidden[keep] if hidden is None else hidden
         if tokens is None and self.tokens is not None:
             tokens = self.tokens[keep]
+        if self.phase == "prefill":   # no tree ids to restrict
+            return Segment(self.request_id, self.round_id, self.seq, self.prune_version, self.node_ids,
+                           self.parent_ids, self.positions[keep], h, self.phase, tokens, self.sampling)
         return Segment(self.request_id, self.round_id, self.seq, self.prune_version, self.node_ids[keep],
-                       self.parent_ids[keep], self.positions[keep], h, self.phase, tokens, self.sampling)
+                       self.parent_ids[keep], self.positions[keep], h, self.phase, tokens, self.sampling,
+                       None if self.roots is None else self.roots[keep])
 
 
 @dataclass(frozen=True, slots=True)

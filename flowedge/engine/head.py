@@ -64,9 +64,8 @@ class Head:
         for a in range(0, len(prompt_ids), chunk):
             ids = torch.tensor(prompt_ids[a:a + chunk])
             n = ids.numel()
-            seg = Segment(request_id, 0, self._next_seq(), 0, torch.full((n,), -1), torch.full((n,), -1),
-                          torch.arange(a, a + n), self.model.embed(ids), "prefill",
-                          sampling=params if self.lm_head_at == "last-stage" else None)
+            seg = Segment.prefill(request_id, self._next_seq(), torch.arange(a, a + n), self.model.embed(ids),
+                                  params if self.lm_head_at == "last-stage" else None)
             actions.append(Send(1, seg))
         self.prefill_left = len(actions)
         return actions
@@ -89,7 +88,7 @@ class Head:
         for node, h in zip(event.node_ids[live].tolist(), event.hidden[live]):
             self.hidden_of[node] = h   # [0]-wide when the last stage chose tokens: marks arrival
         if event.tokens is not None:
-            chosen = {n: t for n, t in zip(event.node_ids[live].tolist(), event.tokens[live].tolist()) if t >= 0}
+            chosen = dict(zip(event.node_ids[live].tolist(), event.tokens[live].tolist()))
             self.token_of.update(chosen)
             self.stats.stage_chosen += len(chosen)
         self.stats.steps += 1
@@ -111,7 +110,7 @@ class Head:
         self.prefix_len += len(seg)
         if self.prefill_left:
             return []
-        if seg.tokens is not None and int(seg.tokens[-1]) >= 0:
+        if seg.tokens is not None:   # the last stage chose the token after the prompt
             y = int(seg.tokens[-1])
             self.stats.stage_chosen += 1
         else:
@@ -156,8 +155,11 @@ class Head:
         t0 = time.perf_counter()
         hidden = self.model.embed(tree.tokens[ids])
         self._model_s += time.perf_counter() - t0
+        parents = tree.parents[ids]
+        roots = parents < 0   # the round's root hangs off the committed context
         seg = Segment(self.request_id, self.round_id, self._next_seq(), self.version, ids,
-                      tree.parents[ids], self.round_base + tree.depths[ids], hidden, phase)
+                      parents.masked_fill(roots, 0), self.round_base + tree.depths[ids], hidden, phase,
+                      roots=roots)
         self.in_flight += 1
         return [Send(1, seg)]
 

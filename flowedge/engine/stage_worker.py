@@ -39,21 +39,25 @@ from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
 log = logging.getLogger(__name__)
 
 
-def tree_rows(parent_of: torch.Tensor, seg_ids: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+def tree_rows(parent_of: torch.Tensor, is_root: torch.Tensor, seg_ids: torch.Tensor,
+              columns: torch.Tensor) -> torch.Tensor:
     """[n, m] bool: column id is the segment node itself or one of its ancestors.
 
-    parent_of: [ids] parent id per node id (-1 = committed context); seg_ids and columns are ids below
-    len(parent_of). Walks all rows one level per iteration (tree-depth times, not once per token) and
-    marks the ids met in an [n, ids + 1] table, so memory never grows with the depth. A chain visits
-    an id at most once, so the walk ends after len(parent_of) levels even if a peer made a cycle."""
-    marks = torch.zeros(seg_ids.numel(), parent_of.numel() + 1, dtype=torch.bool)  # column 0: context
-    cur = seg_ids
+    parent_of: [ids] parent id per node id, read where is_root ([ids] bool: the node hangs off the
+    committed context, or is unknown) is False; seg_ids and columns are ids below len(parent_of).
+    Walks all rows one level per iteration (tree-depth times, not once per token) and marks the ids
+    met in an [n, ids] table, so memory never grows with the depth. A chain visits an id at most
+    once, so the walk ends after len(parent_of) levels even if a peer made a cycle."""
+    marks = torch.zeros(seg_ids.numel(), parent_of.numel(), dtype=torch.bool)
+    rows = torch.arange(seg_ids.numel())
+    cur, walking = seg_ids, torch.ones(seg_ids.numel(), dtype=torch.bool)
     for _ in range(parent_of.numel() + 1):
-        marks.scatter_(1, (cur + 1).view(-1, 1), True)
-        if bool((cur < 0).all()):
+        marks[rows[walking], cur[walking]] = True
+        walking = walking & ~is_root[cur]
+        if not bool(walking.any()):
             break
-        cur = torch.where(cur >= 0, parent_of[cur.clamp(min=0)], cur)
-    return marks[:, columns + 1]
+        cur = torch.where(walking, parent_of[cur], cur)
+    return marks[:, columns]
 
 
 CLOSED_REMEMBERED = 4096   # finished request ids a stage remembers, so a late prefill cannot revive one
@@ -69,7 +73,8 @@ class RequestSlot:
     version: int = 0
     last_prune: PruneSet | None = None
     draft_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    parent_of: torch.Tensor = field(default_factory=lambda: torch.full((64,), -1, dtype=torch.long))
+    parent_of: torch.Tensor = field(default_factory=lambda: torch.zeros(64, dtype=torch.long))
+    is_root: torch.Tensor = field(default_factory=lambda: torch.ones(64, dtype=torch.bool))  # or unknown
     waiting: list[Segment] = field(default_factory=list)
     pending_prunes: dict[int, Prune] = field(default_factory=dict)
     chooses_tokens: bool = False           # return chosen tokens, not hidden states
@@ -204,7 +209,7 @@ class StageWorker:
         if p.end_round:
             slot.round_id = p.round_id + 1
             slot.last_prune = None
-            slot.parent_of.fill_(-1)
+            slot.is_root.fill_(True)
         else:
             slot.last_prune = p.prune
         self.history.append((p.version, slot.prefix_len))
@@ -229,7 +234,7 @@ class StageWorker:
             _record_parents(slot, seg)
         allowed = torch.zeros(n, past + n, dtype=torch.bool)
         allowed[:, : slot.prefix_len] = True
-        allowed[:, slot.prefix_len:] = tree_rows(slot.parent_of, seg.node_ids,
+        allowed[:, slot.prefix_len:] = tree_rows(slot.parent_of, slot.is_root, seg.node_ids,
                                                  torch.cat([slot.draft_ids, seg.node_ids]))
         return _Row(slot, seg, allowed, past)
 
@@ -314,17 +319,18 @@ class StageWorker:
                 slot.params, slot.generator = seg.sampling, make_generator(seg.sampling)
         if not slot.chooses_tokens:
             return seg.select(everything, hidden), 0
-        tokens = torch.full((n,), -1, dtype=torch.long)
-        tokens[-1:] = self._choose(slot, hidden[-1:])      # only the prompt's last row is ever read
+        tokens = self._choose(slot, hidden[-1:])   # the token after the chunk's last row: [1] (or None)
         return seg.select(everything, hidden[:, :0], tokens), 1
 
-    def _choose(self, slot: RequestSlot, hidden: torch.Tensor) -> torch.Tensor:
+    def _choose(self, slot: RequestSlot, hidden: torch.Tensor) -> torch.Tensor | None:
         """[n, H] final hidden states -> [n] tokens drawn from the base distribution (one independent
-        draw per row with the request's own generator); -1 rows when the model is shape-only (the
+        draw per row with the request's own generator); None when the model is shape-only (the
         simulator's oracle mode, where the head reads the base logits itself but this stage is charged
         for the lm_head)."""
-        if not hasattr(self.model, "logits") or hidden.shape[0] == 0:
-            return torch.full((hidden.shape[0],), -1, dtype=torch.long)
+        if not hasattr(self.model, "logits"):
+            return None
+        if hidden.shape[0] == 0:
+            return torch.empty(0, dtype=torch.long)
         logits = self.model.logits(hidden)               # [n, V] float32
         if slot.params.greedy:
             return logits.argmax(dim=-1)                 # first maximum, as choose_token
@@ -334,7 +340,10 @@ class StageWorker:
 def _record_parents(slot: RequestSlot, seg: Segment) -> None:
     top = int(seg.node_ids.max()) + 1
     if top > slot.parent_of.numel():
-        grown = torch.full((max(top, 2 * slot.parent_of.numel()),), -1, dtype=torch.long)
-        grown[: slot.parent_of.numel()] = slot.parent_of
-        slot.parent_of = grown
+        size = max(top, 2 * slot.parent_of.numel())
+        parent_of, is_root = torch.zeros(size, dtype=torch.long), torch.ones(size, dtype=torch.bool)
+        parent_of[: slot.parent_of.numel()] = slot.parent_of
+        is_root[: slot.is_root.numel()] = slot.is_root
+        slot.parent_of, slot.is_root = parent_of, is_root
     slot.parent_of[seg.node_ids] = seg.parent_ids
+    slot.is_root[seg.node_ids] = seg.root_mask()

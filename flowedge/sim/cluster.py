@@ -28,7 +28,8 @@ def message_bytes(msg) -> int:
     if isinstance(msg, Segment):
         n = len(msg)
         hidden = msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES if msg.hidden.dim() == 2 else 0
-        tokens = 4 * n if msg.tokens is not None else 0    # chosen tokens travel as int32
+        chose = msg.hidden.dim() == 2 and msg.hidden.shape[-1] == 0   # the last stage chose tokens
+        tokens = 4 * n if chose else 0    # chosen tokens travel as int32 (charged per row, as before 1.4)
         return HEADER_BYTES + hidden + tokens + 3 * n * 4
     if isinstance(msg, Prune):
         return HEADER_BYTES + 4 * (msg.prune.commit.numel() + msg.prune.keep.numel())

@@ -24,8 +24,9 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)   # 1.2: token segments from the last stage, head file;
-#                                               1.3: prompt messages/stop/raw, Cancel
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)   # 1.2: token segments from the last stage, head file;
+#                                               1.3: prompt messages/stop/raw, Cancel;
+#                                               1.4: segment ids unshifted, root_rows (no -1 / +1)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
@@ -172,6 +173,7 @@ class Message:
     __slots__ = ()
     TYPE: ClassVar[str] = ""
     WIRE: ClassVar[dict[str, str]] = {}  # tensor field name -> INDEX | HIDDEN | BYTES
+    MIN_MINOR: ClassVar[int] = 0         # oldest minor version whose layout of this message we read
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -307,6 +309,10 @@ def decode(frames: Sequence[Any]) -> Message:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {quote(kind)}")
+    if header["v"][0] == PROTOCOL_VERSION[0] and header["v"][1] < cls.MIN_MINOR:
+        raise ProtocolError(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}: this "
+                            f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
+                            f"(upgrade every node of the cluster together)")
     return cls._from_header(header, frames[1:])
 
 

@@ -258,19 +258,25 @@ class Shutdown(Message):
 # ---------------------------------------------------------------- data plane
 @dataclass(**_MSG)
 class Segment(Message):
-    """A run of n draft-tree nodes moving down the pipeline: head -> stage 1 -> ... -> head.
+    """A run of rows moving down the pipeline: head -> stage 1 -> ... -> head. Its `positions` [rows]
+    are absolute; hidden states [rows, H] travel between stages.
 
-    Carries either `token_ids` [n] or `hidden` [n, H], never both: hidden states between stages;
-    token ids on the return hop when the last stage chose the base model's token per node (1.2).
-    `parent_ids[i]` is the node id of node i's parent, `positions[i]` its absolute position.
-    `prune_version` is the last Prune the sender applied, so a stage can tell a segment built before a
-    prune from one built after it. n == 0 is legal. Prefill segments may carry the request's sampling
-    params (`temperature` set): the last stage then chooses tokens with them.
+    Tree segments (every kind but "prefill") name their n = rows nodes: `node_ids`, `parent_ids` and
+    `root_rows` (1.4), the rows (ascending) whose node hangs off the committed context; every other
+    row's parent is node `parent_ids[i]`, which comes before it in the tree (a smaller id); root rows
+    carry parent id 0, ignored. A prefill chunk's rows are committed context: no node, parent or root
+    ids (all empty). On the return hop, when the last stage chose the base model's token (1.2),
+    `token_ids` replaces `hidden`: one per node, or for a prefill chunk the one choice after its last
+    row. `prune_version` is the last Prune the sender applied, so a stage can tell a segment built
+    before a prune from one built after it. rows == 0 is legal. Prefill segments may carry the
+    request's sampling params (`temperature` set): the last stage then chooses tokens with them.
     """
 
     TYPE: ClassVar[str] = "segment"
+    MIN_MINOR: ClassVar[int] = 4   # 1.4 dropped the ids' +1 shift: an older peer's ids would be misread
     WIRE: ClassVar[dict[str, str]] = {
-        "node_ids": INDEX, "parent_ids": INDEX, "positions": INDEX, "hidden": HIDDEN, "token_ids": INDEX,
+        "node_ids": INDEX, "parent_ids": INDEX, "root_rows": INDEX, "positions": INDEX, "hidden": HIDDEN,
+        "token_ids": INDEX,
     }
     request_id: int
     round_id: int
@@ -278,11 +284,12 @@ class Segment(Message):
     prune_version: int
     kind: str
     sent_at_step: int
-    node_ids: torch.Tensor  # [n]
-    parent_ids: torch.Tensor  # [n]
-    positions: torch.Tensor  # [n]
-    hidden: torch.Tensor | None = None  # [n, H] float
-    token_ids: torch.Tensor | None = None  # [n]
+    node_ids: torch.Tensor  # [n] (prefill: [0])
+    parent_ids: torch.Tensor  # [n] (prefill: [0])
+    positions: torch.Tensor  # [rows]
+    root_rows: torch.Tensor | None = None  # [r] ascending rows < n whose parent is the committed context
+    hidden: torch.Tensor | None = None  # [rows, H] float
+    token_ids: torch.Tensor | None = None  # [n] (prefill: [1])
     hidden_wire: str = "float16"
     temperature: float | None = None       # 1.2: sampling params (prefill only; None = not sent)
     top_k: int = 0
@@ -297,20 +304,24 @@ class Segment(Message):
         _ints(self, "seed", optional=True)
         _str(self, "kind", SEGMENT_KINDS)
         _str(self, "hidden_wire", HIDDEN_WIRE_NAMES)
-        n = _index(self, "node_ids")
+        rows = _index(self, "positions")
+        n = 0 if self.kind == "prefill" else rows
+        _index(self, "node_ids", n)
         _index(self, "parent_ids", n)
-        _index(self, "positions", n)
+        if _index(self, "root_rows", optional=True) and (
+                int(self.root_rows.max()) >= n or bool((self.root_rows[1:] <= self.root_rows[:-1]).any())):
+            raise _fail(self, "root_rows", f"ascending rows below {n}")
         if (self.hidden is None) == (self.token_ids is None):
             raise ProtocolError("segment carries exactly one of hidden or token_ids")
-        _index(self, "token_ids", n, optional=True)
+        _index(self, "token_ids", 1 if self.kind == "prefill" else n, optional=True)
         h = self.hidden
         if h is not None and (
-            not is_tensor(h) or not h.is_floating_point() or h.dim() != 2 or h.shape[0] != n
+            not is_tensor(h) or not h.is_floating_point() or h.dim() != 2 or h.shape[0] != rows
         ):
-            raise _fail(self, "hidden", f"a float tensor [{n}, H]")
+            raise _fail(self, "hidden", f"a float tensor [{rows}, H]")
 
     def __len__(self) -> int:
-        return self.node_ids.numel()
+        return self.positions.numel()
 
 
 @dataclass(**_MSG)

@@ -7,8 +7,9 @@ sizes a node is willing to hold. A failed check raises `InvalidMessage` naming t
 key a node counts drops under); no check asserts, and none looks at node state, so they are plain
 functions both the stages and the head call.
 
-Wire conventions checked here (see daemon/wire.py): segment node and parent ids travel shifted by
-one, 0 meaning "committed context"; prune ids travel unshifted.
+Wire conventions checked here (see daemon/wire.py and protocol.Segment, 1.4): node, parent and prune
+ids are the engine's own (no shift); `root_rows` names the tree nodes that hang off the committed
+context; a prefill chunk carries no tree ids.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def check_segment(msg: proto.Segment, plan: StagePlan) -> None:
     if msg.kind == "prefill":
         _check_prefill(msg)
     else:
-        check_tree_ids(msg.node_ids, msg.parent_ids, plan.max_node_id)
+        check_tree_ids(msg.node_ids, msg.parent_ids, msg.root_rows, plan.max_node_id)
 
 
 def _check_size(n: int, max_nodes: int) -> None:
@@ -94,29 +95,35 @@ def _check_sampling(msg: proto.Segment) -> None:
 
 
 def _check_prefill(msg: proto.Segment) -> None:
-    """A prompt chunk: at least one row, all committed context, consecutive positions."""
+    """A prompt chunk: at least one row, consecutive positions (its rows carry no tree ids: decode
+    refuses any)."""
     n = len(msg)
     if n == 0:
         raise InvalidMessage("prefill_empty", "a prefill chunk holds at least one token")
-    if bool(msg.node_ids.any()) or bool(msg.parent_ids.any()):
-        raise InvalidMessage("prefill_ids", "prefill rows are committed context (wire id 0)")
     first = int(msg.positions[0])
     if not torch.equal(msg.positions, torch.arange(first, first + n)):
         raise InvalidMessage("prefill_positions", "prefill positions must be consecutive")
 
 
-def check_tree_ids(node_ids: torch.Tensor, parent_ids: torch.Tensor, max_node_id: int) -> None:
-    """Wire ids of draft nodes: real nodes (>= 1), distinct, in range, each parent before its child.
+def check_tree_ids(node_ids: torch.Tensor, parent_ids: torch.Tensor, root_rows: torch.Tensor | None,
+                   max_node_id: int) -> None:
+    """Ids of draft nodes: distinct, below `max_node_id`, each parent (where the node is not a root)
+    before its child, root rows' parent ids 0.
 
-    A parent id smaller than its child's (0 = committed context) is how the draft tree stores nodes
-    (core/tree.py), and it rules out cycles, a node being its own parent included."""
+    A parent id smaller than its child's is how the draft tree stores nodes (core/tree.py), and it
+    rules out cycles, a node being its own parent included."""
     if not node_ids.numel():
         return
-    if int(node_ids.min()) < 1 or int(node_ids.max()) > max_node_id:
-        raise InvalidMessage("segment_ids", f"draft node ids must lie in [1, {max_node_id}] on the wire")
+    if int(node_ids.max()) >= max_node_id:
+        raise InvalidMessage("segment_ids", f"draft node ids must lie below {max_node_id}")
     if node_ids.unique().numel() != node_ids.numel():
         raise InvalidMessage("segment_ids", "a segment names a node twice")
-    if bool((parent_ids >= node_ids).any()):
+    child = torch.ones(node_ids.numel(), dtype=torch.bool)
+    if root_rows is not None and root_rows.numel():
+        child[root_rows] = False
+        if bool(parent_ids[root_rows].any()):
+            raise InvalidMessage("segment_parents", "a root row's parent id must be 0 (it has no parent node)")
+    if bool((parent_ids[child] >= node_ids[child]).any()):
         raise InvalidMessage("segment_parents", "every parent must come before its child (no cycles)")
 
 
@@ -138,19 +145,16 @@ def check_prune(msg: proto.Prune, max_node_id: int = MAX_NODE_ID) -> None:
 
 # ---------------------------------------------------------------- head side
 def check_returned_segment(msg: proto.Segment, plan: ReturnPlan, known_ids: int) -> None:
-    """A segment back from the last stage: node ids the head sent this round (engine ids < `known_ids`,
-    i.e. wire ids in [1, known_ids]; 0 on prefill rows), and a payload the head can read — hidden
-    states [n, hidden_size] or token choices (wire: token + 1, 0 = no choice) inside the vocabulary."""
+    """A segment back from the last stage: node ids the head sent this round (below `known_ids`; none
+    on prefill rows), and a payload the head can read — hidden states [rows, hidden_size] or token
+    choices inside the vocabulary."""
     n = len(msg)
     _check_size(n, plan.max_segment_nodes)
-    if msg.kind == "prefill":
-        if bool(msg.node_ids.any()):
-            raise InvalidMessage("return_ids", "prefill rows are committed context (wire id 0)")
-    elif n and (int(msg.node_ids.min()) < 1 or int(msg.node_ids.max()) > known_ids):
+    if msg.kind != "prefill" and n and int(msg.node_ids.max()) >= known_ids:   # a prefill names no nodes
         raise InvalidMessage("return_ids", f"node ids outside the {known_ids} nodes the head sent")
     if msg.hidden is not None:
         if msg.hidden.shape[1] != plan.hidden_size:
             raise InvalidMessage("return_width", f"hidden width {msg.hidden.shape[1]}, "
                                                  f"model has {plan.hidden_size}")
-    elif n and int(msg.token_ids.max()) > plan.vocab_size:
+    elif msg.token_ids.numel() and int(msg.token_ids.max()) >= plan.vocab_size:
         raise InvalidMessage("return_tokens", f"token ids beyond the vocabulary of {plan.vocab_size}")
