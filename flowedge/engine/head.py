@@ -3,7 +3,8 @@
 Sans-IO: `start()` and `receive()` return actions; model calls happen inline and are reported as
 `Compute` actions so a simulator can charge virtual time for them. Everything a strategy shares —
 rounds, segments, verification, prune broadcasts, token emission — lives here; what differs between
-strategies (tree shape, when to verify, how to expand) lives in `flowedge/engine/strategies/`.
+strategies (tree shape, when to verify, how to expand) lives in `flowedge/engine/strategies/`, which
+see the head only through its `RoundView` (engine/round_view.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.drafter import Drafter
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
+from flowedge.engine.round_view import RoundView
 from flowedge.models.stage import StageModel
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
         self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
+        self.view = RoundView(self)   # all a strategy sees of this head
 
     # ---- request lifecycle ------------------------------------------------------------------------
     def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
@@ -76,7 +79,7 @@ class Head:
         if isinstance(event, Expand):
             if event.round_id != self.round_id:
                 return []
-            return self._timed(lambda: self._with_draft_costs(self.strategy.expand(self, event.accepted)))
+            return self._timed(lambda: self._with_draft_costs(self.strategy.expand(self.view, event.accepted)))
         if not isinstance(event, Segment) or event.request_id != self.request_id:
             return []
         if event.phase == "prefill":
@@ -94,7 +97,7 @@ class Head:
         self.stats.steps += 1
         if not bool(live.any()):
             self.stats.empty_segments += 1
-        return self._timed(lambda: self._with_draft_costs(self.strategy.on_output(self, int(live.sum()))))
+        return self._timed(lambda: self._with_draft_costs(self.strategy.on_output(self.view, int(live.sum()))))
 
     def _timed(self, handler) -> list:
         """Run a handler and record its bookkeeping time: wall time minus model calls and minus building
@@ -132,13 +135,13 @@ class Head:
         self.in_flight = 0
         self.round_ended = False
         drafted_before, t0 = self._drafted_s(), time.perf_counter()
-        self.tree = self.strategy.build_round(self)
+        self.tree = self.strategy.build_round(self.view)
         # Its draft calls are model time (subtracted via _with_draft_costs), the rest is tree building.
         build = time.perf_counter() - t0 - (self._drafted_s() - drafted_before)
         self._build_s += build
         self.stats.tree_build_s.append(build)
         self.alive = torch.ones(len(self.tree), dtype=torch.bool)
-        return self._with_draft_costs(self.strategy.initial_segments(self))
+        return self._with_draft_costs(self.strategy.initial_segments(self.view))
 
     def grow_alive(self) -> None:
         """New nodes were appended to the tree: they start alive."""

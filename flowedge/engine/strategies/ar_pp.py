@@ -5,18 +5,19 @@ import torch
 
 from flowedge.core.tree import DraftTree
 from flowedge.engine.strategies.base import Strategy
+from flowedge.engine.round_view import RoundView
 
 
 class ArPP(Strategy):
     name = "ar-pp"
     needs_draft = False
 
-    def build_round(self, head) -> DraftTree:
-        return DraftTree.root_only(head.outputs[-1])
+    def build_round(self, view: RoundView) -> DraftTree:
+        return DraftTree.root_only(view.last_output)
 
-    def initial_segments(self, head) -> list:
-        return head.send_nodes(torch.tensor([0]), "ar")
+    def initial_segments(self, view: RoundView) -> list:
+        return view.send_nodes(torch.tensor([0]), "ar")
 
-    def on_output(self, head, live_nodes: int) -> list:
-        res, cost = head.verify()
-        return cost + head.apply_walk(res, continue_round=False)
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        res, cost = view.verify()
+        return cost + view.apply_walk(res, continue_round=False)

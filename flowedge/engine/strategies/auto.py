@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flowedge.core.tree import DraftTree
 from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.round_view import RoundView
 from flowedge.engine.strategies.ar_pp import ArPP
 from flowedge.engine.strategies.base import Strategy
 from flowedge.engine.strategies.flowspec import FlowSpec
@@ -32,39 +33,39 @@ class Auto(Strategy):
         self._last = (0.0, 0)
 
     # ---- measurement ------------------------------------------------------------------------------
-    def _tick(self, head) -> None:
+    def _tick(self, view: RoundView) -> None:
         """Charge the tokens and time since the last tick to the strategy that ran them."""
-        now, emitted = head.clock(), len(head.outputs)
-        if self._stats is not head.stats:
-            self._stats = head.stats   # a new answer: fresh measurements (prompts differ)
+        now, emitted = view.clock(), view.emitted
+        if self._stats is not view.stats:
+            self._stats = view.stats   # a new answer: fresh measurements (prompts differ)
             self.chooser = Chooser(self.prediction, self.policy)
-            head.stats.auto = self.chooser.report()
+            view.stats.auto = self.chooser.report()
         else:
             self.chooser.observe(emitted - self._last[1], now - self._last[0])
         self._last = (now, emitted)
 
-    def _report(self, head) -> None:
-        head.stats.auto = self.chooser.report()
+    def _report(self, view: RoundView) -> None:
+        view.stats.auto = self.chooser.report()
 
     # ---- the strategy interface -------------------------------------------------------------------
-    def build_round(self, head) -> DraftTree:
-        self._tick(head)
+    def build_round(self, view: RoundView) -> DraftTree:
+        self._tick(view)
         self.active = self.inner[self.chooser.decide()]
-        self._report(head)
-        return self.active.build_round(head)
+        self._report(view)
+        return self.active.build_round(view)
 
-    def initial_segments(self, head) -> list:
-        return self.active.initial_segments(head)
+    def initial_segments(self, view: RoundView) -> list:
+        return self.active.initial_segments(view)
 
-    def on_output(self, head, live_nodes: int) -> list:
-        actions = self.active.on_output(head, live_nodes)
-        if head.finished or head.round_ended or self.active is self.inner[AR_PP]:
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        actions = self.active.on_output(view, live_nodes)
+        if view.finished or view.round_ended or self.active is self.inner[AR_PP]:
             return actions
-        self._tick(head)
+        self._tick(view)
         if self.chooser.decide() != FLOWSPEC:   # measured slower than ar-pp: end this round now
-            self._report(head)
-            actions += head.restart_round(reason=self.chooser.reason)
+            self._report(view)
+            actions += view.restart_round(reason=self.chooser.reason)
         return actions
 
-    def expand(self, head, accepted: bool) -> list:
-        return self.active.expand(head, accepted)
+    def expand(self, view: RoundView, accepted: bool) -> list:
+        return self.active.expand(view, accepted)

@@ -1,4 +1,7 @@
-"""The strategy seam: what differs between pipeline algorithms, behind one small interface."""
+"""The strategy seam: what differs between pipeline algorithms, behind one small interface.
+
+Every call gets the round's `RoundView` (engine/round_view.py): the round's state, read only, and the
+few actions a strategy may take — never the whole engine head."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -8,6 +11,7 @@ import torch
 from flowedge.core.select import select_top, split_segments
 from flowedge.core.tree import DraftTree
 from flowedge.engine.drafter import TreeShape
+from flowedge.engine.round_view import RoundView
 
 
 class Strategy(ABC):
@@ -18,18 +22,18 @@ class Strategy(ABC):
     lm_head_at: str = "last-stage"
 
     @abstractmethod
-    def build_round(self, head) -> DraftTree:
-        """The tree for a new round, rooted at head.outputs[-1]."""
+    def build_round(self, view: RoundView) -> DraftTree:
+        """The tree for a new round, rooted at view.last_output."""
 
     @abstractmethod
-    def initial_segments(self, head) -> list:
+    def initial_segments(self, view: RoundView) -> list:
         """Segments sent when the round starts."""
 
     @abstractmethod
-    def on_output(self, head, live_nodes: int) -> list:
-        """A segment's final hidden states arrived (already stored on the head)."""
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        """A segment's final hidden states (or token choices) arrived; `verify` can read them."""
 
-    def expand(self, head, accepted: bool) -> list:
+    def expand(self, view: RoundView, accepted: bool) -> list:
         """Follow-up after a prune went out (strategies with expansion override this)."""
         return []
 
@@ -39,18 +43,18 @@ class ScoredTreeStrategy(Strategy):
     order = "score"
     uses_lookup = False   # spend SpecConfig.lookup_tokens rows of draft calls on prompt-lookup guesses
 
-    def build_round(self, head) -> DraftTree:
-        cfg = head.config
-        base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.tree_depth),
+    def build_round(self, view: RoundView) -> DraftTree:
+        cfg = view.config
+        base = view.drafter.build(view.context(), TreeShape(topk=cfg.topk, depth=cfg.tree_depth),
                                   cfg.lookup_tokens if self.uses_lookup else 0)
         tree, _ = select_top(base, cfg.tree_nodes, self.order)
         return tree
 
-    def segment_ranges(self, head) -> list[tuple[int, int]]:
-        return split_segments(len(head.tree), head.config.l_max)
+    def segment_ranges(self, view: RoundView) -> list[tuple[int, int]]:
+        return split_segments(len(view.tree), view.config.l_max)
 
-    def initial_segments(self, head) -> list:
+    def initial_segments(self, view: RoundView) -> list:
         actions: list = []
-        for a, b in self.segment_ranges(head):
-            actions += head.send_nodes(torch.arange(a, b), "init-segment")
+        for a, b in self.segment_ranges(view):
+            actions += view.send_nodes(torch.arange(a, b), "init-segment")
         return actions

@@ -7,6 +7,7 @@ from flowedge.core.merge import merge_by_path, score_aware_pick
 from flowedge.core.select import select_top
 from flowedge.engine.drafter import TreeShape
 from flowedge.engine.strategies.pruned_pp import PrunedPP
+from flowedge.engine.round_view import RoundView
 
 
 class FlowSpec(PrunedPP):
@@ -16,30 +17,30 @@ class FlowSpec(PrunedPP):
     sizes_from_costs = True   # the simulator may size its initial tree from the profile (sim/sizing.py)
     uses_lookup = True        # flowedge's addition: draft calls carry prompt-lookup guesses (core/lookup.py)
 
-    def initial_segments(self, head) -> list:
-        return super().initial_segments(head) + self._fill(head)
+    def initial_segments(self, view: RoundView) -> list:
+        return super().initial_segments(view) + self._fill(view)
 
-    def _fill(self, head) -> list:
+    def _fill(self, view: RoundView) -> list:
         """Keep one segment per stage in flight: while the pipeline has room, node 0 grows the tree
         instead of idling (a shallow initial tree then starts the pipeline sooner)."""
-        return head.expand_later(True) if head.in_flight < head.n_stages else []
+        return view.expand_later(True) if view.in_flight < view.n_stages else []
 
-    def expand(self, head, accepted: bool) -> list:
-        cfg = head.config
-        base = head.drafter.advance(head.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
+    def expand(self, view: RoundView, accepted: bool) -> list:
+        cfg = view.config
+        base = view.drafter.advance(view.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
         if base is None:   # the accepted path left the stored tree: grow a fresh one
-            base = head.drafter.build(head.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth),
+            base = view.drafter.build(view.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth),
                                       cfg.lookup_tokens)
         if accepted:
             new, _ = select_top(base, cfg.exp_nodes, self.order)
         elif cfg.se_nodes:
-            new = score_aware_pick(base, head.tree, head.alive, head.cur, cfg.se_nodes)
+            new = score_aware_pick(base, view.tree, view.alive, view.cur, cfg.se_nodes)
         else:
             return []
-        appended = merge_by_path(head.tree, head.alive, head.cur, new)
-        head.grow_alive()
-        sent = head.send_nodes(appended, "expansion")
-        return sent + (self._fill(head) if sent else [])
+        appended = merge_by_path(view.tree, view.alive, view.cur, new)
+        view.grow_alive()
+        sent = view.send_nodes(appended, "expansion")
+        return sent + (self._fill(view) if sent else [])
 
 
 class FlowSpecNoSBD(FlowSpec):

@@ -6,6 +6,7 @@ import math
 
 from flowedge.core.select import split_segments
 from flowedge.engine.strategies.base import ScoredTreeStrategy
+from flowedge.engine.round_view import RoundView
 
 
 class NaivePP(ScoredTreeStrategy):
@@ -15,12 +16,12 @@ class NaivePP(ScoredTreeStrategy):
     # node 0 reads the weights once, where the last stage would read them once per micro-batch.
     lm_head_at = "head"
 
-    def segment_ranges(self, head) -> list[tuple[int, int]]:
-        n = len(head.tree)
-        return split_segments(n, head.config.l_max, n_segments=math.ceil(n / head.config.l_max))
+    def segment_ranges(self, view: RoundView) -> list[tuple[int, int]]:
+        n = len(view.tree)
+        return split_segments(n, view.config.l_max, n_segments=math.ceil(n / view.config.l_max))
 
-    def on_output(self, head, live_nodes: int) -> list:
-        if head.in_flight:
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        if view.in_flight:
             return []
-        res, cost = head.verify()
-        return cost + head.apply_walk(res, continue_round=False)
+        res, cost = view.verify()
+        return cost + view.apply_walk(res, continue_round=False)

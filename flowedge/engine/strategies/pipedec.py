@@ -7,35 +7,36 @@ import torch
 from flowedge.core.tree import DraftTree
 from flowedge.engine.drafter import TreeShape
 from flowedge.engine.strategies.base import Strategy
+from flowedge.engine.round_view import RoundView
 
 
 class PipeDec(Strategy):
     name = "pipedec"
 
-    def build_round(self, head) -> DraftTree:
-        w = head.config.pipedec_width
+    def build_round(self, view: RoundView) -> DraftTree:
+        w = view.config.pipedec_width
         # Root plus its first level; the head's tree is the drafter's tree (same ids).
-        return head.drafter.build(head.context(), TreeShape(topk=w, width=w, depth=1, keep_all=False))
+        return view.drafter.build(view.context(), TreeShape(topk=w, width=w, depth=1, keep_all=False))
 
-    def initial_segments(self, head) -> list:
-        actions = head.send_nodes(torch.tensor([0]), "level")
-        actions += head.send_nodes(torch.arange(1, len(head.tree)), "level")
-        for _ in range(max(0, head.n_stages - 2)):   # fill the pipeline: one level per stage
-            actions += self._next_level(head)
+    def initial_segments(self, view: RoundView) -> list:
+        actions = view.send_nodes(torch.tensor([0]), "level")
+        actions += view.send_nodes(torch.arange(1, len(view.tree)), "level")
+        for _ in range(max(0, view.n_stages - 2)):   # fill the pipeline: one level per stage
+            actions += self._next_level(view)
         return actions
 
-    def _next_level(self, head) -> list:
-        new = head.drafter.extend(1, head.alive)
-        head.grow_alive()
-        return head.send_nodes(new, "level")
+    def _next_level(self, view: RoundView) -> list:
+        new = view.drafter.extend(1, view.alive)
+        view.grow_alive()
+        return view.send_nodes(new, "level")
 
-    def on_output(self, head, live_nodes: int) -> list:
-        res, cost = head.verify()
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        res, cost = view.verify()
         if res is None:
-            if head.in_flight == 0:
-                return head.restart_round()
+            if view.in_flight == 0:
+                return view.restart_round()
             return cost
-        actions = cost + head.apply_walk(res, continue_round=True)
-        if not head.finished and res.continues and not head.round_ended:
-            actions += self._next_level(head)
+        actions = cost + view.apply_walk(res, continue_round=True)
+        if not view.finished and res.continues and not view.round_ended:
+            actions += self._next_level(view)
         return actions

@@ -18,6 +18,7 @@ import torch
 from flowedge.core.tree import DraftTree
 from flowedge.engine.drafter import TreeShape
 from flowedge.engine.strategies.base import Strategy
+from flowedge.engine.round_view import RoundView
 
 CHAIN = TreeShape(topk=1, depth=1, keep_all=False)
 
@@ -25,28 +26,28 @@ CHAIN = TreeShape(topk=1, depth=1, keep_all=False)
 class PipeSpec(Strategy):
     name = "pipespec"
 
-    def build_round(self, head) -> DraftTree:
+    def build_round(self, view: RoundView) -> DraftTree:
         # The head's tree is the drafter's chain (same ids), grown in place by extend_chain.
-        return head.drafter.build(head.context(), CHAIN, head.config.lookup_tokens)
+        return view.drafter.build(view.context(), CHAIN, view.config.lookup_tokens)
 
-    def initial_segments(self, head) -> list:
-        return head.send_nodes(torch.arange(len(head.tree)), "chain") + self._fill(head)
+    def initial_segments(self, view: RoundView) -> list:
+        return view.send_nodes(torch.arange(len(view.tree)), "chain") + self._fill(view)
 
-    def _fill(self, head) -> list:
-        return head.expand_later(True) if head.in_flight < head.n_stages else []
+    def _fill(self, view: RoundView) -> list:
+        return view.expand_later(True) if view.in_flight < view.n_stages else []
 
-    def expand(self, head, accepted: bool) -> list:
-        new = head.drafter.extend_chain(head.config.lookup_tokens)
-        head.grow_alive()
-        return head.send_nodes(new, "chain") + self._fill(head)
+    def expand(self, view: RoundView, accepted: bool) -> list:
+        new = view.drafter.extend_chain(view.config.lookup_tokens)
+        view.grow_alive()
+        return view.send_nodes(new, "chain") + self._fill(view)
 
-    def on_output(self, head, live_nodes: int) -> list:
-        res, cost = head.verify()
+    def on_output(self, view: RoundView, live_nodes: int) -> list:
+        res, cost = view.verify()
         if res is None:
-            if head.in_flight == 0:
-                return head.restart_round()
-            return cost + self._fill(head)
-        actions = cost + head.apply_walk(res, continue_round=True)
-        if not head.finished and res.continues and not head.round_ended:
-            actions += self._fill(head)
+            if view.in_flight == 0:
+                return view.restart_round()
+            return cost + self._fill(view)
+        actions = cost + view.apply_walk(res, continue_round=True)
+        if not view.finished and res.continues and not view.round_ended:
+            actions += self._fill(view)
         return actions

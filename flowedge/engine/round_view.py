@@ -1,0 +1,121 @@
+"""What a strategy sees of the round it drives: the round's state, read only, and the few actions a
+strategy may take. The engine `Head` makes one view per head and passes it to every strategy call
+(`engine/strategies/`), so a strategy cannot reach the rest of the head — its hidden-state and logit
+caches, prune versions, sampling state, request bookkeeping — and what strategies depend on is listed
+here, in one place.
+
+The draft tree itself is shared, not copied: the expansion helpers (`core.merge.merge_by_path`,
+`Drafter.extend`) append nodes to it in place, after which the strategy calls `grow_alive()`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from flowedge.core.tree import DraftTree
+    from flowedge.core.verify import WalkResult
+    from flowedge.engine.config import SpecConfig
+    from flowedge.engine.drafter import Drafter
+    from flowedge.engine.events import Stats
+    from flowedge.engine.head import Head
+
+
+class RoundView:
+    """One head's round, as its strategy sees it."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, head: Head) -> None:
+        self._head = head
+
+    # ---- the request and the pipeline (read only) ---------------------------------------------------
+    @property
+    def config(self) -> SpecConfig:
+        return self._head.config
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """Node 0's draft model (None for strategies that need none)."""
+        return self._head.drafter
+
+    @property
+    def n_stages(self) -> int:
+        return self._head.n_stages
+
+    @property
+    def last_output(self) -> int:
+        """The newest committed token: the root of a new round."""
+        return self._head.outputs[-1]
+
+    @property
+    def emitted(self) -> int:
+        """Tokens answered so far in this request."""
+        return len(self._head.outputs)
+
+    def context(self) -> list[int]:
+        """Prompt + answered tokens (a fresh list)."""
+        return self._head.context()
+
+    def clock(self) -> float:
+        """Seconds on the driver's clock (the simulator's virtual one under simulation)."""
+        return self._head.clock()
+
+    @property
+    def stats(self) -> Stats:
+        """The answer's statistics (strategy `auto` files its choice and switches under `auto`)."""
+        return self._head.stats
+
+    # ---- the round (read only) ----------------------------------------------------------------------
+    @property
+    def tree(self) -> DraftTree:
+        return self._head.tree
+
+    @property
+    def alive(self) -> torch.Tensor:
+        """[len(tree)] bool: nodes not pruned yet."""
+        return self._head.alive
+
+    @property
+    def cur(self) -> int:
+        """The node the next verification walks from."""
+        return self._head.cur
+
+    @property
+    def in_flight(self) -> int:
+        """Segments of this round sent and not back yet."""
+        return self._head.in_flight
+
+    @property
+    def finished(self) -> bool:
+        return self._head.finished
+
+    @property
+    def round_ended(self) -> bool:
+        return self._head.round_ended
+
+    # ---- actions ------------------------------------------------------------------------------------
+    def send_nodes(self, ids: torch.Tensor, phase: str) -> list:
+        """Embed the alive nodes among `ids` and send them to stage 1 as one segment."""
+        return self._head.send_nodes(ids, phase)
+
+    def grow_alive(self) -> None:
+        """Nodes were appended to the tree: they start alive."""
+        self._head.grow_alive()
+
+    def verify(self) -> tuple[WalkResult | None, list]:
+        """Walk from `cur` if its output is known: the walk (None if not) and its lm_head cost."""
+        return self._head.verify()
+
+    def apply_walk(self, res: WalkResult, *, continue_round: bool) -> list:
+        """Emit the walk's tokens, broadcast its prune set, continue the round or start the next."""
+        return self._head.apply_walk(res, continue_round=continue_round)
+
+    def restart_round(self, reason: str | None = None) -> list:
+        """End this round now (an end-of-round prune) and start a new one."""
+        return self._head.restart_round(reason)
+
+    def expand_later(self, accepted: bool) -> list:
+        """Run the strategy's `expand` right after the actions so far went out."""
+        return self._head.expand_later(accepted)
