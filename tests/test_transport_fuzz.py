@@ -56,7 +56,7 @@ def schema_frames(draw):
     (often the right one), a version that is sometimes wrong, and tensor frames of random bytes."""
     kind = draw(st.sampled_from(_TYPES) | st.text(max_size=8) | st.just("x" * 5000))
     cls = p.MESSAGE_TYPES.get(kind)
-    version = draw(st.sampled_from([[1, 2], [1, 0], [1, 9], [2, 0], [0, 1]]) | _VALUE)
+    version = draw(st.sampled_from([list(p.PROTOCOL_VERSION), [1, 2], [1, 0], [1, 9], [2, 0], [0, 1]]) | _VALUE)
     header = {"v": version, "type": kind}
     names = [f.name for f in fields(cls)] if cls is not None else []
     for name in names:
