@@ -12,7 +12,8 @@ import pytest
 
 from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.daemon.client import Client, RequestFailed, wait_ready
-from flowedge.models.shards import Manifest, file_sha256
+from flowedge.models.shard_refs import RefFile, resolve_file
+from flowedge.models.shards import Manifest, file_sha256, split_model
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import security
 
@@ -40,7 +41,9 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_pair, tmp_path):
-    base, draft = tiny_pair
+    _, draft = tiny_pair
+    base = tmp_path / "w4a16"   # a W4A16 checkpoint: the head's split references it, copying nothing
+    split_model(tiny_pair[0], 1, base, quant="int4")
     head_home, stage_home = tmp_path / "head-home", tmp_path / "stage-home"
     security.init_keys(head_home / "keys")
     port = free_port_pair()
@@ -63,12 +66,15 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         split = next((head_home / "shards").iterdir())
         spec = Manifest.load(split).stages[0]
         cached = stage_home / "stage-cache" / spec.sha256 / spec.file
-        assert cached.is_file() and file_sha256(cached) == file_sha256(split / spec.file) == spec.sha256
-        assert (cached.read_bytes() == (split / spec.file).read_bytes())
+        served = resolve_file(split, spec.file)   # the head holds a reference into the checkpoint...
+        assert isinstance(served, RefFile) and not (split / spec.file).exists()
+        assert cached.is_file() and file_sha256(cached) == served.sha256() == spec.sha256
+        assert cached.read_bytes() == b"".join(served.blocks())   # ...the stage an ordinary file
         assert "fetching shard" in (tmp_path / "stage-a.log").read_text()
         # The only stage is the last one: it also fetched the head file (final norm + lm_head).
         head_spec = Manifest.load(split).head
         assert file_sha256(cached.parent / head_spec.file) == head_spec.sha256
+        assert isinstance(resolve_file(split, head_spec.file), RefFile)
         assert "fetching the lm_head file" in (tmp_path / "stage-a.log").read_text()
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30)["token_ids"] == reference

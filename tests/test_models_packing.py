@@ -14,7 +14,7 @@ from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.local import generate_ar, generate_ar_staged
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.quant import Int4Linear, pack_int4, unpack_codes
-from flowedge.models.shards import Manifest, split_model
+from flowedge.models.shards import Manifest, load_shard, split_model
 from flowedge.models.stage import StageModel, StageParts, is_packed
 from flowedge.models.tiny import make_tiny_model
 
@@ -65,8 +65,7 @@ def test_int4_split_writes_packed_stage_files_and_a_16_bit_head(tiny, packed):
         assert "model.layers.0.self_attn.q_proj.qweight" in names
         assert not any(n.endswith("proj.weight") for n in names)   # no float Linear weight at rest
         assert f.get_tensor("model.layers.0.mlp.down_proj.qweight").dtype == torch.uint8
-    with safe_open(str(packed / "head.safetensors"), "pt") as f:
-        assert "model.embed_tokens.weight" in f.keys()
+    assert "model.embed_tokens.weight" in load_shard(packed, "head")   # a reference to the 16-bit source
     full = split_model(tiny, 2, packed.parent / "fp", quant="none")
     for a, b in zip(manifest.stages, full.stages):
         assert a.bytes < 0.3 * b.bytes   # float32 source: 4 bytes a weight -> 0.625
@@ -100,10 +99,9 @@ def test_a_packed_checkpoint_refuses_other_quantizations(packed):
 def test_resplitting_a_packed_split_keeps_its_codes(packed, tmp_path):
     again = split_model(packed, 4, tmp_path / "s4")
     assert again.quant == "int4" and again.group_size == 32
-    with safe_open(str(packed / "stage-1.safetensors"), "pt") as a, \
-            safe_open(str(tmp_path / "s4" / "stage-2.safetensors"), "pt") as b:
-        name = "model.layers.2.mlp.up_proj.qweight"
-        assert torch.equal(a.get_tensor(name), b.get_tensor(name))
+    name = "model.layers.2.mlp.up_proj.qweight"
+    assert torch.equal(load_shard(packed, 1)[name], load_shard(tmp_path / "s4", 2)[name])
+    assert (tmp_path / "s4" / "stage-2.safetensors.ref").is_file()   # the codes are read in place
 
 
 def test_draft_from_packed_layers_holds_no_float_linear(packed):

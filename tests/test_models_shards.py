@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
+from flowedge.models.shard_refs import resolve_file
 from flowedge.models.shards import Manifest, balanced_layers, load_shard, split_model
 from flowedge.models.tiny import make_tiny_model
 
@@ -68,7 +69,7 @@ def test_manifest_json_layout_and_side_files(tiny, tmp_path):
     assert data["head"]["file"] == "head.safetensors"
     assert [s["layers"] for s in data["stages"]] == [[0, 1], [1, 5]]
     assert [s["file"] for s in data["stages"]] == ["stage-0.safetensors", "stage-1.safetensors"]
-    assert data["stages"][1]["bytes"] == (out / "stage-1.safetensors").stat().st_size
+    assert data["stages"][1]["bytes"] == resolve_file(out, "stage-1.safetensors").size   # a reference
     assert Manifest.load(out) == manifest
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file()
@@ -84,7 +85,7 @@ def test_untied_head_carries_lm_head(untied, tmp_path):
 
 def test_flipped_byte_is_caught(tiny, tmp_path):
     out = tmp_path / "s"
-    split_model(tiny, 3, out)
+    split_model(tiny, 3, out, copy=True)
     path = out / "stage-2.safetensors"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x01
@@ -122,7 +123,7 @@ def test_resplit_replaces_previous_split(tiny, tmp_path):
     split_model(tiny, 4, out)
     manifest = split_model(tiny, 2, out)
     assert len(manifest.stages) == 2
-    assert not (out / "stage-3.safetensors").exists()
+    assert not (out / "stage-3.safetensors").exists() and not (out / "stage-3.safetensors.ref").exists()
     with pytest.raises(ConfigError):
         load_shard(out, 2)
 

@@ -21,7 +21,7 @@ from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.packing import storage_quant
-from flowedge.models.shards import Manifest, _layer_counts, split_model
+from flowedge.models.shards import Manifest, _layer_counts, is_referenced, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, 
     else write one (atomically, with progress)."""
     try:
         manifest = Manifest.load(out)
-        if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant:
+        if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant and \
+                is_referenced(out):   # a split that copies the checkpoint (older flowedge) is redone
             return manifest
     except ModelError:
         pass

@@ -19,7 +19,8 @@ from typing import Callable
 
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
-from flowedge.models.shards import MANIFEST, Manifest
+from flowedge.models.shard_refs import RefFile, resolve_file
+from flowedge.models.shards import MANIFEST, FileSpec, Manifest, StageSpec
 from flowedge.progress import Progress
 from flowedge.transport import protocol as proto
 
@@ -32,11 +33,21 @@ IN_FLIGHT = 4            # chunk requests outstanding at once (keeps a high-late
 
 @dataclass(frozen=True)
 class ShardFile:
-    """What the head serves for one stage: the file, its digest and the small side files."""
+    """What the head serves for one stage: the file, its digest and the small side files. `ref` is set
+    when the split stores the file as a reference into the checkpoint (served from there, same bytes)."""
     path: Path
     sha256: str
     size: int
     side_files: dict[str, str]
+    ref: RefFile | None = None
+
+
+def _served(split_dir: Path, spec: FileSpec | StageSpec, side: dict[str, str]) -> ShardFile:
+    stored = resolve_file(split_dir, spec.file)
+    if stored is None:
+        raise ModelError(f"shard {spec.file} missing from {split_dir}")
+    ref = stored if isinstance(stored, RefFile) else None
+    return ShardFile(split_dir / spec.file, spec.sha256, spec.bytes, side, ref)
 
 
 def stage_files(split_dir: Path, stage: int) -> ShardFile:
@@ -44,22 +55,26 @@ def stage_files(split_dir: Path, stage: int) -> ShardFile:
     manifest = Manifest.load(split_dir)
     spec = manifest.stages[stage - 1]
     side = {name: (split_dir / name).read_text() for name in SIDE_FILES if (split_dir / name).is_file()}
-    return ShardFile(split_dir / spec.file, spec.sha256, spec.bytes, side)
+    return _served(split_dir, spec, side)
 
 
 def head_file(split_dir: Path) -> ShardFile:
     """The split's head file (embedding, final norm, lm_head): what a token-choosing last stage adds."""
     manifest = Manifest.load(split_dir)
-    return ShardFile(split_dir / manifest.head.file, manifest.head.sha256, manifest.head.bytes, {})
+    return _served(split_dir, manifest.head, {})
 
 
 def read_chunk(shard: ShardFile, req: proto.ShardRequest) -> proto.ShardChunk:
     """Head side: the requested byte range (clipped to the file) as a checksummed chunk."""
     if req.offset >= shard.size:
         raise ProtocolError(f"shard request at offset {req.offset} beyond the file's {shard.size} bytes")
-    with open(shard.path, "rb") as f:
-        f.seek(req.offset)
-        data = f.read(min(req.length, shard.size - req.offset))
+    length = min(req.length, shard.size - req.offset)
+    if shard.ref is not None:
+        data = shard.ref.read(req.offset, length)
+    else:
+        with open(shard.path, "rb") as f:
+            f.seek(req.offset)
+            data = f.read(length)
     return proto.ShardChunk.of(req.offset, data, shard.size)
 
 

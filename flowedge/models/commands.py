@@ -58,18 +58,24 @@ def parse_layers(text: str | None) -> list[int] | None:
               help="Layers per stage, e.g. 7,7,7,7 (default: balanced).")
 @click.option("--quant", type=click.Choice(["int4", "none"]), default="int4", show_default=True,
               help="int4: W4A16 shards (4-bit packed Linears + group scales); none: 16-bit shards.")
-def split(model: str, stages: int, out: Path, layers: str | None, quant: str) -> None:
+@click.option("--copy", is_flag=True,
+              help="Write every shard file in full (a self-contained directory to carry elsewhere); by "
+                   "default files identical to the checkpoint's tensors are references into it (*.ref).")
+def split(model: str, stages: int, out: Path, layers: str | None, quant: str, copy: bool) -> None:
     """Cut MODEL (registry name, HF directory or .gguf file) into per-stage shard files."""
     from flowedge.models.resolve import resolve_model
     from flowedge.models.shards import split_model
 
     counts = parse_layers(layers)
     model_dir = resolve_model(model, quant=quant)
-    manifest = split_model(model_dir, stages, out, counts, progress=click.echo, model_name=model, quant=quant)
+    manifest = split_model(model_dir, stages, out, counts, progress=click.echo, model_name=model, quant=quant,
+                           copy=copy)
     click.echo(f"{manifest.model}: {manifest.num_layers} layers, hidden {manifest.hidden_size}, "
                f"{manifest.dtype}, tied={manifest.tied}, quant={manifest.quant}")
     click.echo(f"  head     {manifest.head.file:<22} {manifest.head.bytes / 1e6:9.1f} MB")
     for s in manifest.stages:
         click.echo(f"  stage {s.index}  layers [{s.start:>2}, {s.end:>2})  {s.file:<22} "
                    f"{s.bytes / 1e6:9.1f} MB")
+    if not copy and any(out.glob("*.ref")):
+        click.echo("  (*.ref: read in place from the checkpoint; --copy writes them out)")
     click.echo(f"wrote {out / 'manifest.json'}")

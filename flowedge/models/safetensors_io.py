@@ -47,16 +47,7 @@ def write_safetensors(
     safetensors' own save_file serialises every tensor to bytes first, doubling peak memory on
     a 6 GB model; this writer holds one tensor at a time and hashes while it writes.
     """
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for entry in entries:
-        if entry.dtype not in _DTYPE_CODES:
-            raise ModelError(f"cannot store tensor {entry.name} of dtype {entry.dtype}")
-        header[entry.name] = {"dtype": _DTYPE_CODES[entry.dtype], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + entry.nbytes]}
-        offset += entry.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw = safetensors_header(entries, metadata)
     digest = hashlib.sha256()
     with open(path, "wb") as f:
         for chunk in (struct.pack("<Q", len(raw)), raw):
@@ -68,6 +59,20 @@ def write_safetensors(
                 progress(entry.nbytes)
         size = f.tell()
     return digest.hexdigest(), size
+
+
+def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The JSON header (space-padded to 8 bytes) of a file holding `entries` in order."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        if entry.dtype not in _DTYPE_CODES:
+            raise ModelError(f"cannot store tensor {entry.name} of dtype {entry.dtype}")
+        header[entry.name] = {"dtype": _DTYPE_CODES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
 
 
 def _write_tensor(f, digest, entry: TensorEntry) -> None:

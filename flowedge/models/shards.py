@@ -7,6 +7,10 @@ Layout of a shard directory (format 2):
     stage-<i>.safetensors              model.layers.<j>.* for j in the stage's [start, end)
     manifest.json                      written last; sizes and sha256 of every file, the storage
                                        quantization ("none" or "int4") and its group size
+A file whose tensors are stored exactly as in the checkpoint (every head file; stage files unless
+the split packs a 16-bit checkpoint) is written as `<file>.ref` instead (flowedge.models.shard_refs:
+the header plus byte ranges of the checkpoint), so a split costs no second copy of the model; the
+bytes and sha256 a stage fetches are those a copy would have. `copy=True` writes every file.
 With quant "int4" a stage file holds its Linear weights packed (flowedge.models.packing): the
 shard a stage fetches and loads is already W4A16. Format 1 (flowedge <= 0.1: no quant field,
 float32 tensors) is still read, as quant "none".
@@ -29,7 +33,7 @@ from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
 from flowedge.filenames import is_plain_file_name
-from flowedge.models import packing
+from flowedge.models import packing, shard_refs
 from flowedge.models.quant import DEFAULT_GROUP_SIZE
 from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors  # noqa: F401
 from flowedge.progress import Progress as Bar
@@ -165,10 +169,7 @@ class _TensorSource:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: model_dir / fname for name, fname in weight_map.items()}
         elif (model_dir / MANIFEST).is_file():   # another split: its head and stage files
-            self.files = {}
-            for path in sorted(model_dir.glob("*.safetensors")):
-                with safe_open(str(path), "pt") as f:
-                    self.files.update({name: path for name in f.keys()})
+            self.files = shard_tensor_files(model_dir)
         else:
             raise ModelError(f"{model_dir} has no model.safetensors (other weight formats unsupported)")
 
@@ -189,6 +190,18 @@ class _TensorSource:
                 dtype, shape = _CODE_DTYPES[sl.get_dtype()], tuple(sl.get_shape())
             out.append(TensorEntry(name, dtype, shape, _loader(path, name)))
         return out
+
+
+def shard_tensor_files(shard_dir: Path) -> dict[str, Path]:
+    """name -> file for a shard directory: its safetensors files, and the checkpoint files its
+    `.ref`s point into (for the files not present themselves)."""
+    files: dict[str, Path] = {}
+    present = sorted(Path(shard_dir).glob("*.safetensors"))
+    for path in present:
+        with safe_open(str(path), "pt") as f:
+            files.update({name: path for name in f.keys()})
+    files.update(shard_refs.ref_tensor_files(shard_dir, skip={p.name for p in present}))
+    return files
 
 
 def _loader(path: Path, name: str) -> Callable[[], torch.Tensor]:
@@ -227,11 +240,13 @@ def split_model(
     model_name: str | None = None,
     quant: str | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
+    copy: bool = False,
 ) -> Manifest:
     """Cut a Hugging Face model directory into per-stage safetensors files under `out`.
 
     `quant`: None keeps the source's storage (a packed source stays packed); "int4" packs every
-    decoder layer's Linear weights (W4A16); "none" needs an unpacked source.
+    decoder layer's Linear weights (W4A16); "none" needs an unpacked source. Files that hold the
+    source's tensors unchanged are references into it unless `copy`.
     Files are written into a temporary sibling directory that is renamed into place at the
     end, so `out` is either absent, the previous complete split, or the new complete split.
     """
@@ -258,7 +273,8 @@ def split_model(
                    sum(e.nbytes for e in head_entries) + sum(e.nbytes for n in stage_names for e in source.entries(n)))
     try:
         _copy_side_files(model_dir, tmp)
-        head_sha, head_bytes = write_safetensors(tmp / HEAD_FILE, head_entries, progress=bar.advance)
+        head_sha, head_bytes = _write_file(tmp / HEAD_FILE, head_entries, None if copy else source.files,
+                                           bar.advance)
         report(f"wrote {HEAD_FILE} ({head_bytes / 1e6:.1f} MB)")
         specs = []
         for i, ((start, end), names) in enumerate(zip(ranges, stage_names)):
@@ -268,7 +284,8 @@ def split_model(
             if quant == "int4" and stored == "none":
                 entries = packing.pack_entries(entries, group)
             ratio = read / max(sum(e.nbytes for e in entries), 1)
-            sha, size = write_safetensors(tmp / fname, entries, progress=lambda n, r=ratio: bar.advance(n * r))
+            refer = None if copy or (quant == "int4" and stored == "none") else source.files
+            sha, size = _write_file(tmp / fname, entries, refer, lambda n, r=ratio: bar.advance(n * r))
             specs.append(StageSpec(i, start, end, fname, sha, size))
             report(f"wrote {fname}: layers [{start}, {end}) ({size / 1e6:.1f} MB)")
         manifest = Manifest(
@@ -283,6 +300,21 @@ def split_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _write_file(path: Path, entries: list[TensorEntry], refer: dict[str, Path] | None,
+                progress: Callable[[float], None]) -> tuple[str, int]:
+    """Write `path`, or (`refer`: where each tensor is stored as is) its reference; (sha256, bytes)."""
+    if refer is None:
+        return write_safetensors(path, entries, progress=progress)
+    return shard_refs.write_ref(path.with_name(path.name + shard_refs.REF_SUFFIX),
+                                shard_refs.build_ref(entries, refer), progress)
+
+
+def is_referenced(shard_dir: Path) -> bool:
+    """True when the split's files are references into its checkpoint, and every one still resolves."""
+    manifest = Manifest.load(shard_dir)
+    return shard_refs.all_resolve(shard_dir, [manifest.head.file, *(s.file for s in manifest.stages)])
 
 
 def _split_group_size(source: _TensorSource, stored: str, quant: str, group_size: int) -> int | None:
@@ -318,9 +350,14 @@ def _dtype_name(source: _TensorSource, head_names: list[str]) -> str:
 
 
 def _copy_side_files(model_dir: Path, dest: Path) -> None:
+    """Tokenizer and config files: hard links where the file system allows (the 11 MB tokenizer of the
+    real pair is otherwise stored once per split), copies elsewhere."""
     for path in model_dir.iterdir():
         if path.is_file() and path.suffix in COPY_SUFFIXES and path.name not in SKIP_COPY:
-            shutil.copy2(path, dest / path.name)
+            try:
+                os.link(path, dest / path.name)
+            except OSError:
+                shutil.copy2(path, dest / path.name)
 
 
 def _fresh_tmp(out: Path) -> Path:
@@ -349,19 +386,28 @@ def load_shard(
     shard_dir = Path(shard_dir)
     manifest = Manifest.load(shard_dir)
     spec = _file_spec(manifest, which)
-    path = shard_dir / spec.file
-    if not path.is_file():
+    stored = shard_refs.resolve_file(shard_dir, spec.file)
+    if stored is None:
         raise ModelError(f"shard {spec.file} missing from {shard_dir}")
     if verify:
-        size = path.stat().st_size
-        if size != spec.bytes:
-            raise ChecksumError(f"shard {spec.file} is corrupt: {size} bytes != manifest {spec.bytes}")
-        actual = file_sha256(path)
-        if actual != spec.sha256:
-            raise ChecksumError(
-                f"shard {spec.file} is corrupt: sha256 {actual} != manifest {spec.sha256}"
-            )
-    return load_file(str(path))
+        verify_file(stored, spec)
+    if isinstance(stored, Path):
+        return load_file(str(stored))
+    out = {}
+    for seg in stored.segments:
+        with safe_open(str(seg.source), "pt") as f:
+            out[seg.name] = f.get_tensor(seg.name)
+    return out
+
+
+def verify_file(stored: Path | shard_refs.RefFile, spec: FileSpec | StageSpec) -> None:
+    """Size and sha256 of a shard file (or of the bytes its reference stands for) against the manifest."""
+    size = stored.stat().st_size if isinstance(stored, Path) else stored.size
+    if size != spec.bytes:
+        raise ChecksumError(f"shard {spec.file} is corrupt: {size} bytes != manifest {spec.bytes}")
+    actual = file_sha256(stored) if isinstance(stored, Path) else stored.sha256()
+    if actual != spec.sha256:
+        raise ChecksumError(f"shard {spec.file} is corrupt: sha256 {actual} != manifest {spec.sha256}")
 
 
 def _file_spec(manifest: Manifest, which: Literal["head"] | int) -> FileSpec | StageSpec:

@@ -38,15 +38,13 @@ def load_config(model_dir: Path):
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file for every *.safetensors file in the directory."""
-    index: dict[str, Path] = {}
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    """Map tensor name -> safetensors file for every *.safetensors file in the directory, and for a
+    split's references the checkpoint file holding each tensor (read in place, through mmap)."""
+    from flowedge.models.shards import shard_tensor_files
+
+    index = shard_tensor_files(model_dir)
+    if not index:
         raise ModelError(f"{model_dir} holds no .safetensors files")
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                index[name] = f
     return index
 
 
@@ -57,8 +55,8 @@ def is_packed(model_dir: Path) -> bool:
 
 def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
     """In a flowedge shard directory, check the sha256 of every file these parts will read."""
-    from flowedge.errors import ChecksumError
-    from flowedge.models.shards import MANIFEST, Manifest, file_sha256
+    from flowedge.models.shard_refs import resolve_file
+    from flowedge.models.shards import MANIFEST, Manifest, verify_file
 
     if not (Path(model_dir) / MANIFEST).is_file():
         return
@@ -66,13 +64,10 @@ def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
     files = [manifest.head] if parts.embed or parts.head else []
     files += [s for s in manifest.stages if s.start < parts.end and parts.start < s.end]
     for spec in files:
-        path = Path(model_dir) / spec.file
-        if not path.is_file():
+        stored = resolve_file(model_dir, spec.file)
+        if stored is None:
             raise ModelError(f"shard {spec.file} is missing from {model_dir}")
-        actual = file_sha256(path)
-        if actual != spec.sha256:
-            raise ChecksumError(f"shard {spec.file} is corrupt: sha256 {actual[:16]}… != manifest "
-                                f"{spec.sha256[:16]}…")
+        verify_file(stored, spec)
 
 
 @dataclass(frozen=True, slots=True)
