@@ -143,3 +143,22 @@ def test_ar_pp_minimises_the_latency_its_single_token_pays():
     best = min(sum(step[k, n] for k, n in enumerate(b - a for a, b in zip((0, *cuts), (*cuts, 32))))
                for cuts in itertools.combinations(range(1, 32), 3))
     assert one_token.plan.latency_s == pytest.approx(best, rel=1e-9)
+
+
+def test_predicted_costs_use_the_plans_kernel_path_not_the_profiles_default():
+    from flowedge.plan.predict import cost_model
+    from flowedge.sim.run import draft_path_for
+    from flowedge.sim.sizing import tree_costs
+
+    draft = load_shape("qwen2.5-coder-0.5b")
+    trees = {}
+    for path in ("torch-int4", "hf-bnb4-multi"):
+        cluster = plan_cluster("llama-2-7b", ["orin-nano-8gb"] * 4, quant="nf4", path=path)
+        assert {d.path for d in cluster.devices} == {path}
+        trees[path] = cost_model(cluster, draft, draft_quantized=True).tree
+        expected = tree_costs(cluster.config, draft, cluster.plan.ranges, [d.profile for d in cluster.devices],
+                              cluster.head_device, stage_path=path,
+                              draft_path=draft_path_for(cluster.head_device, path), draft_quantized=True)
+        assert trees[path] == expected
+    # the dequantizing bitsandbytes path is far slower on a segment than tinygemm: the sizing must see it
+    assert trees["hf-bnb4-multi"].pipeline_latency_s > 2 * trees["torch-int4"].pipeline_latency_s

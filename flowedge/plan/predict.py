@@ -66,8 +66,8 @@ def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool
     last = devs[-1]
     costs.lm_head_segment_ratio = lm_head_segment_ratio(last.profile, cfg, spec.l_max, last.path)
     costs.tree = tree_costs(cfg, draft_config, cluster.plan.ranges, [d.profile for d in devs], head,
-                            draft_path=draft_path, draft_quantized=draft_quantized, l_max=spec.l_max,
-                            topk=spec.topk)
+                            stage_paths=[d.path for d in devs], draft_path=draft_path,
+                            draft_quantized=draft_quantized, l_max=spec.l_max, topk=spec.topk)
     return costs
 
 

@@ -79,19 +79,24 @@ SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's
 def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, int]],
                stage_devices: Sequence[DeviceProfile], head_device: DeviceProfile, *,
                stage_path: str | None = None, draft_path: str | None = None, draft_quantized: bool = False,
-               l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk) -> TreeCosts:
-    """Costs of stage k's layers `ranges[k]` on `stage_devices[k]` (each on `stage_path`, default its
-    profile's own) and of the draft on node 0's `head_device`. Stages may differ (a mixed cluster):
-    the steepest stage decides whether segments are flat."""
+               l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk,
+               stage_paths: Sequence[str | None] | None = None) -> TreeCosts:
+    """Costs of stage k's layers `ranges[k]` on `stage_devices[k]` (each on `stage_paths[k]`, else
+    `stage_path`, default its profile's own) and of the draft on node 0's `head_device`. Stages may
+    differ (a mixed cluster): the steepest stage decides whether segments are flat."""
     ctx = SIZING_CONTEXT
     shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
-    latency = sum(forward_time_s(dev, shape, l_max, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
-    latency += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
-    ratio = max(forward_time_s(dev, shape, l_max, ctx, stage_path) / forward_time_s(dev, shape, 2, ctx, stage_path)
-                for dev, shape in zip(stage_devices, shapes))
-    token_s = sum(forward_time_s(dev, shape, 1, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
-    token_s += lm_head_time_s(stage_devices[-1], base_config, 1, stage_path)
-    flow_s = max(forward_time_s(dev, shape, FLOW_SEGMENT, ctx, stage_path) for dev, shape in zip(stage_devices, shapes))
+    paths = list(stage_paths) if stage_paths is not None else [stage_path] * len(shapes)
+    stages = list(zip(stage_devices, shapes, paths))
+
+    def fwd(tokens: int) -> list[float]:
+        return [forward_time_s(dev, shape, tokens, ctx, path) for dev, shape, path in stages]
+
+    head_s = lm_head_time_s(stage_devices[-1], base_config, 1, paths[-1])
+    latency = sum(fwd(l_max)) + head_s
+    ratio = max(a / b for a, b in zip(fwd(l_max), fwd(2)))
+    token_s = sum(fwd(1)) + head_s
+    flow_s = max(fwd(FLOW_SEGMENT))
 
     def call_s(rows: int) -> float:
         return draft_time_s(head_device, draft_config, rows, ctx, draft_path, draft_quantized)
