@@ -23,7 +23,7 @@ def _hello(device: str, free_gb: float = 6.0, node: str = "n") -> proto.Hello:
     return proto.Hello(node_id=node, role="stage", device=device, free_memory_bytes=int(free_gb * GB))
 
 
-def test_planned_counts_follow_the_devices_and_respect_manual_layers():
+def test_planned_counts_follow_the_devices_and_respect_manual_layers(caplog):
     config = load_shape("llama-2-7b")
     cfg = NodeConfig(stages=2, quant="int4")
     same = [_hello("orin-nano-8gb"), _hello("orin-nano-8gb")]
@@ -37,6 +37,13 @@ def test_planned_counts_follow_the_devices_and_respect_manual_layers():
     short = [_hello("orin-nano-8gb", 6.0), _hello("orin-nano-8gb", 2.5)]
     counts = planned_counts(cfg, config, [16, 16], short)
     assert counts is not None and counts[1] < 16
+    # a device the planner would leave out: every slot still serves (the daemon keeps `stages`), and the
+    # log says which node to stop
+    with caplog.at_level("WARNING", logger="flowedge.daemon.plan"):
+        counts = planned_counts(cfg.with_(stages=3), config, [11, 11, 10],
+                                [_hello("agx-orin-64gb", 30), _hello("rpi5-8gb", node="pi"), _hello("orin-nano-8gb")])
+    assert counts is not None and len(counts) == 3
+    assert "stage 2 (rpi5-8gb, node pi) slows the pipeline" in caplog.text and "stages = 2" in caplog.text
     # nothing fits: logged, the current split is kept
     assert planned_counts(NodeConfig(stages=2, quant="none"), load_shape("llama-2-70b"), [40, 40], same) is None
 

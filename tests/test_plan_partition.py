@@ -7,14 +7,15 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from flowedge.plan.cluster import plan_cluster
 from flowedge.plan.memory import GiB
-from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
+from flowedge.plan.partition import IDLE_GAIN, PlanError, PlanInputs, plan_partition, stage_devices
 from flowedge.plan.shapes import list_shapes, load_shape, shape_from_dict
-from flowedge.sim.profiles import list_devices, load_device
+from flowedge.sim.profiles import list_devices, load_device, load_link
 
 MIXED = ["agx-orin-64gb", "orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"]
 
@@ -98,7 +99,7 @@ def test_the_split_is_the_exact_minimum_bottleneck(seed):
 
 
 def test_plan_cluster_puts_the_lm_head_on_the_best_last_stage_and_checks_node0():
-    cluster = plan_cluster("llama-2-7b", MIXED, quant="int4")
+    cluster = plan_cluster("llama-2-7b", MIXED, quant="int4", allow_idle=False)
     assert sorted(d.profile.name for d in cluster.devices) == sorted(MIXED)
     assert cluster.devices[-1].profile.name != "rpi5-8gb"       # the slowest board never runs the lm_head
     with pytest.raises(PlanError, match="node 0"):
@@ -136,7 +137,7 @@ def test_simulated_prediction_runs_every_strategy_on_shape_only_stages(tiny_pair
 
 
 def test_ar_pp_minimises_the_latency_its_single_token_pays():
-    one_token = plan_cluster("llama-2-7b", MIXED, quant="int4", strategy="ar-pp")
+    one_token = plan_cluster("llama-2-7b", MIXED, quant="int4", strategy="ar-pp", allow_idle=False)
     assert one_token.plan.step_tokens == 1
     inputs = _inputs("llama-2-7b", [d.profile.name for d in one_token.devices], quant="int4", step_tokens=1)
     step = {(k, n): inputs.step_s(k, n) for k in range(4) for n in range(1, 30)}
@@ -162,3 +163,51 @@ def test_predicted_costs_use_the_plans_kernel_path_not_the_profiles_default():
         assert trees[path] == expected
     # the dequantizing bitsandbytes path is far slower on a segment than tinygemm: the sizing must see it
     assert trees["hf-bnb4-multi"].pipeline_latency_s > 2 * trees["torch-int4"].pipeline_latency_s
+
+
+def test_a_device_that_slows_the_pipeline_is_left_out_with_the_reason():
+    used_all = plan_partition(_inputs("llama-2-7b", MIXED, quant="int4"))
+    assert len(used_all.stages) == 4 and not used_all.unused   # by default every device serves layers
+    inputs = _inputs("llama-2-7b", MIXED, quant="int4", allow_idle=True)
+    plan = plan_partition(inputs)
+    assert [u.device for u in plan.unused] == ["rpi5-8gb"] and "ms/step here" in plan.unused[0].reason
+    assert [s.device for s in plan.stages] == MIXED[:3] and sum(plan.counts) == 32 and _fits(inputs, plan)
+    assert plan.stages[-1].memory.total_bytes > inputs.need(2, plan.counts[-1], last=False).total_bytes  # lm_head
+    assert plan.bottleneck_s < 0.5 * used_all.bottleneck_s
+    # two slow boards: leaving out either alone gains nothing, both together do (an exact search, not greedy)
+    two = plan_partition(_inputs("llama-2-7b", ["agx-orin-64gb", "rpi5-8gb", "rpi5-8gb", "orin-nano-8gb"],
+                                 quant="int4", allow_idle=True))
+    assert [u.device for u in two.unused] == ["rpi5-8gb", "rpi5-8gb"] and len(two.stages) == 2
+    # alike devices all serve; a device without room for one layer is left out while the rest fit
+    assert not plan_partition(_inputs("llama-2-7b", ["orin-nano-8gb"] * 4, allow_idle=True)).unused
+    tight = plan_partition(_inputs("llama-2-7b", ["orin-nano-8gb"] * 3, free_gib=[6, 0.5, 6], allow_idle=True))
+    assert [u.index for u in tight.unused] == [1] and "cannot hold one layer" in tight.unused[0].reason
+    with pytest.raises(PlanError, match="does not fit"):   # leaving devices out never hides a real shortfall
+        plan_partition(_inputs("llama-2-70b", ["orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"], allow_idle=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_leaving_devices_out_finds_the_best_subset(seed):
+    rng = random.Random(100 + seed)
+    config = shape_from_dict({"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                              "num_key_value_heads": 4, "num_hidden_layers": rng.randint(5, 9),
+                              "vocab_size": 32000}, "test")
+    names = [rng.choice(list_devices()) for _ in range(rng.randint(2, 4))]
+    inputs = _inputs(config, names, quant="int4", step_tokens=16, allow_idle=True,
+                     link=load_link(load_device(names[0]).default_link))   # not the first device's: it may idle
+    best = min((_brute_force(replace(inputs, devices=tuple(inputs.devices[k] for k in keep)))
+                for r in range(1, len(names) + 1) for keep in itertools.combinations(range(len(names)), r)
+                if r <= config.num_hidden_layers), default=float("inf"))
+    plan = plan_partition(inputs)
+    assert plan.bottleneck_s <= _brute_force(inputs) * (1 + 1e-9)
+    if plan.unused:   # taken only for a real gain, and then the best subset's pace
+        assert plan.bottleneck_s == pytest.approx(best, rel=1e-9)
+        assert plan.bottleneck_s < _brute_force(inputs) * (1 - IDLE_GAIN) + 1e-12
+
+
+def test_plan_command_marks_the_device_it_leaves_out():
+    proc = _plan_cli("--model", "llama-2-7b", "--devices", ",".join(MIXED), "--no-simulate")
+    assert proc.returncode == 0, proc.stderr
+    assert "unused rpi5-8gb" in proc.stdout and proc.stdout.count("orin-nano-8gb ") == 2
+    forced = _plan_cli("--model", "llama-2-7b", "--devices", ",".join(MIXED), "--no-simulate", "--use-all", "--json")
+    assert json.loads(forced.stdout)["unused"] == [] and len(json.loads(forced.stdout)["stages"]) == 4

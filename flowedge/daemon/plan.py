@@ -103,6 +103,7 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
                         step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
                         last_stage_runs_head=config.lm_head_at == "last-stage",
                         link=load_link(profiles[0].default_link), objective=objective_for(config.strategy))
+    _warn_unused(inputs, hellos)
     try:
         best = plan_partition(inputs)
     except PlanError as err:
@@ -116,6 +117,20 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
              best.counts, inputs.objective, 1e3 * best_s, current, 1e3 * now_s,
              "" if fits else ", which does not fit")
     return best.counts
+
+
+def _warn_unused(inputs, hellos: list) -> None:
+    """Every slot serves layers in the daemon (a plan with fewer stages needs `stages` lowered): say which
+    joined devices the planner would leave out, and why, so the operator can."""
+    from flowedge.plan.partition import PlanError, plan_partition
+
+    try:
+        idle = plan_partition(replace(inputs, allow_idle=True)).unused
+    except PlanError:
+        return
+    for u in idle:
+        log.warning("stage %d (%s, node %s) slows the pipeline: %s; stop that node and set stages = %d",
+                    u.index + 1, u.device, hellos[u.index].node_id, u.reason, len(hellos) - len(idle))
 
 
 class Replanner:

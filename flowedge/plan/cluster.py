@@ -32,7 +32,7 @@ class ClusterSpec:
 
     config: Any                          # the planned model's shape
     plan: PartitionPlan
-    devices: tuple[StageDevice, ...]     # in stage order (the plan's)
+    devices: tuple[StageDevice, ...]     # in stage order (the plan's), the devices left out excluded
     head_device: DeviceProfile
     link: LinkProfile
     head_memory: MemoryNeed | None = None
@@ -74,20 +74,24 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
                  free_memory_bytes: Sequence[int | None] | None = None, quant: str = "int4",
                  context: int = 4096, strategy: str = "flowspec", link: str | None = None,
                  reorder: bool = True, path: str | None = None, draft: str | None = DRAFT_SHAPE,
-                 draft_quant: str = "int4", head_free_bytes: int | None = None) -> ClusterSpec:
-    """Plan `model` (a shipped shape name or a model directory) over stage `devices` (profile names)."""
+                 draft_quant: str = "int4", head_free_bytes: int | None = None,
+                 allow_idle: bool = True) -> ClusterSpec:
+    """Plan `model` (a shipped shape name or a model directory) over stage `devices` (profile names);
+    with `allow_idle` devices that would slow the pipeline (or cannot hold a layer) are left out."""
     config = load_shape(model)
     profiles = [load_device(d) for d in devices]
     head = load_device(head_device or devices[0])
     lnk = load_link(link or profiles[0].default_link)
     inputs = PlanInputs(config, stage_devices(profiles, free_memory_bytes, path, quant), quant=quant,
                         context=context, step_tokens=step_tokens_for(strategy), link=lnk,
-                        objective=objective_for(strategy))
+                        objective=objective_for(strategy), allow_idle=allow_idle)
     inputs, plan = best_order_plan(inputs, reorder)
+    idle = {u.index for u in plan.unused}
     need = head_need(config, load_shape(draft) if draft else None, draft_quant, context, head)
     room = usable_bytes(head, head_free_bytes)
     if need.total_bytes > room:
         raise PlanError(f"node 0 ({head.name}) needs {need.total_bytes / GiB:.2f} GiB (embedding + lm_head + "
                         f"draft + KV + runtime), has {room / GiB:.2f} GiB usable: "
                         f"{(need.total_bytes - room) / GiB:.2f} GiB missing")
-    return ClusterSpec(config, plan, inputs.devices, head, lnk, need)
+    used = tuple(d for k, d in enumerate(inputs.devices) if k not in idle)
+    return ClusterSpec(config, plan, used, head, lnk, need)

@@ -27,6 +27,8 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--path", "compute_path", default=None, help="Stages' kernel path (default: each profile's).")
 @click.option("--link", default=None, help="Link profile (default: the first device's).")
 @click.option("--keep-order", is_flag=True, help="Stages in the order given (default: best last stage).")
+@click.option("--use-all", is_flag=True, help="Give every device layers, even one that slows the pipeline "
+              "(default: such a device, or one that cannot hold a layer, is left out and listed as unused).")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Predict tokens/s per strategy with the simulator (needs the real pair cached).")
 @click.option("--strategies", default="ar-pp,naive-pp,pipedec,flowspec", show_default=True)
@@ -36,7 +38,7 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--tokens-from", nargs=2, default=REAL_PAIR, show_default=True, metavar="BASE DRAFT",
               help="The model pair whose tokens and acceptance the simulated run uses (names or directories).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the table.")
-def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order,
+def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order, use_all,
          simulate, strategies, dataset, samples, max_new_tokens, tokens_from, as_json) -> None:
     """Plan a model over named devices: layer ranges, memory per stage, predicted tokens/s."""
     from flowedge.plan.cluster import plan_cluster
@@ -46,7 +48,7 @@ def plan(model, devices, head_device, free_gb, quant, context, strategy, compute
     free = [int(float(x) * 1e9) for x in free_gb.split(",")] if free_gb else None
     cluster = plan_cluster(model, names, head_device=head_device, free_memory_bytes=free, quant=quant,
                            context=context, strategy=strategy, link=link, reorder=not keep_order,
-                           path=compute_path)
+                           path=compute_path, allow_idle=not use_all)
     report = _report(cluster, model, quant, context)
     report["predicted_tokens_per_s"] = {"ar-pp (analytic)": round(ar_pp_tokens_per_s(cluster), 3)}
     if simulate:
@@ -67,6 +69,7 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
             "link": cluster.link.name, "step_tokens": cluster.plan.step_tokens, "stages": stages,
             "node0": {"device": cluster.head_device.name,
                       "total_gib": round(head.total_bytes / GiB, 2) if head else None},
+            "unused": [{"device": u.device, "reason": u.reason} for u in cluster.plan.unused],
             "bottleneck_ms": round(1e3 * cluster.plan.bottleneck_s, 2),
             "pipeline_latency_ms": round(1e3 * cluster.plan.latency_s, 2)}
 
@@ -97,6 +100,7 @@ def _table(r: dict) -> str:
         rng = f"{s['layers'][0]}-{s['layers'][1]} ({s['count']})"
         lines.append(f"{s['stage']:<6}{s['device']:<16}{rng:<12}{s['weights_gib']:>9.2f}{s['kv_gib']:>7.2f}"
                      f"{s['runtime_gib']:>9.2f}{s['total_gib']:>8.2f}{s['usable_gib']:>8.2f}{s['step_ms']:>9.2f}")
+    lines += [f"unused {u['device']:<16}{u['reason']}" for u in r["unused"]]
     lines.append(f"node 0 {r['node0']['device']}: {r['node0']['total_gib']} GiB (embedding, lm_head, draft, KV, "
                  "runtime); memory in GiB")
     lines.append(f"bottleneck {r['bottleneck_ms']} ms/step, pipeline latency {r['pipeline_latency_ms']} ms")

@@ -23,6 +23,14 @@ a time (it minimises the per-token latency, a sum, with memory and disk-offload 
 work concurrently on different segments, so the bottleneck is the objective and the sum the tie-break.
 Layers may not be offloaded to disk here: a partition that does not fit in memory is an error (PlanError)
 that says how many bytes are missing on which devices.
+
+Leaving devices out (`allow_idle`): a device too slow for even one layer (a Raspberry Pi 5 beside Orins)
+sets the pace of every step it takes part in. The same DPs then also allow n_k = 0 for every stage but
+the last (the one holding the lm_head, chosen by the caller's device order): the bottleneck DP finds
+the best pace over any subset of devices, and the latency DP breaks its ties by using as many devices
+as possible (for the latency objective: latency first, then most devices). Such a plan is taken only
+when the plan using every device does not fit, or is IDLE_GAIN slower; the devices left out are listed
+in `PartitionPlan.unused` with the reason.
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_link
 from flowedge.sim.sizing import SIZING_CONTEXT
 
 HIDDEN_WIRE_BYTES = 2   # hidden states travel as fp16/bf16
+IDLE_GAIN = 0.02        # leave devices out only for a plan at least 2% faster (a device in use also adds
+                        # KV memory and room for concurrent requests, which the step time does not value)
 
 
 class PlanError(ConfigError):
@@ -73,9 +83,19 @@ class StagePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class UnusedDevice:
+    """A device the plan leaves idle: its position in the device order given and why."""
+
+    device: str
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class PartitionPlan:
-    stages: tuple[StagePlan, ...]
+    stages: tuple[StagePlan, ...]          # the stages in use, in pipeline order
     step_tokens: int
+    unused: tuple[UnusedDevice, ...] = ()
 
     @property
     def counts(self) -> list[int]:
@@ -110,19 +130,21 @@ class PlanInputs:
     link: LinkProfile | None = None   # default: the first device's default link
     last_stage_runs_head: bool | None = None   # its step includes the lm_head (default: last_stage_head)
     objective: str = "bottleneck"  # "latency" for one token in flight (ar-pp): minimise the sum only
+    allow_idle: bool = False       # may leave devices out (see the module doc)
 
-    def need(self, k: int, layers: int) -> MemoryNeed:
-        dev = self.devices[k]
+    def need(self, k: int, layers: int, last: bool | None = None) -> MemoryNeed:
+        """Stage k's memory with `layers` layers; `last`: it ends the pipeline (default: k is the last)."""
+        dev, last = self.devices[k], k == len(self.devices) - 1 if last is None else last
         return stage_need(self.config, layers, self.quant, self.context, dev.profile, dev.path,
-                          holds_head=self.last_stage_head and k == len(self.devices) - 1)
+                          holds_head=self.last_stage_head and last)
 
-    def step_s(self, k: int, layers: int) -> float:
+    def step_s(self, k: int, layers: int, last: bool | None = None) -> float:
         dev, tokens = self.devices[k], self.step_tokens
         link = self.link or _link(self.devices[0].profile.default_link)
         t = forward_time_s(dev.profile, shape_of_layers(self.config, 0, layers), tokens, SIZING_CONTEXT, dev.path)
         t += transfer_time_s(link, tokens * int(self.config.hidden_size) * HIDDEN_WIRE_BYTES)
         runs_head = self.last_stage_head if self.last_stage_runs_head is None else self.last_stage_runs_head
-        if runs_head and k == len(self.devices) - 1:
+        if runs_head and (k == len(self.devices) - 1 if last is None else last):
             t += lm_head_time_s(dev.profile, self.config, tokens, dev.path)
         return t
 
@@ -138,55 +160,136 @@ def _link(name: str) -> LinkProfile:
     return load_link(name)
 
 
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """step_s and fits of stage k with n layers, as a middle stage ([0]) or the last one ([1]); n = 0 is
+    an idle stage where `idle` allows it."""
+
+    step: tuple[list[list[float]], list[list[float]]]
+    fits: tuple[list[list[bool]], list[list[bool]]]
+    idle: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, inputs: PlanInputs, idle: bool) -> _Tables:
+        layers, stages = int(inputs.config.num_hidden_layers), len(inputs.devices)
+        ends = (False, True) if idle else (None, None)   # without idle stages only the last one ends it
+        step = tuple([[0.0] + [inputs.step_s(k, n, e) for n in range(1, layers + 1)] for k in range(stages)]
+                     for e in ends)
+        fits = tuple([[True] + [inputs.need(k, n, e).total_bytes <= inputs.devices[k].usable_bytes
+                                for n in range(1, layers + 1)] for k in range(stages)] for e in ends)
+        return cls(step, fits, (idle,) * stages)
+
+    def cell(self, k: int, n: int, ends: bool) -> tuple[bool, float]:
+        """(allowed, seconds) for stage k taking n layers, ending the pipeline or not."""
+        if n == 0:
+            return self.idle[k], 0.0
+        return self.fits[ends][k][n], self.step[ends][k][n]
+
+
 def plan_partition(inputs: PlanInputs) -> PartitionPlan:
     """The exact min-bottleneck, then min-latency, contiguous partition that fits (see module doc)."""
     layers, stages = int(inputs.config.num_hidden_layers), len(inputs.devices)
-    if not 1 <= stages <= layers:
+    if not 1 <= stages <= layers and not (inputs.allow_idle and stages >= 1):
         raise PlanError(f"cannot split {layers} layers over {stages} stages (each stage serves >= 1 layer)")
-    # step[k][n], fits[k][n]: stage k with n layers (all decoder layers cost the same)
-    step = [[0.0] + [inputs.step_s(k, n) for n in range(1, layers + 1)] for k in range(stages)]
-    fits = [[False] + [inputs.need(k, n).total_bytes <= inputs.devices[k].usable_bytes
-                       for n in range(1, layers + 1)] for k in range(stages)]
-    bottleneck = _min_bottleneck(step, fits, layers)
+    every_t = _Tables.of(inputs, idle=False)
+    every = _solve(inputs, every_t, layers) if stages <= layers else None
+    if inputs.allow_idle and stages > 1:
+        idle_t = _Tables.of(inputs, idle=True)
+        fewer = _solve(inputs, idle_t, layers)
+        if fewer is not None and (every is None or _objective(inputs, idle_t, fewer)
+                                  < _objective(inputs, every_t, every) * (1 - IDLE_GAIN)):
+            return _plan(inputs, idle_t, fewer, _unused_reasons(inputs, idle_t, every_t, every, fewer))
+    if every is None:
+        raise PlanError(_why_not(inputs, every_t.fits[1]))
+    return _plan(inputs, every_t, every, ())
+
+
+def _solve(inputs: PlanInputs, t: _Tables, layers: int) -> list[int] | None:
+    bottleneck = _min_bottleneck(t, layers)
     if bottleneck is None:
-        raise PlanError(_why_not(inputs, fits))
+        return None
     cap_s = math.inf if inputs.objective == "latency" else bottleneck * (1 + 1e-9)
-    counts = _min_latency(step, fits, layers, cap_s)
-    out, start = [], 0
+    return _min_latency(t, layers, cap_s, inputs.objective == "latency")
+
+
+def _times(t: _Tables, counts: list[int]) -> list[tuple[int, float]]:
+    """(stage, seconds) of the stages in use; the last of them ends the pipeline."""
+    used = [k for k, n in enumerate(counts) if n]
+    return [(k, t.cell(k, counts[k], k == used[-1])[1]) for k in used]
+
+
+def _objective(inputs: PlanInputs, t: _Tables, counts: list[int]) -> float:
+    times = [s for _, s in _times(t, counts)]
+    return sum(times) if inputs.objective == "latency" else max(times)
+
+
+def _plan(inputs: PlanInputs, t: _Tables, counts: list[int], unused: tuple[UnusedDevice, ...]) -> PartitionPlan:
+    out, start, times = [], 0, dict(_times(t, counts))
+    last = max(times)
     for k, n in enumerate(counts):
-        out.append(StagePlan(inputs.devices[k].profile.name, start, start + n, inputs.need(k, n),
-                             inputs.devices[k].usable_bytes, step[k][n]))
+        if n:
+            out.append(StagePlan(inputs.devices[k].profile.name, start, start + n, inputs.need(k, n, k == last),
+                                 inputs.devices[k].usable_bytes, times[k]))
         start += n
-    return PartitionPlan(tuple(out), inputs.step_tokens)
+    return PartitionPlan(tuple(out), inputs.step_tokens, unused)
 
 
-def _min_bottleneck(step: list[list[float]], fits: list[list[bool]], layers: int) -> float | None:
-    """best[j]: the smallest bottleneck placing j layers on the stages so far (inf: impossible)."""
+def _unused_reasons(inputs: PlanInputs, t: _Tables, every_t: _Tables, every: list[int] | None,
+                    fewer: list[int]) -> tuple[UnusedDevice, ...]:
+    what = "pipeline latency" if inputs.objective == "latency" else "bottleneck"
+    without = 1e3 * _objective(inputs, t, fewer)
+    out = []
+    for k in (k for k, n in enumerate(fewer) if n == 0):
+        dev = inputs.devices[k]
+        if not t.fits[0][k][1]:
+            reason = (f"cannot hold one layer ({inputs.need(k, 1, False).total_bytes / GiB:.2f} GiB needed, "
+                      f"{dev.usable_bytes / GiB:.2f} usable)")
+        elif every is None:
+            reason = "the plan using every device does not fit"
+        else:
+            reason = (f"one layer takes {1e3 * t.step[0][k][1]:.1f} ms/step here; {what} {without:.1f} ms "
+                      f"without it, {1e3 * _objective(inputs, every_t, every):.1f} ms with every device in use")
+        out.append(UnusedDevice(dev.profile.name, k, reason))
+    return tuple(out)
+
+
+def _min_bottleneck(t: _Tables, layers: int) -> float | None:
+    """best[j]: the smallest bottleneck placing j layers on the stages so far (inf: impossible); the
+    stage that places the last layer ends the pipeline (any after it must be idle)."""
     best = [0.0] + [math.inf] * layers
-    for k in range(len(step)):
+    for k in range(len(t.idle)):
         nxt = [math.inf] * (layers + 1)
-        for j in range(1, layers + 1):
-            for n in range(1, j + 1):
-                if fits[k][n] and best[j - n] < math.inf:
-                    nxt[j] = min(nxt[j], max(best[j - n], step[k][n]))
+        for j in range(layers + 1):
+            for n in range(j + 1):
+                ok, step_s = t.cell(k, n, j == layers)
+                if ok and best[j - n] < math.inf:
+                    nxt[j] = min(nxt[j], max(best[j - n], step_s))
         best = nxt
     return best[layers] if best[layers] < math.inf else None
 
 
-def _min_latency(step: list[list[float]], fits: list[list[bool]], layers: int, cap_s: float) -> list[int]:
-    """Counts with every stage time <= cap_s minimising the sum of stage times (feasible by construction)."""
-    best: list[float] = [0.0] + [math.inf] * layers
+def _min_latency(t: _Tables, layers: int, cap_s: float, latency_first: bool) -> list[int]:
+    """Counts with every stage time <= cap_s minimising (idle stages, latency), or with `latency_first`
+    (latency, idle stages); feasible by construction."""
+    inf = (math.inf, math.inf)
+    best: list[tuple[float, float]] = [(0.0, 0.0)] + [inf] * layers
     choice: list[list[int]] = []
-    for k in range(len(step)):
-        nxt, pick = [math.inf] * (layers + 1), [0] * (layers + 1)
-        for j in range(1, layers + 1):
-            for n in range(1, j + 1):
-                if fits[k][n] and step[k][n] <= cap_s and best[j - n] + step[k][n] < nxt[j]:
-                    nxt[j], pick[j] = best[j - n] + step[k][n], n
+    for k in range(len(t.idle)):
+        nxt, pick = [inf] * (layers + 1), [0] * (layers + 1)
+        for j in range(layers + 1):
+            for n in range(j + 1):
+                ok, step_s = t.cell(k, n, j == layers)
+                if not ok or step_s > cap_s or best[j - n] == inf:
+                    continue
+                idle, latency = (best[j - n][1], best[j - n][0]) if latency_first else best[j - n]
+                idle, latency = idle + (n == 0), latency + step_s
+                key = (latency, idle) if latency_first else (idle, latency)
+                if key < nxt[j]:
+                    nxt[j], pick[j] = key, n
         best = nxt
         choice.append(pick)
     counts, j = [], layers
-    for k in reversed(range(len(step))):
+    for k in reversed(range(len(t.idle))):
         counts.append(choice[k][j])
         j -= choice[k][j]
     return counts[::-1]
