@@ -2,6 +2,7 @@
 fetches, checksums and loads exactly the bytes a copied split holds."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -98,10 +99,12 @@ def test_a_changed_checkpoint_is_caught_and_resplit(tiny, tmp_path):
     offset = tensor_locations(ckpt)["model.layers.4.mlp.down_proj.weight"][2]
     data[offset + 3] ^= 0x01   # a flipped bit in a layer-4 weight (stage 1's)
     ckpt.write_bytes(bytes(data))
+    os.utime(ckpt, ns=(1, 1))   # a new mtime (a conversion writes a new file: new inode and mtime)
     with pytest.raises(ChecksumError, match="stage-1.safetensors is corrupt"):
         load_shard(split, 1)
     with pytest.raises(ChecksumError):
         StageModel.load(split, StageParts(2, 5))
+    assert not is_referenced(split)   # the next start splits again rather than fail every stage's check
     # A checkpoint written again with another layout: the references no longer resolve, and the next
     # start splits afresh instead of reading the wrong bytes.
     ckpt.write_bytes(b"")

@@ -140,6 +140,7 @@ def write_ref(path: Path, ref: RefFile, progress: Callable[[int], None] | None =
         "ref_format": REF_FORMAT, "bytes": ref.size, "header": ref.prefix[8:].decode("ascii"),
         "tensors": [[s.name, os.path.relpath(s.source, base), str(s.source), s.offset, s.length]
                     for s in ref.segments],
+        "sources": {str(src): _identity(src) for src in {s.source for s in ref.segments}},
     }
     path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return digest.hexdigest(), ref.size
@@ -188,12 +189,24 @@ def resolve_file(shard_dir: Path, name: str) -> Path | RefFile | None:
     return read_ref(ref) if ref.is_file() else None
 
 
+def _identity(path: Path) -> list[int]:
+    """Which file this is (inode, size, mtime): a checkpoint converted again is a new file, even where
+    its layout, and so every recorded offset, is unchanged."""
+    st = Path(path).stat()
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def all_resolve(shard_dir: Path, names: list[str]) -> bool:
-    """True when some of `names` are stored as references and every such reference still resolves."""
+    """True when some of `names` are stored as references and every such reference still points into
+    the very checkpoint files it was made from (so reusing the split cannot fail its sha256 check)."""
     refs = [Path(shard_dir) / (n + REF_SUFFIX) for n in names]
     try:
-        return any(r.is_file() for r in refs) and all(read_ref(r) for r in refs if r.is_file())
-    except ModelError:
+        for r in (r for r in refs if r.is_file()):
+            sources = json.loads(r.read_text()).get("sources", {})
+            if any(sources.get(str(s)) != _identity(s) for s in {seg.source for seg in read_ref(r).segments}):
+                return False
+        return any(r.is_file() for r in refs)
+    except (ModelError, OSError, ValueError):
         return False
 
 
