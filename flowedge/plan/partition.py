@@ -248,7 +248,8 @@ def _unused_reasons(inputs: PlanInputs, t: _Tables, every_t: _Tables, every: lis
             reason = "the plan using every device does not fit"
         else:
             reason = (f"one layer takes {1e3 * t.step[0][k][1]:.1f} ms/step here; {what} {without:.1f} ms "
-                      f"without it, {1e3 * _objective(inputs, every_t, every):.1f} ms with every device in use")
+                      f"with the unused left out, {1e3 * _objective(inputs, every_t, every):.1f} ms with "
+                      "every device in use")
         out.append(UnusedDevice(dev.profile.name, k, reason))
     return tuple(out)
 
