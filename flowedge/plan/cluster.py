@@ -8,8 +8,8 @@ from typing import Any
 
 from flowedge.engine.config import SpecConfig
 from flowedge.plan.memory import GiB, MemoryNeed, head_need, usable_bytes
-from flowedge.plan.partition import (PartitionPlan, PlanError, PlanInputs, StageDevice, plan_partition,
-                                     stage_devices)
+from flowedge.plan.partition import (IDLE_GAIN, PartitionPlan, PlanError, PlanInputs, StageDevice,
+                                     plan_partition, stage_devices)
 from flowedge.plan.shapes import load_shape
 from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_device, load_link
 
@@ -40,7 +40,9 @@ class ClusterSpec:
 
 def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, PartitionPlan]:
     """The plan for the given device order, or with `reorder` the best over which device kind is last:
-    only the last stage differs from the others (it also runs the lm_head), so that choice is the order."""
+    only the last stage differs from the others (it also runs the lm_head), so that choice is the order.
+    With `inputs.allow_idle`, a plan leaving devices out wins only if it beats the best plan using every
+    device (over all orders) by IDLE_GAIN, and its reasons quote that plan."""
     candidates = [inputs]
     if reorder and inputs.last_stage_head:
         seen = {inputs.devices[-1].profile.name}
@@ -49,6 +51,22 @@ def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, Part
                 seen.add(dev.profile.name)
                 rest = inputs.devices[:k] + inputs.devices[k + 1:]
                 candidates.append(replace(inputs, devices=rest + (dev,)))
+    every, error = _best([replace(c, allow_idle=False) for c in candidates], inputs.objective)
+    if inputs.allow_idle:
+        fewer, _ = _best(candidates, inputs.objective)
+        if fewer is not None and fewer[1].unused and (
+                every is None or fewer[1].objective_s(inputs.objective)
+                < every[1].objective_s(inputs.objective) * (1 - IDLE_GAIN)):
+            with_all = None if every is None else every[1].objective_s(inputs.objective)
+            unused = tuple(replace(u, with_all_s=with_all) for u in fewer[1].unused)
+            return fewer[0], replace(fewer[1], unused=unused)
+    if every is None:
+        raise error or PlanError("no plan")
+    return every
+
+
+def _best(candidates: list[PlanInputs], objective: str) -> tuple[tuple[PlanInputs, PartitionPlan] | None,
+                                                                   PlanError | None]:
     best: tuple[PlanInputs, PartitionPlan] | None = None
     error: PlanError | None = None
     for cand in candidates:
@@ -57,11 +75,9 @@ def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, Part
         except PlanError as err:
             error = error or err
             continue
-        if best is None or _rank(plan, inputs.objective) < _rank(best[1], inputs.objective):
+        if best is None or _rank(plan, objective) < _rank(best[1], objective):
             best = (cand, plan)
-    if best is None:
-        raise error or PlanError("no plan")
-    return best
+    return best, error
 
 
 def _rank(plan: PartitionPlan, objective: str) -> tuple[float, float]:

@@ -84,11 +84,30 @@ class StagePlan:
 
 @dataclass(frozen=True, slots=True)
 class UnusedDevice:
-    """A device the plan leaves idle: its position in the device order given and why."""
+    """A device the plan leaves idle, its position in the device order planned, and why: it cannot hold
+    one layer (`need_bytes` > `usable_bytes`), or one layer costs it `one_layer_s` per step while the
+    plan's objective (`what`) is `without_s` with the unused devices left out and `with_all_s` with every
+    device in use (None: that does not fit)."""
 
     device: str
     index: int
-    reason: str
+    what: str
+    without_s: float
+    with_all_s: float | None
+    one_layer_s: float
+    need_bytes: int
+    usable_bytes: int
+
+    @property
+    def reason(self) -> str:
+        if self.need_bytes > self.usable_bytes:
+            return (f"cannot hold one layer ({self.need_bytes / GiB:.2f} GiB needed, "
+                    f"{self.usable_bytes / GiB:.2f} usable)")
+        if self.with_all_s is None:
+            return "the plan using every device does not fit"
+        return (f"one layer takes {1e3 * self.one_layer_s:.1f} ms/step here; {self.what} "
+                f"{1e3 * self.without_s:.1f} ms with the unused left out, {1e3 * self.with_all_s:.1f} ms "
+                "with every device in use")
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,21 +256,11 @@ def _plan(inputs: PlanInputs, t: _Tables, counts: list[int], unused: tuple[Unuse
 def _unused_reasons(inputs: PlanInputs, t: _Tables, every_t: _Tables, every: list[int] | None,
                     fewer: list[int]) -> tuple[UnusedDevice, ...]:
     what = "pipeline latency" if inputs.objective == "latency" else "bottleneck"
-    without = 1e3 * _objective(inputs, t, fewer)
-    out = []
-    for k in (k for k, n in enumerate(fewer) if n == 0):
-        dev = inputs.devices[k]
-        if not t.fits[0][k][1]:
-            reason = (f"cannot hold one layer ({inputs.need(k, 1, False).total_bytes / GiB:.2f} GiB needed, "
-                      f"{dev.usable_bytes / GiB:.2f} usable)")
-        elif every is None:
-            reason = "the plan using every device does not fit"
-        else:
-            reason = (f"one layer takes {1e3 * t.step[0][k][1]:.1f} ms/step here; {what} {without:.1f} ms "
-                      f"with the unused left out, {1e3 * _objective(inputs, every_t, every):.1f} ms with "
-                      "every device in use")
-        out.append(UnusedDevice(dev.profile.name, k, reason))
-    return tuple(out)
+    with_all = None if every is None else _objective(inputs, every_t, every)
+    return tuple(UnusedDevice(inputs.devices[k].profile.name, k, what, _objective(inputs, t, fewer), with_all,
+                              t.step[0][k][1], inputs.need(k, 1, False).total_bytes,
+                              inputs.devices[k].usable_bytes)
+                 for k, n in enumerate(fewer) if n == 0)
 
 
 def _min_bottleneck(t: _Tables, layers: int) -> float | None:
