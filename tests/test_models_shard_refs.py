@@ -120,10 +120,15 @@ def test_a_changed_checkpoint_is_caught_and_resplit(tiny, tmp_path):
 
 
 def test_an_older_copied_split_is_replaced_by_references(tiny, tmp_path):
-    split = tmp_path / "split"
+    shards = tmp_path / "shards"   # the head's $FLOWEDGE_HOME/shards: splits named <model>-<counts>[-int4]
+    split = shards / f"{tiny.name}-2-3"
     split_model(tiny, 2, split, layers=[2, 3], copy=True)
     before = sum(p.stat().st_size for p in split.iterdir())
+    split_model(tiny, 2, shards / f"{tiny.name}-1-4", layers=[1, 4], copy=True)    # an older flowedge's copy
+    split_model(tiny, 2, shards / f"{tiny.name}-4-1", layers=[4, 1])                # references: kept
+    split_model(tiny, 2, shards / "other-2-3", layers=[2, 3], copy=True)           # not this model's: kept
     ensure_split(tiny, [2, 3], split, "tiny", quant="none")
     after = sum(p.stat().st_size for p in split.iterdir() if p.suffix != ".json" or p.name == "manifest.json")
     assert is_referenced(split) and after < before / 4
     assert (split / ("head.safetensors" + REF_SUFFIX)).is_file()
+    assert sorted(p.name for p in shards.iterdir()) == sorted([split.name, f"{tiny.name}-4-1", "other-2-3"])

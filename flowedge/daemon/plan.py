@@ -11,6 +11,8 @@ the current one does not, or is at least `MIN_GAIN` faster. A manual `layers` is
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +23,7 @@ from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.packing import storage_quant
-from flowedge.models.shards import Manifest, _layer_counts, is_referenced, split_model
+from flowedge.models.shards import MANIFEST, Manifest, _layer_counts, is_referenced, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ def split_dir_for(home: Path, base_dir: Path, counts: list[int], quant: str = "n
 def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, quant: str = "none") -> Manifest:
     """Reuse a complete split with these layer counts and storage `quant` (none | int4: W4A16 shards),
     else write one (atomically, with progress)."""
+    prune_copied_splits(out, base_dir)
     try:
         manifest = Manifest.load(out)
         if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant and \
@@ -60,6 +63,21 @@ def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, 
     log.info("splitting %s into %d stages %s -> %s", base_dir.name, len(counts), counts, out)
     return split_model(base_dir, len(counts), out, layers=counts, progress=lambda m: log.info("split: %s", m),
                        model_name=model_name, quant=quant)
+
+
+def prune_copied_splits(out: Path, base_dir: Path) -> None:
+    """Remove the other splits of this model that an older flowedge made beside `out` (float32 or copies
+    of the checkpoint, up to 6.7 GB each for the real 1.5B): the head only ever makes splits of references
+    now, and redoes one in seconds when its layer counts come back."""
+    pattern = re.compile(rf"^{re.escape(base_dir.name)}(-\d+)+(-int4)?$")
+    if not out.parent.is_dir():
+        return
+    for old in out.parent.iterdir():
+        if old == out or not pattern.match(old.name) or not (old / MANIFEST).is_file() or is_referenced(old):
+            continue
+        size = sum(p.stat().st_size for p in old.iterdir() if p.is_file())
+        log.info("removing %s: a split copying the checkpoint, made by an older flowedge (%.2f GB)", old, size / 1e9)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare_plan(config: NodeConfig, home: Path) -> Plan:
