@@ -67,7 +67,7 @@ def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
             if strategy == "flowspec":   # sized from the orin profile: flat int4 segments, d0 = 1
                 assert (res["tree_depth"], res["tree_nodes"]) == (1, 13), res
             if strategy == "auto":   # its choice and the reason, from the stages' profiles, in stats and status
-                assert res["auto"]["choice"] in ("flowspec", "ar-pp") and res["auto"]["reason"], res
+                assert res["auto"]["choice"] in ("flowspec", "pipedec", "ar-pp") and res["auto"]["reason"], res
                 assert "predicted_tok_s" in res["auto"]
                 head = next(n for n in client.status() if n["role"] == "head")
                 assert head["auto"] == res["auto"]

@@ -8,7 +8,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction
 from flowedge.engine.local import generate_ar
 from flowedge.sim.cluster import CostModel, SimCluster
 from flowedge.sim.profiles import list_devices, load_device
@@ -98,10 +98,11 @@ def _slow_draft_costs() -> CostModel:
     return CostModel(compute_s, lambda a, b, n: 0.001)
 
 
-def _run_switchy(cluster: Cluster, prompt, max_new: int, params: SamplingParams):
+def _run_switchy(cluster: Cluster, prompt, max_new: int, params: SamplingParams,
+                 prediction: Prediction = Prediction({FLOWSPEC: 100.0, AR_PP: 10.0})):
     costs = _slow_draft_costs()
     head, stages = cluster.build("auto", costs)
-    head.strategy.prediction = Prediction({FLOWSPEC: 100.0, AR_PP: 10.0})
+    head.strategy.prediction = prediction
     head.strategy.policy = SWITCHY
     return SimCluster(head, stages, costs).run(1, prompt, max_new, params), head, stages
 
@@ -118,6 +119,25 @@ def test_switching_mid_answer_stays_token_identical_to_greedy(tiny_pair, nodes):
         assert len(report["switches"]) >= 2 and report["choice"] == FLOWSPEC
         assert report["tokens"][FLOWSPEC] > 0 and report["tokens"][AR_PP] > 0
         for st in stages:   # every stage dropped the abandoned rounds' tokens
+            for version, prefix_len in st.history:
+                assert prefix_len == head.prefix_at_version[version]
+
+
+@pytest.mark.parametrize("nodes", [3, 5])
+def test_auto_running_pipedec_and_switching_stays_token_identical(tiny_pair, nodes):
+    """Where the profiles predict pipedec fastest (deep pipelines) auto runs it, falls back to ar-pp when
+    measured slower and probes again: every answer still equals greedy, every stage in step."""
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, nodes, SMALL)
+    for prompt in PROMPTS:
+        ref = generate_ar(base, prompt, 30, SamplingParams()).token_ids
+        res, head, stages = _run_switchy(cluster, prompt, 30, SamplingParams(),
+                                         Prediction({FLOWSPEC: 50.0, PIPEDEC: 100.0, AR_PP: 10.0}))
+        assert res.done.token_ids == ref
+        report = res.done.stats.auto
+        assert report["choice"] == PIPEDEC and len(report["switches"]) >= 2
+        assert report["tokens"][PIPEDEC] > 0 and report["tokens"][AR_PP] > 0
+        for st in stages:
             for version, prefix_len in st.history:
                 assert prefix_len == head.prefix_at_version[version]
 
@@ -149,4 +169,4 @@ def test_auto_reports_its_choice_on_a_profile(tiny_pair):
     res, head, _ = cluster.generate("auto", PROMPTS[0], 12, SamplingParams(), device="x86-cpu")
     report = res.done.stats.auto
     assert report["choice"] in (FLOWSPEC, AR_PP) and report["reason"].startswith("profiles predict")
-    assert set(report["predicted_tok_s"]) == {FLOWSPEC, AR_PP}
+    assert set(report["predicted_tok_s"]) == {FLOWSPEC, PIPEDEC, AR_PP}

@@ -169,3 +169,17 @@ def test_tree_building_is_timed_apart_from_head_overhead(tiny_pair):
     stats = res.done.stats
     assert len(stats.tree_build_s) == stats.rounds and min(stats.tree_build_s) > 0
     assert stats.overhead_s and min(stats.overhead_s) >= 0
+
+
+@pytest.mark.parametrize("nodes", [3, 5])
+def test_flowspec_with_fresh_capped_expansions_matches_greedy(tiny_pair, references, nodes):
+    """Deep pipelines (sim/sizing.flat_segment_for) cap expansions at a stage's flat segment and send only
+    nodes not yet sent (`exp_fresh`): still token-identical, stages in step with the head."""
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, nodes, SMALL.with_(exp_nodes=4, exp_fresh=True))
+    for prompt, ref in zip(PROMPTS, references):
+        res, head, stages = cluster.generate("flowspec", prompt, 30, SamplingParams())
+        assert head.config.exp_fresh and res.done.token_ids == ref
+        for st in stages:
+            for version, prefix_len in st.history:
+                assert prefix_len == head.prefix_at_version[version]

@@ -130,8 +130,9 @@ def test_simulated_prediction_runs_every_strategy_on_shape_only_stages(tiny_pair
     from flowedge.plan.predict import ar_pp_tokens_per_s, simulate
 
     cluster = plan_cluster("llama-2-7b", ["orin-nano-8gb"] * 4, quant="int4")
-    out = simulate(cluster, *tiny_pair, ["abc def ghi"], ("ar-pp", "flowspec"), max_new_tokens=12)
-    assert set(out) == {"ar-pp", "flowspec"} and all(r["tokens_per_s"] > 0 for r in out.values())
+    out = simulate(cluster, *tiny_pair, ["abc def ghi"], ("ar-pp", "flowspec", "pipedec", "auto"), max_new_tokens=12)
+    assert set(out) == {"ar-pp", "flowspec", "pipedec", "auto"} and all(r["tokens_per_s"] > 0 for r in out.values())
+    assert all(r["identical_to_greedy"] for r in out.values())
     # one token through every stage: the simulated ar-pp is the analytic figure within the prefill's share
     assert out["ar-pp"]["tokens_per_s"] == pytest.approx(ar_pp_tokens_per_s(cluster), rel=0.35)
 

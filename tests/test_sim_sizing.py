@@ -1,13 +1,16 @@
 """The initial-tree sizing rule and its wiring into the simulated cluster."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.config import SpecConfig
 from flowedge.sim.profiles import load_device
 from flowedge.sim.run import Cluster, balanced, draft_path_for
-from flowedge.sim.sizing import FLAT, MIN_DEPTH, flat_draft_width, sized_spec, sized_spec_for, tree_costs
+from flowedge.sim.sizing import (FLAT, MIN_DEPTH, flat_draft_width, prefill_chunk_for, sized_spec, sized_spec_for,
+                                 tree_costs)
 
 
 @pytest.mark.parametrize(("latency_s", "draft_s", "depth", "nodes"), [
@@ -43,12 +46,13 @@ def test_cluster_sizes_only_strategies_that_expand(tiny_pair):
     assert tree.draft_call_s > 0 and tree.pipeline_latency_s > 0
     flow, _ = cluster.build("flowspec", costs)
     naive, _ = cluster.build("naive-pp", costs)
-    assert flow.config == sized_spec(spec, tree.pipeline_latency_s, tree.draft_call_s, tree.draft_width,
+    chunked = spec.with_(prefill_chunk=tree.prefill_chunk)   # every strategy's prompt: chunks from the profile
+    assert flow.config == sized_spec(chunked, tree.pipeline_latency_s, tree.draft_call_s, tree.draft_width,
                                      tree.stage_segment_ratio)
     assert tree.stage_segment_ratio == pytest.approx(1.0)   # torch int4: flat up to its 16-token tile
     assert flow.config.tree_depth == 1
     assert flow.config.expansion_width == 16 > spec.topk   # torch int4 on the Orin: a 16-token tile
-    assert naive.config == spec
+    assert naive.config == chunked
     res, _, _ = cluster.generate("flowspec", [3, 4, 5, 6], 12, SamplingParams(), device="orin-nano-8gb")
     assert len(res.done.token_ids) == 12
 
@@ -88,6 +92,18 @@ def test_tree_costs_of_a_mixed_cluster_follow_its_steepest_stage(stage_devices, 
     assert costs.draft_call_s == pytest.approx(0.0356, rel=0.05)   # node 0 is the Orin in every case
     spec = sized_spec_for(SpecConfig(), costs)
     assert (spec.tree_depth == 1) == flat and spec.draft_width == 16
+    # the prompt goes through in pipelined chunks only where segments are flat (CPUs keep the setting)
+    assert (costs.prefill_chunk is not None) == flat
+
+
+def test_prefill_chunks_follow_the_stage_cost():
+    def tile_s(n: int) -> float:   # torch int4: one pass over the weights per 16-token tile
+        return 0.088 * math.ceil(n / 16)
+
+    assert prefill_chunk_for(tile_s, 14, 16, 256) == 16    # 14 stages: (16 + 13) steps, not 14 x 16
+    assert prefill_chunk_for(tile_s, 1, 16, 256) == 256    # one stage: nothing to overlap, one chunk
+    assert prefill_chunk_for(lambda n: 0.3, 4, 16, 256) == 256   # flat at any count (bitsandbytes)
+    assert prefill_chunk_for(tile_s, 14, 16, 8) == 8       # never above the setting
 
 
 def test_bitsandbytes_segments_are_flat_past_one_token():
@@ -98,3 +114,23 @@ def test_bitsandbytes_segments_are_flat_past_one_token():
     costs = tree_costs(base, draft, balanced(28, 4), [orin] * 4, orin, stage_path="hf-bnb4",
                        draft_path=draft_path_for(orin, "hf-bnb4"))
     assert costs.stage_segment_ratio <= FLAT and sized_spec_for(SpecConfig(), costs).tree_depth == 1
+
+
+def test_a_deep_pipeline_of_wide_stages_caps_expansions_at_the_int4_tile():
+    """70B over 14 Orin Nanos: a 64-node expansion would cost each stage four 16-token tiles (324 ms,
+    the pipeline's step); expansions there send 16 fresh nodes. The 5-node 1.5B cluster keeps 64."""
+    from flowedge.plan.cluster import plan_cluster
+    from flowedge.plan.predict import cost_model
+
+    _, draft = _qwen_configs()
+    deep = cost_model(plan_cluster("llama-2-70b", ["orin-nano-8gb"] * 14, quant="int4"), draft,
+                      draft_quantized=True).tree
+    assert deep.flat_segment == 16 and deep.prefill_chunk == 16
+    spec = sized_spec_for(SpecConfig(), deep)
+    assert spec.exp_nodes == 16 and spec.exp_fresh
+    base, _ = _qwen_configs()
+    orin = load_device("orin-nano-8gb")
+    five = tree_costs(base, draft, balanced(28, 4), [orin] * 4, orin, draft_path=draft_path_for(orin),
+                      draft_quantized=True)
+    assert sized_spec_for(SpecConfig(), five).exp_nodes == SpecConfig().exp_nodes
+    assert not sized_spec_for(SpecConfig(), five).exp_fresh

@@ -27,12 +27,17 @@ def check_strategy(strategy_name: str, draft_model):
 
 
 def sized_spec(spec: SpecConfig, strategy_name: str, tree_costs=None) -> SpecConfig:
-    """`spec` with the initial tree sized from `tree_costs` (sim.sizing.TreeCosts) for strategies that
-    size from costs (flowspec); unchanged otherwise or without costs."""
+    """`spec` sized from `tree_costs` (sim.sizing.TreeCosts): the prefill chunk for every strategy (the
+    prompt's way through the pipeline does not depend on it), and the initial tree for strategies that
+    size from costs (flowspec); unchanged without costs."""
     from flowedge.engine.strategies import make_strategy
     from flowedge.sim.sizing import sized_spec_for
 
-    if tree_costs is None or not getattr(make_strategy(strategy_name), "sizes_from_costs", False):
+    if tree_costs is None:
+        return spec
+    if tree_costs.prefill_chunk is not None:
+        spec = spec.with_(prefill_chunk=tree_costs.prefill_chunk)
+    if not getattr(make_strategy(strategy_name), "sizes_from_costs", False):
         return spec
     sized = sized_spec_for(spec, tree_costs)
     log.debug("%s's first tree sized from the device profiles: depth %d, %d nodes, draft calls %d wide "

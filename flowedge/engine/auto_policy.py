@@ -21,11 +21,18 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-FLOWSPEC, AR_PP = "flowspec", "ar-pp"
-# Tokens flowspec accepts per returning segment, fitted to the real pair's simulated runs (issue-3 bench:
-# 5 x Orin Nano 33.6 tok/s at a 35.6 ms draft-call step; 3 x x86-cpu 1.73 tok/s at a 686 ms 32-token
-# stage step: 1.2 on both).
-ACCEPT_PER_STEP = 1.2
+FLOWSPEC, AR_PP, PIPEDEC = "flowspec", "ar-pp", "pipedec"
+SPECULATIVE = (FLOWSPEC, PIPEDEC)   # what auto may run instead of ar-pp (same lm_head placement)
+# flowspec: tokens accepted per returning segment in the steady state, and tokens per round (each round
+# restart costs a trip through the pipeline). Fitted to the real pair's simulated runs: 5 x Orin Nano 33.6
+# tok/s at a 35.6 ms draft-call step and 73 ms pipeline (issue-3 bench), 70B over 14 Orin Nanos at an
+# 88 ms stage step and 1.19 s pipeline (docs/bench/orin-nano-70b-14stages). Before the 70B fit flowspec
+# was 1.2 tokens per step with no restart term: the same on 5 nodes, where a restart costs two steps.
+ACCEPT_PER_STEP = 1.73
+ROUND_TOKENS = 8.0
+# pipedec: the chance the base's token is in the level that comes back (one level per step; a miss costs
+# a trip through the pipeline), fitted on the same 70B runs.
+PIPEDEC_HIT = 0.84
 
 
 @dataclass(frozen=True)
@@ -34,14 +41,29 @@ class Prediction:
     rates: dict[str, float]
     source: str = "profiles"
 
+    @property
+    def speculative(self) -> str:
+        """The speculative strategy predicted fastest (flowspec on a tie)."""
+        return max((s for s in SPECULATIVE if s in self.rates), key=lambda s: (self.rates[s], s == FLOWSPEC))
+
     @staticmethod
     def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
-                   accept_per_step: float = ACCEPT_PER_STEP) -> "Prediction | None":
-        """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free)."""
+                   accept_per_step: float = ACCEPT_PER_STEP, *, pipeline_latency_s: float = 0.0,
+                   segment_step_s: float = 0.0) -> "Prediction | None":
+        """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free).
+
+        Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
+        (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
+        slower of that and the draft call when it hits, a trip through the pipeline when it misses."""
         step_s = max(flow_step_s, draft_call_s)
         if token_latency_s <= 0 or step_s <= 0:
             return None
-        return Prediction({AR_PP: 1.0 / token_latency_s, FLOWSPEC: accept_per_step / step_s})
+        rates = {AR_PP: 1.0 / token_latency_s,
+                 FLOWSPEC: 1.0 / (step_s / accept_per_step + pipeline_latency_s / ROUND_TOKENS)}
+        if segment_step_s > 0:
+            level_s = max(segment_step_s, draft_call_s)
+            rates[PIPEDEC] = 1.0 / (PIPEDEC_HIT * level_s + (1 - PIPEDEC_HIT) * (pipeline_latency_s + draft_call_s))
+        return Prediction(rates)
 
 
 @dataclass(frozen=True)
@@ -84,8 +106,9 @@ class Chooser:
 
     def __init__(self, prediction: Prediction | None, policy: AutoPolicy = AutoPolicy()) -> None:
         self.prediction, self.policy = prediction, policy
-        self.meters = {s: _Meter(4 * policy.window_tokens) for s in (FLOWSPEC, AR_PP)}
-        self.tokens = {FLOWSPEC: 0, AR_PP: 0}
+        self.spec = prediction.speculative if prediction is not None else FLOWSPEC   # the one tried
+        self.meters = {s: _Meter(4 * policy.window_tokens) for s in (self.spec, AR_PP)}
+        self.tokens = {self.spec: 0, AR_PP: 0}
         self.switches: list[dict] = []
         self.probe_after = policy.probe_tokens
         self.since_switch = 0
@@ -96,10 +119,12 @@ class Chooser:
     def _initial(self) -> tuple[str, str]:
         if self.prediction is None:
             return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
-        fs, ar = self.prediction.rates[FLOWSPEC], self.prediction.rates[AR_PP]
+        fs, ar = self.prediction.rates[self.spec], self.prediction.rates[AR_PP]
+        others = "".join(f", {s} {r:.2f}" for s, r in self.prediction.rates.items() if s not in (self.spec, AR_PP))
         if fs >= self.policy.margin * ar:
-            return FLOWSPEC, f"profiles predict flowspec {fs:.2f} tok/s >= {self.policy.margin}x ar-pp {ar:.2f}"
-        return AR_PP, f"profiles predict flowspec {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}"
+            return self.spec, (f"profiles predict {self.spec} {fs:.2f} tok/s >= {self.policy.margin}x ar-pp "
+                               f"{ar:.2f}{others}")
+        return AR_PP, f"profiles predict {self.spec} {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}{others}"
 
     def observe(self, tokens: int, seconds: float) -> None:
         """`tokens` were emitted over `seconds` while the current choice ran."""
@@ -116,37 +141,37 @@ class Chooser:
             return measured, "measured"
         if self.prediction is None:
             return None, "unknown"
-        # flowspec's estimate follows ar-pp's measured speed (the devices' absolute speed); ar-pp's never
-        # follows flowspec's (that one also carries the prompt's acceptance)
-        ar_measured = self.meters[AR_PP].rate(self.policy.window_tokens) if strategy == FLOWSPEC else None
+        # the speculative estimate follows ar-pp's measured speed (the devices' absolute speed); ar-pp's
+        # never follows the speculative one's (that one also carries the prompt's acceptance)
+        ar_measured = self.meters[AR_PP].rate(self.policy.window_tokens) if strategy != AR_PP else None
         scale = ar_measured / self.prediction.rates[AR_PP] if ar_measured is not None else 1.0
         return self.prediction.rates[strategy] * scale, "predicted"
 
     def decide(self) -> str:
         """The strategy to run from here (may switch; the reason says why)."""
-        if self.choice == FLOWSPEC:
+        if self.choice != AR_PP:
             self._maybe_fall_back()
         else:
             self._maybe_probe()
         return self.choice
 
     def _maybe_fall_back(self) -> None:
-        fs, _ = self.rate(FLOWSPEC)
+        fs, _ = self.rate(self.spec)
         ar, how = self.rate(AR_PP)
-        if self.meters[FLOWSPEC].rate(self.policy.window_tokens) is None or ar is None or fs >= ar:
+        if self.meters[self.spec].rate(self.policy.window_tokens) is None or ar is None or fs >= ar:
             return
         self.fell_back = True
-        self._switch(AR_PP, f"measured flowspec {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
+        self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
 
     def _maybe_probe(self) -> None:
         if not self.fell_back or self.since_switch < self.probe_after:
             return
-        fs, how = self.rate(FLOWSPEC)
+        fs, how = self.rate(self.spec)
         ar, _ = self.rate(AR_PP)
-        self.meters[FLOWSPEC].clear()   # a fresh window: the last one was another part of the answer
+        self.meters[self.spec].clear()   # a fresh window: the last one was another part of the answer
         self.probe_after = min(2 * self.probe_after, self.policy.max_probe_tokens)
-        self._switch(FLOWSPEC, f"probe after {self.since_switch} ar-pp tokens (flowspec {how} "
-                               f"{fs:.2f} tok/s, ar-pp {ar:.2f})")
+        self._switch(self.spec, f"probe after {self.since_switch} ar-pp tokens ({self.spec} {how} "
+                                f"{fs:.2f} tok/s, ar-pp {ar:.2f})")
 
     def _switch(self, to: str, reason: str) -> None:
         self.switches.append({"to": to, "after_tokens": sum(self.tokens.values()), "reason": reason})

@@ -21,6 +21,7 @@ class SpecConfig:
     exp_nodes: int = 64         # context-aware expansion tree size (sent as one segment)
     exp_depth: int = 6          # depth of a fresh expansion tree (when the stored one cannot be re-rooted)
     exp_forwards: int = 1       # draft calls per expansion when re-rooting the stored base tree
+    exp_fresh: bool = False     # an expansion sends the best exp_nodes nodes not yet sent (deep pipelines)
     se_depth: int = 1           # score-aware expansion: levels added to the stored base tree
     se_nodes: int = 16          # ... and nodes taken from it
     draft_width: int = 0        # nodes run per best-first draft call in an expansion; 0 = topk

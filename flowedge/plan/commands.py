@@ -32,14 +32,15 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Predict tokens/s per strategy with the simulator (needs the real pair cached).")
 @click.option("--strategies", default="ar-pp,naive-pp,pipedec,flowspec", show_default=True)
-@click.option("--dataset", default="mt-bench", show_default=True, help="Prompts for the simulated run.")
+@click.option("--dataset", "datasets", multiple=True, default=("mt-bench",), show_default=True,
+              help="Prompts for the simulated run (repeatable: `--samples` of each).")
 @click.option("--samples", default=2, show_default=True, type=int)
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--tokens-from", nargs=2, default=REAL_PAIR, show_default=True, metavar="BASE DRAFT",
               help="The model pair whose tokens and acceptance the simulated run uses (names or directories).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the table.")
 def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order, use_all,
-         simulate, strategies, dataset, samples, max_new_tokens, tokens_from, as_json) -> None:
+         simulate, strategies, datasets, samples, max_new_tokens, tokens_from, as_json) -> None:
     """Plan a model over named devices: layer ranges, memory per stage, predicted tokens/s."""
     from flowedge.plan.cluster import plan_cluster
     from flowedge.plan.predict import ar_pp_tokens_per_s
@@ -53,8 +54,8 @@ def plan(model, devices, head_device, free_gb, quant, context, strategy, compute
     report["predicted_tokens_per_s"] = {"ar-pp (analytic)": round(ar_pp_tokens_per_s(cluster), 3)}
     if simulate:
         report["predicted_tokens_per_s"].update(
-            _simulated(cluster, [s.strip() for s in strategies.split(",") if s.strip()], dataset, samples,
-                       max_new_tokens, tuple(tokens_from)))
+            _simulated(cluster, [s.strip() for s in strategies.split(",") if s.strip()], datasets, samples,
+                       max_new_tokens, tuple(tokens_from), report))
     click.echo(json.dumps(report, indent=2) if as_json else _table(report))
 
 
@@ -74,8 +75,8 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
             "pipeline_latency_ms": round(1e3 * cluster.plan.latency_s, 2)}
 
 
-def _simulated(cluster, strategies: list[str], dataset: str, samples: int, max_new_tokens: int,
-               pair: tuple[str, str]) -> dict:
+def _simulated(cluster, strategies: list[str], datasets, samples: int, max_new_tokens: int,
+               pair: tuple[str, str], report: dict) -> dict:
     from flowedge.bench.datasets import load_prompts
     from flowedge.models import registry
     from flowedge.models.resolve import resolve_model
@@ -85,9 +86,10 @@ def _simulated(cluster, strategies: list[str], dataset: str, samples: int, max_n
         click.echo("note: the real pair is not cached (`flowedge models pull`), so only the analytic ar-pp "
                    "figure is given", err=True)
         return {}
-    prompts = [p.text for p in load_prompts(dataset, samples)]
+    prompts = [p.text for d in datasets for p in load_prompts(d, samples)]
     results = simulate(cluster, resolve_model(pair[0]), resolve_model(pair[1]), prompts, strategies,
                        max_new_tokens)
+    report["identical_to_greedy"] = {name: r["identical_to_greedy"] for name, r in results.items()}
     return {name: round(r["tokens_per_s"], 3) for name, r in results.items()}
 
 
@@ -105,4 +107,7 @@ def _table(r: dict) -> str:
                  "runtime); memory in GiB")
     lines.append(f"bottleneck {r['bottleneck_ms']} ms/step, pipeline latency {r['pipeline_latency_ms']} ms")
     lines.append("predicted tokens/s: " + ", ".join(f"{k} {v}" for k, v in r["predicted_tokens_per_s"].items()))
+    if "identical_to_greedy" in r:
+        lines.append("identical to greedy: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
+                                                         for k, v in r["identical_to_greedy"].items()))
     return "\n".join(lines)

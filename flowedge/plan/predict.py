@@ -73,8 +73,10 @@ def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool
 
 def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Sequence[str],
              strategies: Sequence[str] = DEFAULT_STRATEGIES, max_new_tokens: int = 64) -> dict[str, dict]:
-    """{strategy: {tokens_per_s, mean_accept_len}} over `prompts`, on the real pair's tokens (oracle)."""
+    """{strategy: {tokens_per_s, mean_accept_len, identical_to_greedy}} over `prompts`, on the real pair's
+    tokens (oracle); identical_to_greedy: every answer equals plain greedy decoding of the real base."""
     from flowedge.core.sampling import SamplingParams
+    from flowedge.engine.local import stop_ids
     from flowedge.runner import encode_prompt, load_tokenizer
     from flowedge.sim.cluster import SimCluster
     from flowedge.sim.run import Cluster, draft_quant_for
@@ -87,19 +89,26 @@ def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Seq
     ids = [encode_prompt(tok, p, chat=True) for p in prompts]
     costs = cost_model(cluster, sim.draft_model.config, draft_quantized=draft_quant != "none",
                        hidden_scale=int(cluster.config.hidden_size) / int(sim.config.hidden_size), spec=spec)
-    totals = {s: [0, 0.0, []] for s in strategies}    # tokens, simulated seconds, accept lengths
+    totals = {s: [0, 0.0, [], True] for s in strategies}    # tokens, simulated s, accept lengths, == greedy
     for i, prompt_ids in enumerate(ids):
-        for strategy in strategies:   # prompt-major: the oracle's path cache serves every strategy
+        # greedy through the oracle first: its logits stay cached for every strategy (prompt-major)
+        ref = sim.oracle.generate(prompt_ids, max_new_tokens, SamplingParams(), stop_ids(sim.config))
+        for strategy in strategies:
             head, stages = sim.build(strategy, costs)
             res = SimCluster(head, stages, costs).run(i + 1, prompt_ids, max_new_tokens, SamplingParams())
             totals[strategy][0] += len(res.done.token_ids)
             totals[strategy][1] += res.sim_time_s
             totals[strategy][2] += list(res.done.stats.accept_lens)
+            totals[strategy][3] &= res.done.token_ids == ref
+            log.info("prompt %d %s: %.3f tok/s, %d rounds%s", i + 1, strategy,
+                     len(res.done.token_ids) / res.sim_time_s, res.done.stats.rounds,
+                     "" if res.done.token_ids == ref else ", DIFFERS from greedy")
         if sim.oracle is not None:
             sim.oracle.clear()
     out: dict[str, dict] = {}
-    for strategy, (tokens, seconds, accepts) in totals.items():
+    for strategy, (tokens, seconds, accepts, same) in totals.items():
         out[strategy] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
-                         "mean_accept_len": sum(accepts) / len(accepts) if accepts else None}
+                         "mean_accept_len": sum(accepts) / len(accepts) if accepts else None,
+                         "identical_to_greedy": same}
         log.info("simulated %s: %.2f tok/s", strategy, out[strategy]["tokens_per_s"])
     return out

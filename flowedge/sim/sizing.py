@@ -45,12 +45,17 @@ def flat_draft_width(call_s: Callable[[int], float], topk: int) -> int:
 
 
 def sized_spec(spec: SpecConfig, pipeline_latency_s: float, draft_call_s: float,
-               draft_width: int = 0, stage_segment_ratio: float | None = None) -> SpecConfig:
+               draft_width: int = 0, stage_segment_ratio: float | None = None,
+               flat_segment: int | None = None) -> SpecConfig:
     """`spec` with tree_depth and tree_nodes scaled to the costs (nodes per level kept as in `spec`),
     and the expansion's draft width where given (`flat_draft_width`) and not set in `spec`.
-    `stage_segment_ratio`: a stage's l_max-token segment cost over a 2-token one (flat: d0 = 1)."""
+    `stage_segment_ratio`: a stage's l_max-token segment cost over a 2-token one (flat: d0 = 1).
+    `flat_segment` (`flat_segment_for`): where it is below exp_nodes, expansions send that many nodes,
+    the best ones not yet sent (`exp_fresh`), so no segment costs a stage more than node 0's step."""
     if draft_call_s <= 0:
         return spec
+    if flat_segment is not None and flat_segment < spec.exp_nodes:
+        spec = replace(spec, exp_nodes=flat_segment, exp_fresh=True)
     if stage_segment_ratio is not None and stage_segment_ratio <= FLAT:
         depth = 1
     else:
@@ -68,6 +73,9 @@ class TreeCosts:
     stage_segment_ratio: float    # the steepest stage's l_max-token / 2-token segment cost
     token_latency_s: float = 0.0  # one token through every stage, then a 1-token lm_head (ar-pp's step)
     flow_step_s: float = 0.0      # the slowest stage on a mean flowspec segment (`FLOW_SEGMENT` tokens)
+    prefill_chunk: int | None = None   # prompt tokens per prefill segment (`prefill_chunk_for`); None: as set
+    flat_segment: int | None = None    # most tokens a segment carries at about an l_max one's cost (flat only)
+    segment_step_s: float = 0.0   # the slowest stage on an l_max segment (a pipedec level's step)
 
 
 FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions
@@ -76,11 +84,43 @@ FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments
 SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's order of magnitude)
 
 
+def prefill_chunk_for(stage_s: Callable[[int], float], n_stages: int, l_max: int, max_chunk: int,
+                      prompt_tokens: int = SIZING_CONTEXT) -> int:
+    """Prompt tokens per prefill segment: the chunk that gets a `prompt_tokens` prompt through the
+    pipeline soonest. Chunks flow through the stages one behind the other, so a prompt in c-token chunks
+    takes about (chunks + stages - 1) steps of the slowest stage on c tokens. Where a stage's cost is flat
+    up to l_max tokens (a bandwidth-bound GPU: torch int4 streams the weights once per 16-token tile) that
+    is about l_max-token chunks: one 256-token chunk crosses 14 Orin Nano stages of a 70B in 14 x 1.3 s,
+    sixteen 16-token chunks in (16 + 13) x 88 ms. Candidates: l_max, 2 l_max, ... up to `max_chunk`."""
+    sizes = [max_chunk]
+    c = l_max
+    while c < max_chunk:
+        sizes.append(c)
+        c *= 2
+
+    def prompt_s(c: int) -> float:
+        return (math.ceil(prompt_tokens / c) + n_stages - 1) * stage_s(c)
+
+    return min(sorted(sizes, reverse=True), key=prompt_s)
+
+
+def flat_segment_for(stage_s: Callable[[int], float], l_max: int, most: int, draft_call_s: float) -> int:
+    """The most tokens (up to `most`) a segment can carry while a stage's cost for it stays within node
+    0's draft call (the step node 0 sets anyway) or about an l_max-token segment's. A 70B stage on an
+    Orin Nano is flat up to its 16-token int4 tile and pays a tile per 16 tokens after: a 64-node
+    expansion there costs a stage 324 ms where 16 nodes cost 88 (the draft call: 36), and with 14
+    stages in flight that is the pipeline's step. The 1.5B's 7-layer stages run 64 nodes well within
+    a draft call, so they keep the setting."""
+    limit = max(FLAT * stage_s(l_max), draft_call_s)
+    return max([n for n in range(l_max, most + 1) if stage_s(n) <= limit], default=l_max)
+
+
 def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, int]],
                stage_devices: Sequence[DeviceProfile], head_device: DeviceProfile, *,
                stage_path: str | None = None, draft_path: str | None = None, draft_quantized: bool = False,
                l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk,
-               stage_paths: Sequence[str | None] | None = None) -> TreeCosts:
+               stage_paths: Sequence[str | None] | None = None,
+               prefill_chunk: int = SpecConfig().prefill_chunk, exp_nodes: int = SpecConfig().exp_nodes) -> TreeCosts:
     """Costs of stage k's layers `ranges[k]` on `stage_devices[k]` (each on `stage_paths[k]`, else
     `stage_path`, default its profile's own) and of the draft on node 0's `head_device`. Stages may
     differ (a mixed cluster): the steepest stage decides whether segments are flat."""
@@ -89,8 +129,8 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     paths = list(stage_paths) if stage_paths is not None else [stage_path] * len(shapes)
     stages = list(zip(stage_devices, shapes, paths))
 
-    def fwd(tokens: int) -> list[float]:
-        return [forward_time_s(dev, shape, tokens, ctx, path) for dev, shape, path in stages]
+    def fwd(tokens: int, context: int = ctx) -> list[float]:
+        return [forward_time_s(dev, shape, tokens, context, path) for dev, shape, path in stages]
 
     head_s = lm_head_time_s(stage_devices[-1], base_config, 1, paths[-1])
     latency = sum(fwd(l_max)) + head_s
@@ -101,14 +141,26 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     def call_s(rows: int) -> float:
         return draft_time_s(head_device, draft_config, rows, ctx, draft_path, draft_quantized)
 
-    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio, token_s, flow_s)
+    def slowest_stage_s(tokens: int) -> float:   # at half the sizing context: a prompt's mean
+        return max(fwd(tokens, ctx // 2))
+
+    # Only where segments are flat: on compute-bound devices (CPUs) the profile's linear cost would also
+    # favour small chunks, but a real process pays per message and per small GEMM what it does not model.
+    flat = ratio <= FLAT
+    chunk = prefill_chunk_for(slowest_stage_s, len(shapes), l_max, prefill_chunk) if flat else None
+    segment = flat_segment_for(slowest_stage_s, l_max, exp_nodes, call_s(topk)) if flat else None
+    if segment is not None and segment < FLOW_SEGMENT:   # expansions send no more than that
+        flow_s = max(fwd(segment))
+    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio, token_s, flow_s, chunk, segment,
+                     max(fwd(l_max)))
 
 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
     return sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
-                      costs.stage_segment_ratio)
+                      costs.stage_segment_ratio, costs.flat_segment)
 
 
 def predict_from_costs(costs: TreeCosts) -> Prediction | None:
     """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
-    return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s)
+    return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
+                                 pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s)

@@ -1,4 +1,4 @@
-"""`auto` (the default): flowspec or ar-pp, chosen from the device profiles and switched online.
+"""`auto` (the default): flowspec, pipedec or ar-pp, chosen from the device profiles and switched online.
 
 The choice is made per round: a round is one strategy's from start to end, so switching is lossless by
 construction (every round starts from the committed context, whichever strategy ran the last one). A
@@ -10,11 +10,12 @@ and when to try flowspec again. The choice, the reason and every switch land in 
 from __future__ import annotations
 
 from flowedge.core.tree import DraftTree
-from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction
 from flowedge.engine.round_view import RoundView
 from flowedge.engine.strategies.ar_pp import ArPP
 from flowedge.engine.strategies.base import Strategy
 from flowedge.engine.strategies.flowspec import FlowSpec
+from flowedge.engine.strategies.pipedec import PipeDec
 
 
 class Auto(Strategy):
@@ -24,7 +25,7 @@ class Auto(Strategy):
 
     def __init__(self, prediction: Prediction | None = None, policy: AutoPolicy = AutoPolicy()) -> None:
         self.prediction, self.policy = prediction, policy
-        self.inner: dict[str, Strategy] = {FLOWSPEC: FlowSpec(), AR_PP: ArPP()}
+        self.inner: dict[str, Strategy] = {FLOWSPEC: FlowSpec(), PIPEDEC: PipeDec(), AR_PP: ArPP()}
         if any(s.lm_head_at != self.lm_head_at for s in self.inner.values()):
             raise AssertionError("auto's strategies must choose tokens in the same place")
         self.active: Strategy = self.inner[FLOWSPEC]
@@ -62,7 +63,7 @@ class Auto(Strategy):
         if view.finished or view.round_ended or self.active is self.inner[AR_PP]:
             return actions
         self._tick(view)
-        if self.chooser.decide() != FLOWSPEC:   # measured slower than ar-pp: end this round now
+        if self.chooser.decide() != self.active.name:   # measured slower than ar-pp: end this round now
             self._report(view)
             actions += view.restart_round(reason=self.chooser.reason)
         return actions

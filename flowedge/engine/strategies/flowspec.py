@@ -31,7 +31,9 @@ class FlowSpec(PrunedPP):
         if base is None:   # the accepted path left the stored tree: grow a fresh one
             base = view.drafter.build(view.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth),
                                       cfg.lookup_tokens)
-        if accepted:
+        if accepted and cfg.exp_fresh:   # segments capped at a stage's flat cost: only nodes not yet sent
+            new = score_aware_pick(base, view.tree, view.alive, view.cur, cfg.exp_nodes)
+        elif accepted:
             new, _ = select_top(base, cfg.exp_nodes, self.order)
         elif cfg.se_nodes:
             new = score_aware_pick(base, view.tree, view.alive, view.cur, cfg.se_nodes)

@@ -21,14 +21,19 @@ class PipeDec(Strategy):
     def initial_segments(self, view: RoundView) -> list:
         actions = view.send_nodes(torch.tensor([0]), "level")
         actions += view.send_nodes(torch.arange(1, len(view.tree)), "level")
-        for _ in range(max(0, view.n_stages - 2)):   # fill the pipeline: one level per stage
-            actions += self._next_level(view)
-        return actions
+        return actions + self._fill(view)
 
-    def _next_level(self, view: RoundView) -> list:
+    def _fill(self, view: RoundView) -> list:
+        """One more level while the pipeline has room for it (one level per stage). Each level is drafted
+        in its own follow-up, so it leaves as soon as its draft call is done: on a deep pipeline the first
+        levels are already travelling while the next are drafted, instead of all waiting for the last."""
+        return view.expand_later(True) if view.in_flight < view.n_stages else []
+
+    def expand(self, view: RoundView, accepted: bool) -> list:
         new = view.drafter.extend(1, view.alive)
         view.grow_alive()
-        return view.send_nodes(new, "level")
+        sent = view.send_nodes(new, "level")
+        return sent + (self._fill(view) if sent else [])
 
     def on_output(self, view: RoundView, live_nodes: int) -> list:
         res, cost = view.verify()
@@ -38,5 +43,5 @@ class PipeDec(Strategy):
             return cost
         actions = cost + view.apply_walk(res, continue_round=True)
         if not view.finished and res.continues and not view.round_ended:
-            actions += self._next_level(view)
+            actions += self._fill(view)
         return actions
