@@ -177,7 +177,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
                     click.echo(piece, nl=False)
                 res = client.last_result
             click.echo()
-            click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s, "
+            click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s{_first_token(res)}, "
                        f"{res['wall_tokens_per_s']:.2f} tok/s, strategy {res['strategy']}, {nodes} nodes]", err=True)
             return
         click.echo("serving; Ctrl-C stops every node", err=True)
@@ -243,7 +243,13 @@ def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy
             click.echo(piece, nl=False)
         click.echo()
         res = client.last_result
-        click.echo(f"[{res['new_tokens']} tokens, {res['wall_tokens_per_s']:.2f} tok/s]", err=True)
+        click.echo(f"[{res['new_tokens']} tokens{_first_token(res)}, {res['wall_tokens_per_s']:.2f} tok/s]", err=True)
+
+
+def _first_token(result: dict) -> str:
+    """', first token after X s' for the summary line: what a user waits before text starts."""
+    first_s = result.get("first_token_s")
+    return f", first token after {first_s:.2f} s" if first_s is not None else ""
 
 
 def _conversation(path: str) -> list[dict]:
