@@ -1,0 +1,9 @@
+"""The zmq concurrency sweep with the real pair, liveness timeouts raised for this CPU (2 s is for Jetson-speed steps)."""
+import functools, sys
+from flowedge.daemon import local_cluster
+local_cluster.LocalClusterSpec = functools.partial(local_cluster.LocalClusterSpec, stage_timeout_s=30.0, client_timeout_s=60.0)
+from flowedge.cli import main
+sys.argv = ["flowedge", "bench", "--driver", "zmq", "--dataset", "mt-bench", "--dataset", "humaneval", "--samples", "2",
+            "--max-new-tokens", "24", "--nodes", "3", "--strategies", "flowspec,ar-pp", "--concurrency", "1,2,4",
+            "--threads", "1", "--out", "docs/bench/zmq-x86-cpu-3nodes-concurrency-real"]
+main()
