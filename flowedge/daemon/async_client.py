@@ -22,7 +22,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from flowedge.daemon.client import Answer, prompt_request
+from flowedge.daemon.client import Answer, prompt_request, send_cancel
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
 from flowedge.errors import FlowedgeError, ProtocolError
 from flowedge.transport import protocol as proto
@@ -69,11 +69,8 @@ class AsyncClient:
             self.ctx.term()
 
     def _cancel_open(self) -> None:
-        if self._open is not None and not self.sock.closed:
-            try:
-                self.sock.send_multipart(proto.Cancel(request_id=self._open).to_frames(), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass   # the head is gone: nothing left to cancel
+        if self._open is not None:
+            send_cancel(self.sock, self._open)
         self._open = None
 
     async def _send(self, msg: proto.Message) -> None:

@@ -111,11 +111,8 @@ class Client:
 
     def cancel(self) -> None:
         """Drop the request being streamed: the head frees its KV cache on every stage."""
-        if self.in_flight is not None and not self.sock.closed:
-            try:
-                self.sock.send_multipart(proto.Cancel(request_id=self.in_flight).to_frames(), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass   # the head is gone: nothing left to cancel
+        if self.in_flight is not None:
+            send_cancel(self.sock, self.in_flight)
         self.in_flight = None
 
     # ---- requests -------------------------------------------------------------------------------
@@ -189,6 +186,17 @@ def prompt_request(rid: int, prompt: str | list[int] | None, *, messages: list[d
         request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, messages=messages,
         stop=[stop] if isinstance(stop, str) else list(stop or ()), raw=raw, temperature=temperature,
         top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy)
+
+
+def send_cancel(sock: zmq.Socket, request_id: int) -> None:
+    """Ask the head to drop `request_id` without waiting (both clients); a closed socket or a gone head
+    means there is nothing left to cancel."""
+    if sock.closed:
+        return
+    try:
+        sock.send_multipart(proto.Cancel(request_id=request_id).to_frames(), flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
 
 
 class Answer:
