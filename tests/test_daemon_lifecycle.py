@@ -6,7 +6,8 @@ import pytest
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.kv_budget import KvBudget, StageMemory, kv_bytes_per_token, stage_budget, tightest
+from flowedge.daemon.kv_budget import KvBudget, StageMemory, stage_budget, tightest
+from flowedge.plan.memory import kv_bytes_per_token
 from flowedge.daemon.membership import ClientGone, Membership, StageLost
 from flowedge.daemon.requests import Limits, Prepared, RequestBook, State, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats

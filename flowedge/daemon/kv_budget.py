@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flowedge.plan.memory import RUNTIME_OVERHEAD_BYTES
-from flowedge.sim.costs import shape_of_layers
+from flowedge.plan.memory import RUNTIME_OVERHEAD_BYTES, kv_bytes_per_token
 
 MARGIN_FRACTION = 0.1   # of a stage's free memory, kept back: allocator slack, activations, other tenants
 
@@ -34,11 +33,6 @@ class KvBudget:
     tokens: int
     stage: int
     why: str
-
-
-def kv_bytes_per_token(base_config: Any, layers: int, dtype_bytes: int) -> float:
-    """K and V of one context token over `layers` decoder layers, at `dtype_bytes` per element."""
-    return shape_of_layers(base_config, 0, layers).kv_bytes_per_token * dtype_bytes / 2.0
 
 
 def stage_budget(base_config: Any, stage: StageMemory, dtype_bytes: int, cap_tokens: int = 0) -> KvBudget | None:

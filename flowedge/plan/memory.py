@@ -61,10 +61,15 @@ class MemoryNeed:
         return self.weights_bytes + self.kv_bytes + self.overhead_bytes
 
 
+def kv_bytes_per_token(config: Any, layers: int, dtype_bytes: int) -> float:
+    """K and V of one context token over `layers` decoder layers, at `dtype_bytes` per element (the
+    shape's figure counts 2-byte elements); the planner and the head's KV admission both use it."""
+    return shape_of_layers(config, 0, layers).kv_bytes_per_token * dtype_bytes / 2.0
+
+
 def kv_bytes(config: Any, layers: int, context: int, device: DeviceProfile, path: str | None = None) -> int:
     """K and V for `context` tokens over `layers` layers, in the activation dtype of the device's path."""
-    act_bytes = resolve_path(device, path, 1).act_bytes
-    return int(context * shape_of_layers(config, 0, layers).kv_bytes_per_token * act_bytes / 2.0)
+    return int(context * kv_bytes_per_token(config, layers, resolve_path(device, path, 1).act_bytes))
 
 
 def stage_need(config: Any, layers: int, quant: str, context: int, device: DeviceProfile,
