@@ -6,7 +6,10 @@ built as the simulator builds them).
 Sockets: `ctrl` (ROUTER, bound at `head`): every stage's and client's DEALER; `ret` (PULL, bound at
 port + 1): hidden states coming back from the last stage; `to_stage1` (PUSH): segments into the
 pipeline; `monitor`: the ROUTER's socket events (a closed connection ends its peer at once). One
-thread, one poll loop: the engine is not thread-safe and needs none.
+poll loop owns the sockets; the engine's work (a turn of every running request, starting queued ones)
+runs on a compute thread while the loop waits and keeps heartbeating (daemon/beating.py), so a long
+draft prefill is not mistaken for a dead head. The two never run the engine at once; their sends on
+the control socket share a lock.
 
 Robustness: every inbound message is decoded defensively (a malformed one is logged and dropped, a
 client gets an ErrorReply); peers that speak another major version or lack the cluster's keys are
@@ -28,6 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import wire
+from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.membership import ClientGone, ConnectionTracker, Membership, Peer, StageLost
 from flowedge.daemon.plan import Replanner, prepare_plan
@@ -82,6 +86,9 @@ class HeadNode:
         self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
         self.drops = DropLog(log)      # messages dropped at the boundary, counted for `flowedge status`
         self.notifier = Notifier()   # systemd: READY once the plan is ready and the sockets listen
+        self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
+        self.ctrl_lock = threading.Lock()   # the control socket's sends: the loop's pings, the turn's sends
+        self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control socket)
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -120,6 +127,7 @@ class HeadNode:
         self.security.stop()
         self.members.replanner.close()
         self.ctx.term()
+        self.compute.close()
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -127,25 +135,58 @@ class HeadNode:
             poller.register(sock, zmq.POLLIN)
         while not self.stop.is_set():
             ready = dict(poller.poll(0 if self.requests.has_work() else 50))
+            emptied = True
             if self.monitor in ready:   # first: a closed connection is known before its fd is reused
-                self._drain(self.monitor, self._on_monitor)
+                emptied &= self._drain(self.monitor, self._on_monitor)
             if self.ret in ready:
                 self._drain(self.ret, self._on_return)
             if self.ctrl in ready:
-                self._drain(self.ctrl, self._on_ctrl)
-            self.requests.step()   # one piece of work per running request, draft calls batched
+                emptied &= self._drain(self.ctrl, self._on_ctrl)
+            self._judge_liveness(emptied)
+            self._engine_turn()
             self._housekeeping()
             self.drops.tick()
             self.notifier.tick(self.sd_status)
 
-    def _drain(self, sock: zmq.Socket, handler, limit: int = 64) -> None:
+    def _drain(self, sock: zmq.Socket, handler, limit: int = 64) -> bool:
+        """Up to `limit` messages; whether the socket was read empty."""
         for _ in range(limit):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             handler(frames)
-            self._events(self.members.tick(self.requests.busy_clients()))   # heartbeats keep going
+            self.members.ping(self.requests.busy_clients())   # heartbeats keep going
+        return False
+
+    def _judge_liveness(self, emptied: bool) -> None:
+        """Drop peers past their liveness, judged right after reading the control socket empty (what the
+        peers sent while a turn ran is in by now). A backlog never read empty (a flood) defers it at
+        most `stage_timeout_s` twice over."""
+        now = time.monotonic()
+        if emptied or now - self.judged_s > 2 * self.config.stage_timeout_s:
+            self.judged_s = now
+            self._events(self.members.judge(self.requests.busy_clients()))
+
+    def _engine_turn(self) -> None:
+        """One piece of work per running request (draft calls batched), then deadlines, replays and
+        queued starts: on the compute thread while this one keeps heartbeating, bounded by the stall
+        timeout (past it the head is taken for hung: beats and the systemd watchdog stop)."""
+        ready = self.members.cluster_ready()
+        if not self.requests.pending():
+            self.requests.tick(time.monotonic(), ready)   # nothing to run: no need for the thread
+            return
+        clients, status = self.requests.busy_clients(), self.sd_status()
+
+        def beat() -> None:   # reads nothing the turn changes
+            self.members.ping(clients)
+            self.notifier.tick(lambda: status)
+
+        def turn() -> None:
+            self.requests.step()
+            self.requests.tick(time.monotonic(), ready)
+
+        self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
 
     # ---- control plane --------------------------------------------------------------------------
     def _on_ctrl(self, frames: list) -> None:
@@ -251,6 +292,7 @@ class HeadNode:
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
             "draft_batching": self.batcher.counts() if self.batcher is not None else None,
+            "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
         }] + self.members.status_rows()
 
     # ---- the request lifecycle's port -------------------------------------------------------------
@@ -401,20 +443,21 @@ class HeadNode:
     def _housekeeping(self) -> None:
         if self.members.replanner.busy:
             self.members.assign_all()
-        self._events(self.members.tick(self.requests.busy_clients()))
+        self.members.ping(self.requests.busy_clients())
+        self.members.retry_refused()
         ready = self.members.cluster_ready()
         if ready != self.was_ready:
             log.info("cluster %s", "ready: accepting prompts" if ready else "not ready")
             self.was_ready = ready
-        self.requests.tick(time.monotonic(), ready)
 
     def _send(self, identity: bytes, msg: proto.Message, counted: bool = False) -> None:
         """To one peer over the control socket; `counted` adds it to the data-plane byte counters."""
         try:
-            if counted:
-                self.wire.send(self.ctrl, msg, identity)
-            else:
-                send_routed(self.ctrl, identity, msg)
+            with self.ctrl_lock:
+                if counted:
+                    self.wire.send(self.ctrl, msg, identity)
+                else:
+                    send_routed(self.ctrl, identity, msg)
         except zmq.ZMQError as err:   # EHOSTUNREACH: the peer disconnected; liveness deals with it
             log.debug("send to %r failed: %s", identity, err)
 

@@ -241,15 +241,30 @@ class Membership:
 
     # ---- liveness ---------------------------------------------------------------------------------
     def tick(self, busy_clients: set[bytes]) -> list:
-        """Ping stages (and clients with work in progress); drop peers past their liveness."""
+        """Ping, re-assign refused slots when due, and judge liveness (see `judge`)."""
+        self.ping(busy_clients)
+        self.retry_refused()
+        return self.judge(busy_clients)
+
+    def retry_refused(self) -> None:
+        """Stages that refused their assignment get it again once their retry time has come."""
+        if any(0 < p.retry_at <= self.clock() for p in self.peers.values() if p.stage):
+            self.assign_all()
+
+    def ping(self, busy_clients: set[bytes]) -> None:
+        """A heartbeat to every stage (and client with work in progress) when one is due. Safe to call
+        while the compute thread runs a step (it reads the slots only; the head's sends are locked)."""
         now = self.clock()
         if now - self.last_ping >= self.config.heartbeat_ms / 1000:
             self.last_ping = now
             beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)
             for identity in self.stage_identities() + [c for c in busy_clients if c in self.peers]:
                 self.send(identity, beat)
-        if any(0 < p.retry_at <= now for p in self.peers.values() if p.stage):
-            self.assign_all()   # stages that refused their assignment get it again
+
+    def judge(self, busy_clients: set[bytes]) -> list:
+        """Drop peers past their liveness. Call it only once the control socket has been read empty: a
+        heartbeat still queued there (the head was busy) is a live peer, not a silent one."""
+        now = self.clock()
         events: list = []
         for peer in list(self.peers.values()):
             silent = now - peer.last_seen

@@ -19,8 +19,6 @@ import socket
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import psutil
@@ -28,6 +26,7 @@ import torch
 import zmq
 
 from flowedge.daemon import shard_fetch, wire
+from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import too_old_for_the_data_plane
@@ -82,6 +81,8 @@ class StageNode:
         self.step_s: list[float] = []
         self.busy_s = 0.0
         self.last_beat = time.monotonic()
+        self.stats: dict = {}       # the last heartbeat's stats (re-sent as they were while a step runs)
+        self.compute = BeatingWorker("stage-compute")   # loads and forwards, heartbeats going on meanwhile
         self.wire = wire.WireCounter(curve=not config.insecure)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -105,6 +106,7 @@ class StageNode:
         self.security.stop()
         self.ctx.term()
         self.notifier.close()
+        self.compute.close()
 
     def _connect_ctrl(self) -> None:
         if self.ctrl is not None:
@@ -198,13 +200,7 @@ class StageNode:
     def _load_beating(self, model_dir: Path, parts: StageParts, quant: str) -> StageModel:
         """Load in a worker thread while this one keeps heartbeating: repacking a W4A16 shard takes tens
         of seconds on a slow device, which must not look like a dead stage to the head."""
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-load") as pool:
-            future = pool.submit(StageModel.load, model_dir, parts, quant=quant)
-            while True:
-                try:
-                    return future.result(timeout=0.2)
-                except FutureTimeout:
-                    self._beat()
+        return self.compute.run(lambda: StageModel.load(model_dir, parts, quant=quant), self._beat, 0.2)
 
     def _shard_dir(self, assign: proto.Assign) -> Path:
         """A directory holding this stage's verified shard: the head's own files, the cache, or a fetch."""
@@ -242,14 +238,17 @@ class StageNode:
         poller = zmq.Poller()
         poller.register(self.ctrl, zmq.POLLIN)
         poller.register(self.data_in, zmq.POLLIN)
+        wait_ms = min(100, self.config.heartbeat_ms // 2)   # a beat is never late by more than half a period
         while not self.stop.is_set():
-            ready = dict(poller.poll(100))
+            ready = dict(poller.poll(wait_ms))
             if ready:
                 self._take_arrived()
             self._beat()
             self.drops.tick()
-            if time.monotonic() - self.last_head > self.config.stage_timeout_s:
-                raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:.0f} s")
+            # judged on what could be read: the head's heartbeats that came in during a long step are
+            # still queued, and a head is dead only if nothing from it is waiting either
+            if time.monotonic() - self.last_head > self.config.stage_timeout_s and not self.ctrl.poll(0):
+                raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:g} s")
 
     def _take_arrived(self) -> None:
         """Everything queued on both sockets, then one `receive_all`: segments of several requests that
@@ -321,8 +320,11 @@ class StageNode:
         return [] if event is None else [event]
 
     def _handle_all(self, events: list) -> None:
+        """One batched step on the compute thread; this thread heartbeats while it runs (beating.py)."""
         t0 = time.perf_counter()
-        done = self.inbox.run(events)
+        inbox = self.inbox
+        done = self.compute.run(lambda: inbox.run(events), lambda: self._beat(busy=True),
+                                self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
         for out in done.sends:
             self.wire.send(self.data_out, out)
         dt = time.perf_counter() - t0
@@ -335,23 +337,29 @@ class StageNode:
         dropped = sum(self.drops.counts.values())
         return f"{self.phase}; {live} requests live, {dropped} messages dropped"
 
-    def _beat(self) -> None:
+    def _beat(self, busy: bool = False) -> None:
+        """A heartbeat to the head when one is due. `busy`: a step runs on the compute thread, so the
+        worker's state is not read (its last stats are sent again) and the load counts as full."""
         self.notifier.tick(self._sd_status)   # every loop (join, fetch, serve) passes here
         now = time.monotonic()
         period = getattr(self, "heartbeat_s", self.config.heartbeat_ms / 1000)
         if now - self.last_beat < period or self.ctrl is None:
             return
-        load = self.busy_s / max(now - self.last_beat, 1e-6)
-        recent = self.step_s[-256:]
-        stats = {"steps": len(self.step_s),
-                 "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
-                 "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
-                 "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
-                 "requests": len(self.worker.slots) if self.worker is not None else 0,
-                 "dropped": self.drops.snapshot()}
+        load = 1.0 if busy else self.busy_s / max(now - self.last_beat, 1e-6)
+        if not busy:
+            recent = self.step_s[-256:]
+            self.stats = {"steps": len(self.step_s),
+                          "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
+                          "step_ms_longest": round(1000 * self.compute.longest_s, 3),
+                          "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
+                          "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
+                          "requests": len(self.worker.slots) if self.worker is not None else 0,
+                          "dropped": self.drops.snapshot()}
         send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
-                                            rss_bytes=psutil.Process().memory_info().rss, stats=stats))
-        self.busy_s, self.last_beat = 0.0, now
+                                            rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))
+        if not busy:
+            self.busy_s = 0.0
+        self.last_beat = now
 
 
 def _reachable_ip(head_host: str) -> str:
