@@ -105,7 +105,7 @@ def prompt(rid: int = 1, max_new: int = 4, **kw) -> proto.PromptRequest:
 
 def book(**limits) -> tuple[RequestBook, FakePort]:
     port = FakePort()
-    return RequestBook(port, Limits(**limits)), port
+    return RequestBook(port, port, Limits(**limits)), port
 
 
 def test_a_prompt_before_the_cluster_was_ever_ready_is_refused_at_once():
@@ -278,7 +278,7 @@ def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
 
     port = FakePort()
     port.engine = lambda strategy: ChainEngine(work)
-    b = RequestBook(port, Limits(max_running=2), run_handlers=side_by_side)
+    b = RequestBook(port, port, Limits(max_running=2), run_handlers=side_by_side)
     b.tick(0.0, True)
     b.submit(b"a", prompt(1, max_new=3), 0.0, True, [])
     b.submit(b"b", prompt(2, max_new=3), 0.0, True, [])

@@ -1,7 +1,7 @@
 """The head node (node 0): a thin poll loop over three parts with one job each —
 `membership` (peers, slots, heartbeats and liveness, assignments, shard serving), `requests` (the
-request lifecycle: queue, pause, replay, cancel, deadlines) and `engine.assembly` (the engine heads,
-built as the simulator builds them).
+request lifecycle: queue, pause, replay, cancel, deadlines) and `head_engines` (prompts, KV budgets and
+engine heads, built by `engine.assembly` as the simulator builds them).
 
 Sockets: `ctrl` (ROUTER, bound at `head`): every stage's and client's DEALER; `ret` (PULL, bound at
 port + 1): hidden states coming back from the last stage; `to_stage1` (PUSH): segments into the
@@ -22,33 +22,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import partial
-from typing import Callable
 
 import psutil
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.membership import ClientGone, ConnectionTracker, Membership, Peer, StageLost
 from flowedge.daemon.plan import Replanner, prepare_plan
 from flowedge.daemon.droplog import DropLog
-from flowedge.daemon import kv_budget
-from flowedge.daemon.prompting import prompt_ids
-from flowedge.daemon.requests import Limits, Prepared, Request, RequestBook, run_in_turn
+from flowedge.daemon.head_engines import HeadEngines
+from flowedge.daemon.requests import Limits, RequestBook
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.engine import assembly
-from flowedge.engine.config import SpecConfig
-from flowedge.engine.draft_batch import DraftBatcher
-from flowedge.engine.events import Done, Segment, Send
+from flowedge.engine.events import Segment, Send
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import answer_hello, send_routed
 from flowedge.transport.security import Security
-from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
+from flowedge.transport.validate import InvalidMessage
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +67,14 @@ class HeadNode:
         self.stage1: bytes | None = None   # identity the to_stage1 socket was made for
         self.members = Membership(config, self._send)
         self.members.replanner = Replanner(config, flowedge_home())   # the split for the devices that joined
-        self.members.on_new_plan = self._on_new_plan
-        self.requests = RequestBook(self, Limits(recovery_s=config.recovery_s, stall_s=config.stall_timeout_s,
-                                                 max_running=config.max_concurrent))
-        # (strategy, placement ratio, stage devices) -> a function building one request's engine head
-        self.engines: dict[tuple, Callable[[], object]] = {}
-        self.batcher: DraftBatcher | None = None   # node 0's draft calls shared across running requests
-        self.plan = None
+        self.members.on_new_plan = self._use_plan
+        self.drops = DropLog(log)      # messages dropped at the boundary, counted for `flowedge status`
+        self.engines = HeadEngines(config, self.members, self.drops)
+        self.requests = RequestBook(self.engines, self, Limits(
+            recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
         self.was_ready = False
         self.shutdown_cluster = False
         self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
-        self.drops = DropLog(log)      # messages dropped at the boundary, counted for `flowedge status`
         self.notifier = Notifier()   # systemd: READY once the plan is ready and the sockets listen
         self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
         self.ctrl_lock = threading.Lock()   # the control socket's sends: the loop's pings, the turn's sends
@@ -107,10 +97,10 @@ class HeadNode:
         try:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")
-            self.plan = self.members.plan = prepare_plan(self.config, flowedge_home())
-            self._use_batcher()
+            plan = self.members.plan = prepare_plan(self.config, flowedge_home())
+            self._use_plan(plan)
             log.info("plan: %d stages, layers %s; waiting for stages to join",
-                     self.config.stages, [list(r) for r in self.plan.ranges])
+                     self.config.stages, [list(r) for r in plan.ranges])
             self.members.assign_all()
             self.notifier.ready(self.sd_status())
             self._loop()
@@ -221,15 +211,9 @@ class HeadNode:
             return
         handler(peer, msg)
 
-    def _on_new_plan(self, plan) -> None:
-        self.plan, self.engines = plan, {}
-        self._use_batcher()
-
-    def _use_batcher(self) -> None:
-        """A draft batcher for the plan's draft model: the requests' handlers of one step run side by side
-        and their draft calls share forwards (engine/draft_batch.py); without a draft model, in turn."""
-        self.batcher = DraftBatcher(self.plan.draft_model) if self.plan.draft_model is not None else None
-        self.requests.run_handlers = self.batcher.run_step if self.batcher is not None else run_in_turn
+    def _use_plan(self, plan) -> None:
+        """The first plan, or a re-plan for the devices that joined: fresh engines and draft batcher."""
+        self.requests.run_handlers = self.engines.use_plan(plan)
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())
@@ -287,93 +271,15 @@ class HeadNode:
             "draft_quant": self.config.draft_quant,
             "device": self.config.device, "rss_bytes": me.memory_info().rss,
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
-            "ready": self.members.cluster_ready(), "plan_ready": self.plan is not None,
+            "ready": self.members.cluster_ready(), "plan_ready": self.engines.plan is not None,
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
-            "draft_batching": self.batcher.counts() if self.batcher is not None else None,
+            "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
         }] + self.members.status_rows()
 
-    # ---- the request lifecycle's port -------------------------------------------------------------
-    def prepare(self, m: proto.PromptRequest) -> Prepared:
-        from flowedge.engine.local import check_context
-
-        params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
-        ids = prompt_ids(self.plan.tokenizer, m)
-        check_context(len(ids), m.max_new_tokens, self.plan.base_config.max_position_embeddings)
-        return Prepared(ids, params, m.strategy or self.config.strategy)
-
-    def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
-        spec = self._spec()
-        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
-        return kv_budget.request_need(len(prepared.prompt_ids), max_new_tokens, reserve)
-
-    def kv_budget(self) -> kv_budget.KvBudget | None:
-        """The tightest stage's KV budget, from the stages that joined (daemon/kv_budget.py)."""
-        plan, m = self.plan, self.members
-        stages = [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
-                  for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
-        return kv_budget.tightest(plan.base_config, stages, plan.head_model.dtype.itemsize,
-                                  self.config.kv_budget_tokens)
-
-    def _spec(self) -> SpecConfig:
-        cfg = self.config
-        return SpecConfig().with_(tree_nodes=cfg.tree_nodes or None, lm_head_at=cfg.lm_head_at,
-                                  lookup_tokens=cfg.lookup_tokens)
-
-    def text_stream(self, sink):
-        from flowedge.runner import TextStream
-
-        return TextStream(self.plan.tokenizer, sink)
-
-    def engine(self, strategy: str):
-        """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
-        draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
-        placement are worked out once per strategy and set of stage devices."""
-        ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
-        devices = self.members.stage_devices()
-        key = (strategy, ratio, devices)
-        if key not in self.engines:
-            from flowedge.engine.local import stop_ids
-
-            plan, cfg = self.plan, self.config
-            spec = self._spec()
-            costs = None
-            if plan.draft_model is not None:
-                costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,
-                                                    cfg.device, list(devices), spec, cfg.draft_quant != "none")
-            sizing = cfg.tree_size == "profile" and not cfg.tree_nodes
-            self.engines[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
-                                        cfg.stages, spec, stop_ids(plan.base_config),
-                                        tree_costs=costs if sizing else None, lm_head_ratio=ratio,
-                                        predict_costs=costs, batcher=self.batcher)
-        return self.engines[key]()
-
-    def _last_stage_lm_head_ratio(self) -> float | None:
-        """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile
-        (named in its Hello); None when the profile is unknown (the strategy's own choice then holds)."""
-        from flowedge.sim.costs import lm_head_segment_ratio
-        from flowedge.sim.profiles import load_named_device
-
-        identity = self.members.stage_identity(self.config.stages)
-        if identity is None:
-            return None
-        device = self.members.peers[identity].hello.device
-        try:
-            return lm_head_segment_ratio(load_named_device(device), self.plan.base_config, SpecConfig().l_max)
-        except ConfigError:
-            log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
-            return None
-
-    def finish_stats(self, req: Request, done: Done) -> dict:
-        wall = time.monotonic() - req.started_s
-        n = len(req.emitted)
-        stats = assembly.result_stats(done, req.engine, strategy=req.prepared.strategy,
-                                      prompt_tokens=len(req.prepared.prompt_ids), nodes=self.config.stages + 1)
-        return stats | {"new_tokens": n, "wall_s": round(wall, 4), "wire_dtype": self.config.wire_dtype,
-                        "tokens_per_s": round(n / wall, 3) if wall > 0 else None, "replays": req.replays}
-
+    # ---- the request lifecycle's way out -------------------------------------------------------------
     def to_client(self, identity: bytes, msg: proto.Message) -> None:
         self._send(identity, msg)
 
@@ -424,21 +330,6 @@ class HeadNode:
             self.drops.drop("malformed", f"pipeline return: {err}")
             return
         self.requests.add_segment(msg.request_id, msg, time.monotonic())
-
-    def accept(self, engine, msg: proto.Segment):
-        """A returned segment as its engine's event, checked against the engine as it is now (after the
-        work queued before it); None: dropped and counted."""
-        try:
-            if msg.kind == "prefill" or msg.round_id == engine.round_id:   # older rounds: the engine skips them
-                cfg = self.plan.base_config
-                known = int(engine.alive.numel()) if hasattr(engine, "alive") else 0   # ids the engine indexes
-                check_returned_segment(msg, ReturnPlan(cfg.hidden_size, cfg.vocab_size), known)
-            return wire.segment_from_wire(msg, self.plan.head_model.dtype)
-        except InvalidMessage as err:
-            self.drops.drop(err.rule, f"pipeline return: {err}")
-        except ProtocolError as err:
-            self.drops.drop("malformed", f"pipeline return: {err}")
-        return None
 
     def _housekeeping(self) -> None:
         if self.members.replanner.busy:

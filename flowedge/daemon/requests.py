@@ -2,9 +2,10 @@
 (`paused`) while a stage's slot is empty. Each request has an owner (the client connection) and, while
 it waits on a cluster that lost a stage, a deadline.
 
-Events in: `submit`, `on_segment`, `cancel`, `client_gone`, `stage_lost`, `tick`. Actions out go
-through a `Port` (the head node; a recording fake in the unit tests): messages to the client, engine
-messages to the stages, resets that free the stages' KV cache.
+Events in: `submit`, `on_segment`, `cancel`, `client_gone`, `stage_lost`, `tick`. The engines come from
+an `EnginePort` (the head's `HeadEngines`), actions go out through an `OutPort` (the head node's
+sockets): messages to the client, engine messages to the stages, resets that free the stages' KV cache
+(a recording fake plays both in the unit tests).
 
 No request is lost when a stage dies: the running request pauses and its stages' KV caches are dropped;
 when every slot is filled and ready again the head *replays* it: the engine restarts on the prompt plus
@@ -68,8 +69,8 @@ class Prepared:
     strategy: str
 
 
-class Port(Protocol):
-    """What the lifecycle needs from the head node."""
+class EnginePort(Protocol):
+    """What the lifecycle computes with (the head's `HeadEngines`)."""
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
     def accept(self, engine, segment): ...   # a returned segment -> engine event, or None (dropped)
@@ -77,10 +78,15 @@ class Port(Protocol):
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int: ...
     def engine(self, strategy: str): ...
     def text_stream(self, sink): ...
+    def finish_stats(self, req: "Request", done: Done) -> dict: ...
+
+
+class OutPort(Protocol):
+    """Where the lifecycle's messages go (the head node's sockets)."""
+
     def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
     def to_stages(self, action: Send) -> None: ...
     def reset_stages(self, engine_id: int) -> None: ...
-    def finish_stats(self, req: "Request", done: Done) -> dict: ...
 
 
 @dataclass
@@ -140,8 +146,9 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 
 
 class RequestBook:
-    def __init__(self, port: Port, limits: Limits = Limits(), run_handlers: Handlers = run_in_turn) -> None:
-        self.port, self.limits = port, limits
+    def __init__(self, engines: EnginePort, out: OutPort, limits: Limits = Limits(),
+                 run_handlers: Handlers = run_in_turn) -> None:
+        self.engines, self.out, self.limits = engines, out, limits
         self.run_handlers = run_handlers   # one step's handlers, side by side (the draft batcher) or in turn
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}     # key -> running or paused request
@@ -158,7 +165,7 @@ class RequestBook:
     def submit(self, owner: bytes, msg: proto.PromptRequest, now: float, ready: bool,
                missing: list[str]) -> None:
         if not ready and not self.ever_ready:
-            self.port.to_client(owner, proto.ErrorReply(
+            self.out.to_client(owner, proto.ErrorReply(
                 request_id=msg.request_id, message=f"cluster not ready: waiting for {', '.join(missing)}"))
             return
         self.keys += 1
@@ -209,7 +216,7 @@ class RequestBook:
             return None
         while req.work:
             follow_up, item = req.work.popleft()
-            event = item if follow_up else self.port.accept(req.engine, item)
+            event = item if follow_up else self.engines.accept(req.engine, item)
             if event is not None:
                 return event
         return None
@@ -262,7 +269,7 @@ class RequestBook:
         return sum(r.kv_tokens for r in self.running.values())
 
     def _can_ever_fit(self, req: Request) -> bool:
-        budget = self.port.kv_budget()
+        budget = self.engines.kv_budget()
         if budget is None or req.kv_tokens <= budget.tokens:
             return True
         self._end(req, State.FAILED, f"the request needs {req.kv_tokens} KV tokens on every stage (prompt + "
@@ -274,10 +281,10 @@ class RequestBook:
         if not req.kv_waited:
             req.kv_waited = True
             log.info("request %d waits for KV: needs %d tokens per stage, %d of %d held by %d running", req.key,
-                     req.kv_tokens, self.kv_reserved(), self.port.kv_budget().tokens, len(self.running))
+                     req.kv_tokens, self.kv_reserved(), self.engines.kv_budget().tokens, len(self.running))
 
     def _fits_now(self, req: Request) -> bool:
-        budget = self.port.kv_budget()
+        budget = self.engines.kv_budget()
         return budget is None or self.kv_reserved() + req.kv_tokens <= budget.tokens
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -299,9 +306,9 @@ class RequestBook:
     def _prepare(self, req: Request) -> bool:
         """Token ids, sampling params and KV need, on arrival (a bad request is refused at once)."""
         try:
-            req.prepared = self.port.prepare(req.msg)
-            req.kv_tokens = self.port.kv_need(req.prepared, req.msg.max_new_tokens)
-            req.text = self.port.text_stream(req.pieces.append)
+            req.prepared = self.engines.prepare(req.msg)
+            req.kv_tokens = self.engines.kv_need(req.prepared, req.msg.max_new_tokens)
+            req.text = self.engines.text_stream(req.pieces.append)
             req.stop = StopText(req.msg.stop)
         except FlowedgeError as err:
             self._end(req, State.FAILED, str(err), prefix="")
@@ -321,7 +328,7 @@ class RequestBook:
         """Start (or restart, for a replay) the engine on the prompt plus what the client already has."""
         p = req.prepared
         try:
-            req.engine = self.port.engine(p.strategy)
+            req.engine = self.engines.engine(p.strategy)
         except FlowedgeError as err:
             self._end(req, State.FAILED, str(err), prefix="")
             return
@@ -349,13 +356,13 @@ class RequestBook:
     def _pause(self, req: Request, why: str) -> None:
         log.warning("request %d paused after %d tokens: %s", req.key, len(req.emitted), why)
         self.by_engine.pop(req.engine_id, None)
-        self.port.reset_stages(req.engine_id)
+        self.out.reset_stages(req.engine_id)
         req.state = State.PAUSED
 
     def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ") -> None:
         """Finish a request that did not complete: one ErrorReply (not for a cancel), stages reset."""
         if req.state is State.RUNNING:
-            self.port.reset_stages(req.engine_id)
+            self.out.reset_stages(req.engine_id)
         self._forget(req)
         req.state = state
         self.served["cancelled" if state is State.CANCELLED else "failed"] += 1
@@ -363,7 +370,7 @@ class RequestBook:
             log.info("request %d %s", req.key, why)
             return
         log.error("request %d failed: %s", req.key, why)
-        self.port.to_client(req.owner, proto.ErrorReply(request_id=req.request_id, message=prefix + why))
+        self.out.to_client(req.owner, proto.ErrorReply(request_id=req.request_id, message=prefix + why))
 
     def _forget(self, req: Request) -> None:
         req.work.clear()
@@ -390,16 +397,16 @@ class RequestBook:
             if req.state is not State.RUNNING:
                 return
             if isinstance(a, Send):
-                self.port.to_stages(a)
+                self.out.to_stages(a)
             elif isinstance(a, Emit):
                 req.emitted += a.tokens
                 req.text(a.tokens)
-                self.port.to_client(req.owner, proto.TokenChunk(
+                self.out.to_client(req.owner, proto.TokenChunk(
                     request_id=req.request_id, token_ids=list(a.tokens), text=req.stop.feed(req.take_pieces()),
                     done=False))
                 if req.stop.hit:   # a stop string: the answer ends here, the stages drop its KV
                     self._finish(req, Done(list(req.engine.outputs), req.engine.stats))
-                    self.port.reset_stages(req.engine_id)
+                    self.out.reset_stages(req.engine_id)
             elif isinstance(a, Continue):
                 follow_ups.append((True, a.event))
             elif isinstance(a, Done):
@@ -410,10 +417,10 @@ class RequestBook:
             req.work.extendleft(reversed(follow_ups))
 
     def _finish(self, req: Request, done: Done) -> None:
-        stats = self.port.finish_stats(req, done)
+        stats = self.engines.finish_stats(req, done)
         stats["finish_reason"] = "stop" if req.stop.hit or len(req.emitted) < req.msg.max_new_tokens else "length"
         req.text.flush()
-        self.port.to_client(req.owner, proto.TokenChunk(
+        self.out.to_client(req.owner, proto.TokenChunk(
             request_id=req.request_id, token_ids=(), text=req.stop.finish(req.take_pieces()),
             done=True, stats=stats))
         self._forget(req)

@@ -1,0 +1,141 @@
+"""The engine side of the head's request lifecycle: what `requests.RequestBook` computes with.
+
+Preparing a prompt (token ids, sampling params, the context check), its KV need and the stages' KV
+budget, building one request's engine head the way the simulator builds it (`engine.assembly`), the
+answer's stats, and checking a segment back from the pipeline against its engine. No sockets here: the
+head node (`head_node.py`) owns them and is the lifecycle's way out (`requests.OutPort`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from typing import Callable
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.daemon import kv_budget, wire
+from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.membership import Membership
+from flowedge.daemon.prompting import prompt_ids
+from flowedge.daemon.requests import Handlers, Prepared, Request, run_in_turn
+from flowedge.engine import assembly
+from flowedge.engine.config import SpecConfig
+from flowedge.engine.draft_batch import DraftBatcher
+from flowedge.engine.events import Done
+from flowedge.errors import ConfigError, ProtocolError
+from flowedge.transport import protocol as proto
+from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
+
+log = logging.getLogger(__name__)
+
+
+class HeadEngines:
+    """Engines for the plan in force; the plan (and with it the draft batcher) changes on a re-plan."""
+
+    def __init__(self, config: NodeConfig, members: Membership, drops: DropLog) -> None:
+        self.config, self.members, self.drops = config, members, drops
+        self.plan = None
+        # (strategy, placement ratio, stage devices) -> a function building one request's engine head
+        self.builders: dict[tuple, Callable[[], object]] = {}
+        self.batcher: DraftBatcher | None = None   # node 0's draft calls shared across running requests
+
+    def use_plan(self, plan) -> Handlers:
+        """Take a (new) plan; returns how one step's handlers run: side by side through a draft batcher
+        (their draft calls share forwards, engine/draft_batch.py), or in turn without a draft model."""
+        self.plan, self.builders = plan, {}
+        self.batcher = DraftBatcher(plan.draft_model) if plan.draft_model is not None else None
+        return self.batcher.run_step if self.batcher is not None else run_in_turn
+
+    def prepare(self, m: proto.PromptRequest) -> Prepared:
+        from flowedge.engine.local import check_context
+
+        params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
+        ids = prompt_ids(self.plan.tokenizer, m)
+        check_context(len(ids), m.max_new_tokens, self.plan.base_config.max_position_embeddings)
+        return Prepared(ids, params, m.strategy or self.config.strategy)
+
+    def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
+        spec = self._spec()
+        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
+        return kv_budget.request_need(len(prepared.prompt_ids), max_new_tokens, reserve)
+
+    def kv_budget(self) -> kv_budget.KvBudget | None:
+        """The tightest stage's KV budget, from the stages that joined (daemon/kv_budget.py)."""
+        plan, m = self.plan, self.members
+        stages = [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
+                  for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
+        return kv_budget.tightest(plan.base_config, stages, plan.head_model.dtype.itemsize,
+                                  self.config.kv_budget_tokens)
+
+    def _spec(self) -> SpecConfig:
+        cfg = self.config
+        return SpecConfig().with_(tree_nodes=cfg.tree_nodes or None, lm_head_at=cfg.lm_head_at,
+                                  lookup_tokens=cfg.lookup_tokens)
+
+    def text_stream(self, sink):
+        from flowedge.runner import TextStream
+
+        return TextStream(self.plan.tokenizer, sink)
+
+    def engine(self, strategy: str):
+        """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
+        draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
+        placement are worked out once per strategy and set of stage devices."""
+        ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
+        devices = self.members.stage_devices()
+        key = (strategy, ratio, devices)
+        if key not in self.builders:
+            from flowedge.engine.local import stop_ids
+
+            plan, cfg = self.plan, self.config
+            spec = self._spec()
+            costs = None
+            if plan.draft_model is not None:
+                costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,
+                                                    cfg.device, list(devices), spec, cfg.draft_quant != "none")
+            sizing = cfg.tree_size == "profile" and not cfg.tree_nodes
+            self.builders[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
+                                        cfg.stages, spec, stop_ids(plan.base_config),
+                                        tree_costs=costs if sizing else None, lm_head_ratio=ratio,
+                                        predict_costs=costs, batcher=self.batcher)
+        return self.builders[key]()
+
+    def _last_stage_lm_head_ratio(self) -> float | None:
+        """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile
+        (named in its Hello); None when the profile is unknown (the strategy's own choice then holds)."""
+        from flowedge.sim.costs import lm_head_segment_ratio
+        from flowedge.sim.profiles import load_named_device
+
+        identity = self.members.stage_identity(self.config.stages)
+        if identity is None:
+            return None
+        device = self.members.peers[identity].hello.device
+        try:
+            return lm_head_segment_ratio(load_named_device(device), self.plan.base_config, SpecConfig().l_max)
+        except ConfigError:
+            log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
+            return None
+
+    def finish_stats(self, req: Request, done: Done) -> dict:
+        wall = time.monotonic() - req.started_s
+        n = len(req.emitted)
+        stats = assembly.result_stats(done, req.engine, strategy=req.prepared.strategy,
+                                      prompt_tokens=len(req.prepared.prompt_ids), nodes=self.config.stages + 1)
+        return stats | {"new_tokens": n, "wall_s": round(wall, 4), "wire_dtype": self.config.wire_dtype,
+                        "tokens_per_s": round(n / wall, 3) if wall > 0 else None, "replays": req.replays}
+
+    def accept(self, engine, msg: proto.Segment):
+        """A returned segment as its engine's event, checked against the engine as it is now (after the
+        work queued before it); None: dropped and counted."""
+        try:
+            if msg.kind == "prefill" or msg.round_id == engine.round_id:   # older rounds: the engine skips them
+                cfg = self.plan.base_config
+                known = int(engine.alive.numel()) if hasattr(engine, "alive") else 0   # ids the engine indexes
+                check_returned_segment(msg, ReturnPlan(cfg.hidden_size, cfg.vocab_size), known)
+            return wire.segment_from_wire(msg, self.plan.head_model.dtype)
+        except InvalidMessage as err:
+            self.drops.drop(err.rule, f"pipeline return: {err}")
+        except ProtocolError as err:
+            self.drops.drop("malformed", f"pipeline return: {err}")
+        return None
