@@ -470,3 +470,29 @@ def test_a_stage_that_refuses_its_assignment_keeps_its_slot_and_is_assigned_agai
     assert assigns_after(1.5) == [b"s2"]   # again, to the refused stage only
     m.on_ready(m.peers[b"s2"], proto.Ready(stage_index=2))
     assert m.cluster_ready() and "error" not in m.status_rows()[1]
+
+
+def test_a_node_joining_a_full_plan_takes_the_slot_of_a_stage_that_refused_its_assignment():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from flowedge.daemon.shard_fetch import ShardFile
+
+    m, sent, _ = members(lm_head_at="head")
+    shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]
+    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"))
+    ready_stage(m, b"s1", "a", 1)
+    m.register(b"s2", stage_hello("b", 2))
+    assert "the plan is full" in m.admit(stage_hello("spare"))   # every stage serving: no room
+    m.on_refuse(m.peers[b"s2"], proto.Refuse(reason="assignment failed: out of memory"))
+    assert m.admit(stage_hello("spare")) is None
+    sent.clear()
+    events = m.register(b"spare", stage_hello("spare"))
+    assert events == [StageLost(2, "b", "refused its assignment; a joining node takes the slot")]
+    assert m.slots == [b"s1", b"spare"] and b"s2" not in m.peers
+    told = [msg for i, msg in sent if i == b"s2"]
+    assert len(told) == 1 and isinstance(told[0], proto.Refuse) and "out of memory" in told[0].reason
+    assigns = {i: msg for i, msg in sent if isinstance(msg, proto.Assign)}
+    assert assigns[b"spare"].stage_index == 2   # and stage 1 learns its new next hop
+    assert assigns[b"s1"].next_addr == m.peers[b"spare"].data_addr
+    assert "the plan is full" in m.admit(stage_hello("another"))   # the newcomer has not refused anything

@@ -116,7 +116,7 @@ class Membership:
             return (f"node id {hello.node_id!r} holds stage {old.stage} on a live connection; a node rejoins "
                     f"under its id once that connection has closed or been silent for "
                     f"{self.config.stage_timeout_s:g} s")
-        if old is None and None not in self.slots:
+        if old is None and None not in self.slots and self.refused() is None:
             return f"the plan is full ({self.config.stages} stages); stop a stage or raise `stages`"
         if not hello.capabilities.get("data_addr"):
             return "a stage must announce its data_addr"
@@ -132,6 +132,9 @@ class Membership:
                 events += self.drop(old, "was replaced by a new connection under its node id")
             want = hello.capabilities.get("want_stage")
             free = [k for k, i in enumerate(self.slots, 1) if i is None]
+            if not free:   # admit() made sure a stage that refused its assignment holds a slot
+                events += self._hand_over(self.refused(), hello.node_id)
+                free = [k for k, i in enumerate(self.slots, 1) if i is None]
             peer.stage = want if want in free else free[0]
             self.slots[peer.stage - 1] = identity
             log.info("stage %d <- %s (%s, %.1f GB free)", peer.stage, hello.node_id, hello.device,
@@ -139,6 +142,19 @@ class Membership:
         self.peers[identity] = peer
         self.assign_all()
         return events
+
+    def refused(self) -> Peer | None:
+        """A stage holding its slot without serving it: it refused its assignment (a standby may take it)."""
+        return next((self.peers[i] for i in self.slots if i is not None and self.peers[i].assign_error
+                     and not self.peers[i].ready), None)
+
+    def _hand_over(self, refuser: Peer, newcomer: str) -> list:
+        """A node joining a full plan takes the slot of a stage that could not carry out its assignment;
+        that stage is told (it goes back to joining, and waits as a standby itself)."""
+        why = f"stage {refuser.stage} goes to {newcomer}: this node could not take its assignment " \
+              f"({refuser.assign_error})"
+        self.send(refuser.identity, proto.Refuse(reason=proto.bounded(why, 1000)))
+        return self.drop(refuser, "refused its assignment; a joining node takes the slot")
 
     def seen(self, identity: bytes) -> Peer | None:
         peer = self.peers.get(identity)

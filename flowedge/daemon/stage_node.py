@@ -147,6 +147,8 @@ class StageNode:
             msg = self._recv_ctrl(200)
             if isinstance(msg, proto.Assign) and self._take(msg):
                 return
+            if isinstance(msg, proto.Refuse):   # our slot went to another node (we could not serve it)
+                raise Rejoin(f"the head gave this node's slot away: {msg.reason}")
             self._beat()
 
     def _take(self, assign: proto.Assign) -> bool:
