@@ -1,7 +1,8 @@
-"""Several requests at once on real processes (3 nodes, tiny models, fp32 wire): each answer
-token-identical to plain greedy decoding, stages batching them and node 0 sharing draft forwards, within
-a per-stage KV budget that holds two of them at a time (a request that can never fit is refused at once); a cancelled request's KV freed on every
-stage (the stages report the KV tokens they hold in their heartbeats)."""
+"""Several requests at once on real processes (3 nodes, tiny models, W4A16 stages, fp32 wire): each
+answer token-identical to plain greedy decoding (flowspec and ar-pp), stages batching them and node 0
+sharing draft forwards, within a per-stage KV budget that holds two of them at a time (a request that can
+never fit is refused at once); a cancelled request's KV freed on every stage (the stages report the KV
+tokens they hold in their heartbeats)."""
 from __future__ import annotations
 
 import threading
@@ -37,21 +38,26 @@ def _stage_kv(addr: str) -> list[tuple[int, int]]:
     return [(int(n.get("kv_tokens", -1)), int(n.get("requests", -1))) for n in nodes]
 
 
-def test_concurrent_answers_match_greedy_and_cancel_frees_stage_kv(cluster, tiny_pair):
-    base, draft = tiny_pair
-    refs = {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW))["token_ids"] for p in PROMPTS}
+def _ask_together(addr: str, strategy: str) -> dict[str, list[int]]:
     answers: dict[str, list[int]] = {}
 
     def ask(prompt: str) -> None:
-        with Client(cluster.spec.addr) as client:
-            answers[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, strategy="flowspec")["token_ids"]
+        with Client(addr) as client:
+            answers[prompt] = client.generate(prompt, max_new_tokens=MAX_NEW, strategy=strategy)["token_ids"]
 
     threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert answers == refs
+    return answers
+
+
+def test_concurrent_answers_match_greedy_and_cancel_frees_stage_kv(cluster, tiny_pair):
+    base, draft = tiny_pair
+    refs = {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW))["token_ids"] for p in PROMPTS}
+    for strategy in ("flowspec", "ar-pp"):   # ar-pp: every stage step batches the requests' single rows
+        assert _ask_together(cluster.spec.addr, strategy) == refs, strategy
     assert "waits for KV" in (cluster.run_dir / "head.log").read_text()   # the third waited for the budget
     with Client(cluster.spec.addr) as client:   # node 0 shared draft forwards between the requests
         drafts = next(n for n in client.status() if n.get("role") == "head")["draft_batching"]

@@ -165,10 +165,17 @@ class _Poisoned:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def forward_layers(self, hidden, *args, **kwargs):
+    def _check(self, hidden) -> None:
         if bool((hidden[:, 0] == self.POISON).any()):
             raise RuntimeError("poisoned row")
+
+    def forward_layers(self, hidden, *args, **kwargs):
+        self._check(hidden)
         return self._model.forward_layers(hidden, *args, **kwargs)
+
+    def forward_packed(self, hidden, *args, **kwargs):
+        self._check(hidden)
+        return self._model.forward_packed(hidden, *args, **kwargs)
 
 
 def _draft_of(request_id, hidden) -> p.Segment:

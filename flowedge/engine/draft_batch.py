@@ -5,9 +5,9 @@ on a memory-bound device costs about the same for 1 or 16 rows, so several reque
 one forward. The strategies call the drafter deep inside their handlers, one call after another; instead
 of rewriting them as coroutines, `DraftBatcher.run_step` runs each request's handler in its own thread
 and every `Drafter._run` call goes through `forward`, which waits until every handler still running has
-made its next call (or finished), then runs them all as one forward (packed rows, block-diagonal mask,
-each drafter's own KV cache via `PackedKV`) and hands each its rows. The k-th batch holds the k-th call
-of every handler still running, packed in handler order, so a step is deterministic. With one handler
+made its next call (or finished), then runs them all as one forward (packed rows, each drafter
+attending over its own KV cache: `StageModel.forward_packed`) and hands each its rows. The k-th batch
+holds the k-th call of every handler still running, packed in handler order, so a step is deterministic. With one handler
 the call runs alone, exactly as without the batcher. Threads only wait on each other here: torch runs
 the forward with the GIL released, and the handlers' Python bookkeeping is small next to it.
 """
@@ -22,8 +22,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from flowedge.models.kv_cache import PackedKV
-from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
+from flowedge.models.stage import StageModel, bool_to_float_mask
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +128,11 @@ class DraftBatcher:
         context = sum(c.cache.length for c in batch)
         h = self.model.embed(torch.cat([c.tokens for c in batch]))
         positions = torch.cat([c.positions for c in batch])
+        masks = [bool_to_float_mask(c.allowed, h.dtype) for c in batch]
         if len(batch) == 1:
-            mask, cache = batch[0].allowed, batch[0].cache
+            h = self.model.forward_layers(h, positions, masks[0], batch[0].cache)
         else:
-            mask, cache = block_diagonal([c.allowed for c in batch]), PackedKV([c.cache for c in batch], sizes)
-        h = self.model.forward_layers(h, positions, bool_to_float_mask(mask, h.dtype), cache)
+            h = self.model.forward_packed(h, positions, masks, [c.cache for c in batch])
         logp = torch.log_softmax(self.model.logits(h), dim=-1)
         self.batch_sizes.append(len(batch))
         self.forwards += 1

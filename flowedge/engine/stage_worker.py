@@ -3,8 +3,9 @@
 Several requests share a stage (SpecPipe-DB's dynamic batching): each has its own `RequestSlot` (KV cache,
 committed length, draft ids, prune version), created by its first prefill chunk and freed by `Finish`.
 Whatever segments of different requests are ready when the stage takes its messages run as one batched
-forward (`receive_all`): packed rows, a block-diagonal mask, per-request positions and KV (see
-`models/kv_cache.PackedKV`). One request alone runs exactly as before.
+forward (`receive_all`): packed rows through the Linear layers, per-request positions, and each request's
+attention over its own KV with its own mask (see `StageModel.forward_packed`). One request alone runs
+exactly as before.
 
 Failures (`contain_failures`, set by the daemon's inbox): an exception while handling one request's
 message, prune or rows frees that request alone and comes out as a `Failed` action. A batched forward
@@ -33,8 +34,7 @@ import torch
 from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Failed, Finish, Prune, Segment, Send
-from flowedge.models.kv_cache import PackedKV
-from flowedge.models.stage import StageModel, block_diagonal, bool_to_float_mask
+from flowedge.models.stage import StageModel, bool_to_float_mask
 
 log = logging.getLogger(__name__)
 
@@ -291,17 +291,16 @@ class StageWorker:
             raise
 
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
-        """One forward over every row of every request: [sum n, H] packed, block-diagonal mask."""
+        """One forward over every row of every request: [sum n, H] packed, each request attending over its
+        own cache with its own mask (bit-identical per request to running it alone, with W4A16 stages)."""
         hidden = torch.cat([r.seg.hidden for r in rows])
         positions = torch.cat([r.seg.positions for r in rows])
-        caches = [r.slot.cache for r in rows]
-        sizes = [len(r.seg) for r in rows]
+        masks = [bool_to_float_mask(r.allowed, hidden.dtype) for r in rows]
         if len(rows) == 1:
-            mask, cache = rows[0].allowed, caches[0]
+            out = self.model.forward_layers(hidden, positions, masks[0], rows[0].slot.cache)
         else:
-            mask, cache = block_diagonal([r.allowed for r in rows]), PackedKV(caches, sizes)
-        out = self.model.forward_layers(hidden, positions, bool_to_float_mask(mask, hidden.dtype), cache)
-        return list(out.split(sizes))
+            out = self.model.forward_packed(hidden, positions, masks, [r.slot.cache for r in rows])
+        return list(out.split([len(r.seg) for r in rows]))
 
     def _finish_row(self, r: _Row, hidden: torch.Tensor) -> tuple[Segment, int]:
         """Book the forward into the request's state; returns the outgoing segment and lm_head rows spent."""

@@ -76,29 +76,32 @@ class KVCache:
 
 
 class PackedKV:
-    """Several requests' caches seen as one by a batched forward (SpecPipe-DB's dynamic batching).
+    """Several requests' caches in one batched forward (SpecPipe-DB's dynamic batching).
 
-    The forward's rows are the requests' new tokens packed in order (`sizes` each); `update` appends each
-    request's slice of the new K/V to that request's own cache and returns the requests' full K/V
-    concatenated along the sequence axis, so the attention columns are [request 0's cache + new rows,
-    request 1's ...] and a block-diagonal mask keeps every request to its own columns. The price is one
-    copy of the batch's cached K/V per layer and step (measured in docs/bench/README.md: small next to
-    streaming the weights); a paged store would avoid it but needs its own attention kernel."""
+    The forward's rows are the requests' new tokens packed in order; `masks[i]` is request i's additive
+    attention mask [1, 1, n_i, its cache length + n_i] (0 where allowed), so `sizes[i]` = n_i. `update`
+    appends each request's slice of the new K/V to that request's own cache and keeps views of every
+    request's full K/V (`columns`) for the layer; the attention (models/attention.py) then runs each
+    request over its own columns with its own mask. Nothing is concatenated or copied beyond the cache
+    appends a forward alone makes, and every request's rows come out bit-identical to its forward alone
+    wherever the Linear layers are row-invariant (W4A16: see docs/bench/README.md)."""
 
-    def __init__(self, caches: list, sizes: list[int]) -> None:
-        if len(caches) != len(sizes):
-            raise ValueError(f"{len(caches)} caches for {len(sizes)} row groups")
-        self.caches, self.sizes = caches, sizes
+    def __init__(self, caches: list, masks: list[torch.Tensor]) -> None:
+        if len(caches) != len(masks):
+            raise ValueError(f"{len(caches)} caches for {len(masks)} masks")
+        self.sizes = [int(m.shape[-2]) for m in masks]
+        for cache, n, mask in zip(caches, self.sizes, masks):
+            if mask.shape[-1] != cache.length + n:
+                raise ValueError(f"mask {tuple(mask.shape)} does not match {n} rows after {cache.length} cached")
+        self.caches, self.masks = caches, masks
+        self.columns: list[tuple[torch.Tensor, torch.Tensor]] = []   # the last updated layer's, per request
 
     @property
     def length(self) -> int:
         return sum(c.length for c in self.caches)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [1, H_kv, sum(sizes), D] -> [1, H_kv, sum(length_i + size_i), D]
-        ks, vs = [], []
-        for cache, part_k, part_v in zip(self.caches, k.split(self.sizes, dim=2), v.split(self.sizes, dim=2)):
-            kk, vv = cache.update(part_k, part_v, layer_idx)
-            ks.append(kk)
-            vs.append(vv)
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        # k, v: [1, H_kv, sum(sizes), D]; each request's views [1, H_kv, length_i + size_i, D] -> `columns`
+        self.columns = [cache.update(part_k, part_v, layer_idx) for cache, part_k, part_v
+                        in zip(self.caches, k.split(self.sizes, dim=2), v.split(self.sizes, dim=2))]
+        return k, v   # unused: the packed attention reads `columns`

@@ -20,7 +20,8 @@ from torch import nn
 
 from flowedge.errors import ModelError
 from flowedge.models import packing
-from flowedge.models.kv_cache import KVCache
+from flowedge.models.attention import ATTN_IMPLEMENTATION
+from flowedge.models.kv_cache import KVCache, PackedKV
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def load_config(model_dir: Path):
     if not (Path(model_dir) / "config.json").is_file():
         raise ModelError(f"{model_dir} has no config.json (not a model or shard directory)")
     config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTN_IMPLEMENTATION   # SDPA, split per request in a batched forward
     return config
 
 
@@ -174,13 +175,34 @@ class StageModel(nn.Module):
         # hidden: [n, H]; positions: [n] absolute; mask: [n, cache.length + n] float (0 / -inf) -> [n, H]
         if hidden.shape[0] == 0 or not len(self.layers):
             return hidden
+        return self._run_layers(hidden, positions, mask.to(hidden.dtype)[None, None], cache)
+
+    @torch.inference_mode()
+    def forward_packed(self, hidden: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
+                       caches: list) -> torch.Tensor:
+        """Several requests' rows as one forward: hidden [sum n_i, H] packed in request order, positions
+        [sum n_i], masks[i] request i's [n_i, caches[i].length + n_i] float mask -> [sum n_i, H].
+
+        The Linear layers run over all rows at once; each request attends over its own cache with its
+        own mask (models/attention.py), so with row-invariant Linears (W4A16) each request's rows are
+        bit-identical to its `forward_layers` alone."""
+        if self.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ModelError("forward_packed needs the per-request attention (load the model with StageModel.load)")
+        packed = PackedKV(caches, [m.to(hidden.dtype)[None, None] for m in masks])
+        if sum(packed.sizes) != hidden.shape[0]:
+            raise ModelError(f"{hidden.shape[0]} rows for masks of {sum(packed.sizes)}")
+        if hidden.shape[0] == 0 or not len(self.layers):
+            return hidden
+        return self._run_layers(hidden, positions, None, packed, packed=packed)
+
+    def _run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                    cache, **attention_kwargs) -> torch.Tensor:
         h = hidden.unsqueeze(0)
         pos = positions.unsqueeze(0)
         pe = self.rotary(h, position_ids=pos)
-        m = mask.to(h.dtype).unsqueeze(0).unsqueeze(0)
         for layer in self.layers:
-            h = layer(h, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True,
-                      position_embeddings=pe)
+            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                      position_embeddings=pe, **attention_kwargs)
         return h.squeeze(0)
 
     @torch.inference_mode()
@@ -294,18 +316,6 @@ def causal_mask(n: int, past: int) -> torch.Tensor:
     allowed = torch.ones(n, past + n, dtype=torch.bool)
     allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
     return allowed
-
-
-def block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """[sum n_i, sum m_i] bool: each request's rows see only its own columns (its cache, then its rows)."""
-    rows = sum(b.shape[0] for b in blocks)
-    cols = sum(b.shape[1] for b in blocks)
-    out = torch.zeros(rows, cols, dtype=torch.bool)
-    r = c = 0
-    for b in blocks:
-        out[r:r + b.shape[0], c:c + b.shape[1]] = b
-        r, c = r + b.shape[0], c + b.shape[1]
-    return out
 
 
 def read_json(path: Path) -> dict:

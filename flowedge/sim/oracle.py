@@ -18,7 +18,6 @@ import logging
 import torch
 
 from flowedge.core.sampling import SamplingParams, choose_token, make_generator
-from flowedge.models.kv_cache import PackedKV
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class LengthOnlyCache:
 class ShapeOnlyStage:
     """Stands in for a stage's StageModel under oracle verification: same interface, no arithmetic.
 
-    `forward_layers` appends the segment to the length-only cache and passes the (placeholder) hidden
+    `forward_layers` (`forward_packed`) appends the segment (each request's rows) to the length-only cache and passes the (placeholder) hidden
     states on unchanged, so message sizes and every Compute's token and context counts stay exact."""
 
     def __init__(self, config, start: int, end: int) -> None:
@@ -120,13 +119,18 @@ class ShapeOnlyStage:
         return LengthOnlyCache()
 
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       cache) -> torch.Tensor:
-        # hidden: [n, H]; mask: [n, cache.length + n] -> [n, H] (unchanged); cache: LengthOnlyCache or a
-        # PackedKV of them (a batched forward: each request's cache grows by its own rows)
-        caches, sizes = (cache.caches, cache.sizes) if isinstance(cache, PackedKV) else ([cache], [hidden.shape[0]])
-        if mask.shape != (hidden.shape[0], sum(c.length for c in caches) + hidden.shape[0]):
-            raise ValueError(f"mask {tuple(mask.shape)} does not match {hidden.shape[0]} tokens after "
-                             f"{sum(c.length for c in caches)} cached")
-        for c, n in zip(caches, sizes):
-            c.length += n
+                       cache: LengthOnlyCache) -> torch.Tensor:
+        # hidden: [n, H]; mask: [n, cache.length + n] -> [n, H] (unchanged)
+        return self.forward_packed(hidden, positions, [mask], [cache])
+
+    def forward_packed(self, hidden: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
+                       caches: list[LengthOnlyCache]) -> torch.Tensor:
+        # a batched forward: masks[i] [n_i, caches[i].length + n_i]; each cache grows by its own rows
+        for mask, c in zip(masks, caches):
+            if mask.dim() != 2 or mask.shape[1] != c.length + mask.shape[0]:
+                raise ValueError(f"mask {tuple(mask.shape)} does not match its rows after {c.length} cached")
+        if sum(m.shape[0] for m in masks) != hidden.shape[0]:
+            raise ValueError(f"{hidden.shape[0]} tokens for masks of {sum(m.shape[0] for m in masks)} rows")
+        for mask, c in zip(masks, caches):
+            c.length += mask.shape[0]
         return hidden
