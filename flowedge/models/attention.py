@@ -19,17 +19,22 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from flowedge.models.kv_cache import PackedKV
+
 ATTN_IMPLEMENTATION = "flowedge_sdpa"
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, packed=None, **kwargs) -> tuple[torch.Tensor, None]:
+              attention_mask: torch.Tensor | None, packed: PackedKV | None = None,
+              **kwargs) -> tuple[torch.Tensor, None]:
     """query: [1, Hq, n, D]; key, value: [1, Hkv, m, D] (alone) -> ([1, n, Hq, D], None).
 
-    With `packed` (a models/kv_cache.PackedKV) `key`/`value`/`attention_mask` are unused: request i's rows
-    of `query` attend over `packed.columns[i]` with `packed.masks[i]`."""
+    With `packed`, `key`/`value`/`attention_mask` are unused: request i's rows of `query` attend over
+    `packed.columns[i]` (its cache, just updated for this layer) with `packed.masks[i]`."""
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if packed.layer != module.layer_idx:
+        raise RuntimeError(f"layer {module.layer_idx} attends over the K/V of layer {packed.layer}")
     outs = []
     for q, (k, v), mask in zip(query.split(packed.sizes, dim=2), packed.columns, packed.masks):
         if q.shape[2] == 0:

@@ -94,7 +94,8 @@ class PackedKV:
             if mask.shape[-1] != cache.length + n:
                 raise ValueError(f"mask {tuple(mask.shape)} does not match {n} rows after {cache.length} cached")
         self.caches, self.masks = caches, masks
-        self.columns: list[tuple[torch.Tensor, torch.Tensor]] = []   # the last updated layer's, per request
+        self.columns: list[tuple[torch.Tensor, torch.Tensor]] = []   # per request, of layer `layer`
+        self.layer: int | None = None                                  # the last layer updated
 
     @property
     def length(self) -> int:
@@ -104,4 +105,5 @@ class PackedKV:
         # k, v: [1, H_kv, sum(sizes), D]; each request's views [1, H_kv, length_i + size_i, D] -> `columns`
         self.columns = [cache.update(part_k, part_v, layer_idx) for cache, part_k, part_v
                         in zip(self.caches, k.split(self.sizes, dim=2), v.split(self.sizes, dim=2))]
+        self.layer = layer_idx
         return k, v   # unused: the packed attention reads `columns`
