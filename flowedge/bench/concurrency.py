@@ -38,7 +38,7 @@ def summarize_level(strategy: str, concurrency: int, res, multi, stages, refs: l
     tokens = sum(len(t.done.token_ids) for t in timings)
     gaps = [g for t in timings for g in t.token_gaps_s()]
     ttft = [t.emits[0][0] - t.arrival_s for t in timings if t.emits]
-    sizes = [s for st in stages for s in st.batch_sizes]
+    forwards = sum(st.forwards for st in stages)
     drafts = multi.batcher.batch_sizes if multi.batcher is not None else []
     busy = res.trace.busy_fraction()
     return {
@@ -46,7 +46,7 @@ def summarize_level(strategy: str, concurrency: int, res, multi, stages, refs: l
         "sim_time_s": res.sim_time_s, "tokens_per_s": tokens / res.sim_time_s,
         "p50_tbt_ms": 1000 * percentile(gaps, 50), "p99_tbt_ms": 1000 * percentile(gaps, 99),
         "mean_ttft_s": sum(ttft) / len(ttft),
-        "mean_batch": sum(sizes) / max(1, len(sizes)),
+        "mean_batch": sum(st.forward_requests for st in stages) / max(1, forwards),
         "mean_draft_batch": sum(drafts) / len(drafts) if drafts else None,
         "busy_fraction": {k: round(v, 3) for k, v in busy.items() if not k.startswith("link")},
         "matches_ar": None if refs is None else all(t.done.token_ids == r for t, r in zip(timings, refs)),

@@ -52,7 +52,7 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
             wait_ready(spec.addr, 1800, alive=cluster.alive)
             for name in cfg.strategies:
                 answers: list[dict] = [{} for _ in prompts]
-                drafts0 = _draft_counts(spec.addr)
+                drafts0, stages0 = _draft_counts(spec.addr), _stage_counts(spec.addr)
                 t0 = time.monotonic()
                 workers = [threading.Thread(target=_ask, args=(spec.addr, p.text, cfg, name, answers[i]))
                            for i, p in enumerate(prompts)]
@@ -63,6 +63,8 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
                 wall_s = time.monotonic() - t0
                 row = _row(name, c, answers, wall_s, alone)
                 row["mean_draft_batch"] = _per_forward(drafts0, _draft_counts(spec.addr))
+                time.sleep(2 * spec.heartbeat_ms / 1000)   # the stages' counts come with their heartbeats
+                row["mean_batch"] = _per_forward(stages0, _stage_counts(spec.addr))
                 results["rows"].append(row)
                 say(f"{name} x{c}: {row['tokens_per_s']:.2f} tok/s (wall), p50 {row['p50_tbt_ms']:.0f} ms, "
                     f"p99 {row['p99_tbt_ms']:.0f} ms between pieces")
@@ -80,6 +82,15 @@ def _draft_counts(addr: str) -> dict:
     with Client(addr) as client:
         head = next(n for n in client.status() if n.get("role") == "head")
     return head.get("draft_batching") or {"forwards": 0, "calls": 0}
+
+
+def _stage_counts(addr: str) -> dict:
+    """Batched forwards and the requests they held, summed over the stages (from their heartbeats)."""
+    from flowedge.daemon.client import Client
+
+    with Client(addr) as client:
+        rows = [n.get("batched") or {} for n in client.status() if n.get("role") == "stage"]
+    return {"forwards": sum(r.get("forwards", 0) for r in rows), "calls": sum(r.get("requests", 0) for r in rows)}
 
 
 def _per_forward(before: dict, after: dict) -> float | None:

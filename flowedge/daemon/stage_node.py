@@ -356,6 +356,8 @@ class StageNode:
                           "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
                           "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
                           "requests": len(self.worker.slots) if self.worker is not None else 0,
+                          "batched": {"forwards": self.worker.forwards, "requests": self.worker.forward_requests}
+                          if self.worker is not None else None,
                           "dropped": self.drops.snapshot()}
         send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
                                             rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))

@@ -61,6 +61,7 @@ def tree_rows(parent_of: torch.Tensor, is_root: torch.Tensor, seg_ids: torch.Ten
 
 
 CLOSED_REMEMBERED = 4096   # finished request ids a stage remembers, so a late prefill cannot revive one
+HISTORY_REMEMBERED = 100_000   # prune records (and batch sizes) kept for checks and reports: a daemon runs for months
 
 
 @dataclass
@@ -109,9 +110,13 @@ class StageWorker:
         self.next_node = 0 if index == n_stages else index + 1
         self.slots: dict[int, RequestSlot] = {}
         self._closed: deque[int] = deque(maxlen=CLOSED_REMEMBERED)
-        self.history: list[tuple[int, int]] = []   # (prune version, prefix_len after it), all requests: tests
-        self.history_by_request: dict[int, list[tuple[int, int]]] = {}   # the same, per request (tests)
-        self.batch_sizes: list[int] = []           # requests per forward (for reports)
+        # (prune version, prefix_len after it), all requests, and per request for the last
+        # CLOSED_REMEMBERED requests: what the lossless checks compare with the head's record
+        self.history: deque[tuple[int, int]] = deque(maxlen=HISTORY_REMEMBERED)
+        self.history_by_request: dict[int, list[tuple[int, int]]] = {}
+        self.batch_sizes: deque[int] = deque(maxlen=HISTORY_REMEMBERED)   # requests per forward, recent
+        self.forwards = 0            # batched forwards run, and the requests they held (all time: status)
+        self.forward_requests = 0
 
     def reset(self) -> None:
         """Forget every request (a new assignment: the head may be a new process reusing request ids)."""
@@ -213,6 +218,8 @@ class StageWorker:
         else:
             slot.last_prune = p.prune
         self.history.append((p.version, slot.prefix_len))
+        if slot.request_id not in self.history_by_request and len(self.history_by_request) >= CLOSED_REMEMBERED:
+            del self.history_by_request[next(iter(self.history_by_request))]   # the oldest request's
         self.history_by_request.setdefault(slot.request_id, []).append((p.version, slot.prefix_len))
 
     # ---- the batched forward --------------------------------------------------------------------
@@ -250,6 +257,8 @@ class StageWorker:
         rows = [r for r in rows if r.slot.request_id not in failed]
         if run:
             self.batch_sizes.append(len(run))
+            self.forwards += 1
+            self.forward_requests += len(run)
         n_total = sum(len(r.seg) for r in run)
         phases = {r.seg.phase for r in run}
         actions: list = [Compute("stage", n_total, sum(r.past for r in run),
