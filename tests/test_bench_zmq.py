@@ -22,3 +22,18 @@ def test_zmq_bench_runs_strategies_on_real_processes_and_checks_them_against_ar(
     assert all(run["matches_ar"] is True for run in results["runs"])
     assert all(run["tokens_per_s"] > 0 and len(run["stage_step_ms_median"]) == 2 for run in results["runs"])
     assert "flowspec" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_zmq_concurrency_sweep_batches_requests_and_keeps_every_answer(tiny_pair, tmp_path):
+    from flowedge.bench.zmq_concurrency import run_concurrency_zmq
+
+    base, draft = tiny_pair
+    cfg = BenchConfig(model=str(base), draft=str(draft), strategies=("ar-pp",), max_new_tokens=16, nodes=3)
+    prompts = [Prompt(f"p{i}", "custom", text) for i, text in enumerate(["abc def", "zzzz yy", "hello there"])]
+    with flowedge_home(tmp_path / "home"):
+        results = run_concurrency_zmq(cfg, prompts, (1, 3), tmp_path / "out", wire_dtype="float32", threads=1,
+                                      port=free_port_pair())
+    one, three = results["rows"]
+    assert one["matches_ar"] and three["matches_ar"], results["rows"]   # batched answers == one at a time
+    assert one["mean_batch"] == 1.0 and three["mean_batch"] > 1.0, (one["mean_batch"], three["mean_batch"])
+    assert "requests per stage forward" in (tmp_path / "out" / "table.md").read_text()

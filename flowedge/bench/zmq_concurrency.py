@@ -5,7 +5,8 @@ once, each by its own client. Reported as in the simulated sweep (bench/concurre
 between tokens: a client sees text pieces, not tokens, so here it is the time between streamed pieces.
 "matches" compares each answer with the same prompt served at the first level (one at a time).
 "Requests per draft call" comes from the head's status (its draft batcher's forwards and the calls they
-held during the level's run).
+held during the level's run), "requests per stage forward" from the stages' heartbeats (their batched
+forwards and the requests those held, summed over the stages).
 """
 from __future__ import annotations
 
