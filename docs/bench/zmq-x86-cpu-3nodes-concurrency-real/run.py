@@ -1,7 +1,6 @@
-"""The zmq concurrency sweep with the real pair, liveness timeouts raised for this CPU (2 s is for Jetson-speed steps)."""
-import functools, sys
-from flowedge.daemon import local_cluster
-local_cluster.LocalClusterSpec = functools.partial(local_cluster.LocalClusterSpec, stage_timeout_s=30.0, client_timeout_s=60.0)
+"""The zmq concurrency sweep with the real pair on this 2-core CPU, default liveness settings (2 s):
+nodes heartbeat while they compute, so multi-second batched steps are not taken for deaths."""
+import sys
 from flowedge.cli import main
 sys.argv = ["flowedge", "bench", "--driver", "zmq", "--dataset", "mt-bench", "--dataset", "humaneval", "--samples", "2",
             "--max-new-tokens", "24", "--nodes", "3", "--strategies", "flowspec,ar-pp", "--concurrency", "1,2,4",
