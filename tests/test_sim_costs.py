@@ -175,3 +175,15 @@ def test_auto_lm_head_placement_follows_the_last_stage_profile() -> None:
     assert auto.lm_head_for(flowspec, None) == "last-stage"   # unknown device: the strategy's choice
     assert auto.lm_head_for(naive, orin) == "head"
     assert SpecConfig(lm_head_at="last-stage").lm_head_for(flowspec, cpu) == "last-stage"
+
+
+def test_a_batched_forward_is_charged_attention_over_each_request_s_own_cache() -> None:
+    """Each request of a batched stage forward attends over its own cache only (models/attention.py): the
+    rows' attention is charged over their own request's entries, while every request's K/V is still read."""
+    dev = load_device("x86-cpu")   # compute-bound: attention FLOPs show
+    shape = shape_of_layers(QWEN_1P5B, 0, 14)
+    all_columns = forward_time_s(dev, shape, 64, 8192)
+    own_columns = forward_time_s(dev, shape, 64, 8192, attended=2048.0)   # 4 requests of 2048 each
+    assert own_columns < all_columns
+    assert forward_time_s(dev, shape, 64, 8192, attended=8192.0) == all_columns   # one request: unchanged
+

@@ -93,8 +93,9 @@ class Compute:
     """Work the state machine just did: the simulator charges its cost model for it, the daemon logs it."""
     what: str                  # "stage" | "draft" | "lm_head" | "embed" (lm_head also on the last stage)
     tokens: int
-    context: int
+    context: int               # cached entries read (a batched stage forward: every request's)
     phase: str = ""
+    attended: float | None = None   # entries one row attends over, on average (batched: its own request's only)
 
 
 @dataclass(frozen=True, slots=True)

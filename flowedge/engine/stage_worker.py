@@ -261,8 +261,9 @@ class StageWorker:
             self.forward_requests += len(run)
         n_total = sum(len(r.seg) for r in run)
         phases = {r.seg.phase for r in run}
+        attended = sum(len(r.seg) * r.past for r in run) / n_total if n_total else 0.0   # each its own cache
         actions: list = [Compute("stage", n_total, sum(r.past for r in run),
-                                 phases.pop() if len(phases) == 1 else "batch")] if run else []
+                                 phases.pop() if len(phases) == 1 else "batch", attended)] if run else []
         outs, lm_rows = [], 0
         for r in rows:
             h = by_row.get(id(r), r.seg.hidden)

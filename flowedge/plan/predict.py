@@ -60,7 +60,8 @@ def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool
         if node == 0:
             return draft_time_s(head, draft_config, c.tokens, c.context, draft_path, draft_quantized) \
                 if c.what == "draft" else 0.0
-        return forward_time_s(devs[node - 1].profile, shapes[node - 1], c.tokens, c.context, devs[node - 1].path)
+        return forward_time_s(devs[node - 1].profile, shapes[node - 1], c.tokens, c.context, devs[node - 1].path,
+                              c.attended)
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(cluster.link, int(n * hidden_scale)))
     last = devs[-1]

@@ -115,19 +115,22 @@ def _eta_flops(path: ComputePath, tokens: int) -> float:
 
 
 def forward_time_s(
-    device: DeviceProfile, shape: ModelShape, tokens: int, context: int, path: str | None = None
+    device: DeviceProfile, shape: ModelShape, tokens: int, context: int, path: str | None = None,
+    attended: float | None = None,
 ) -> float:
-    """Seconds for one forward of `tokens` new tokens attending to `context` cached ones."""
+    """Seconds for one forward of `tokens` new tokens reading `context` cached ones; each row attends over
+    `attended` of them (default all: one request; a batched forward's rows see only their own request's)."""
     if tokens < 0 or context < 0:
         raise ConfigError(f"tokens and context must be >= 0, got {tokens}, {context}")
     if tokens == 0:
         return 0.0
     p = resolve_path(device, path, tokens)
     overhead_s = p.overhead_fwd_s + p.overhead_layer_s * shape.layers
-    return overhead_s + _roofline_s(device, p, shape, tokens, context)
+    return overhead_s + _roofline_s(device, p, shape, tokens, context, attended)
 
 
-def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens: int, context: int) -> float:
+def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens: int, context: int,
+                attended: float | None = None) -> float:
     """max(memory time, compute time) of one forward, without the fixed overheads."""
     bandwidth_Bps = p.eta_bw * device.bandwidth_Bps
     kv_bytes = context * shape.kv_bytes_per_token * (p.act_bytes / 2.0)
@@ -135,7 +138,7 @@ def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens
     passes = -(-tokens // p.token_tile) if p.token_tile else 1
     memory_s = (shape.params * p.bytes_per_param * passes + kv_bytes) / bandwidth_Bps
     # attention: QK^T and AV, 2 FLOPs per multiply-add, over the context plus half the new tokens
-    attention_flops = 4.0 * shape.layers * shape.hidden * (context + tokens / 2.0)
+    attention_flops = 4.0 * shape.layers * shape.hidden * ((context if attended is None else attended) + tokens / 2.0)
     flops_s = _eta_flops(p, tokens) * device.flops
     compute_s = tokens * (shape.flops_per_token + attention_flops) / flops_s
     return max(memory_s, compute_s)

@@ -58,7 +58,7 @@ def profile_costs(base_config, draft_config, ranges, device: str, link: str | No
             if c.what == "draft":
                 return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path, draft_quantized)
             return 0.0
-        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path)
+        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path, c.attended)
 
     costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
     costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
