@@ -7,6 +7,9 @@ the copied file would have had, and for each tensor (in file order) the checkpoi
 range holding its data. The file a stage fetches, checksums and loads is unchanged - the head streams
 header + ranges (same bytes, same sha256 as a copy), a stage on the head's host reads the tensors from
 the checkpoint through safetensors' mmap, and a stage elsewhere receives an ordinary file.
+A tensor the checkpoint itself reads from its GGUF (flowedge.models.gguf_tensors: the embedding and
+lm_head of a registry model) is a GGUF segment: its 16-bit bytes are dequantised from the GGUF's
+blocks on read, rows at a time, and are the bytes a copy would hold.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowedge.errors import ModelError
+from flowedge.models.gguf_tensors import GgufTensor
 from flowedge.models.safetensors_io import _DTYPE_CODES, TensorEntry, safetensors_header
 
 REF_SUFFIX = ".ref"
@@ -29,11 +33,39 @@ _BLOCK = 8 << 20
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """One tensor's data: `length` bytes at absolute `offset` in the checkpoint file `source`."""
+    """One tensor's data: `length` bytes at absolute `offset` in the checkpoint file `source`, or (a
+    GgufTensor source, offset 0) the tensor's 16-bit bytes dequantised from its GGUF."""
     name: str
-    source: Path
+    source: Path | GgufTensor
     offset: int
     length: int
+
+    @property
+    def file(self) -> Path:
+        """The file on disk this segment's bytes come from."""
+        return self.source.path if isinstance(self.source, GgufTensor) else self.source
+
+    def read(self, start: int, length: int) -> bytes:
+        """`length` bytes from `start` within this tensor's data."""
+        if isinstance(self.source, GgufTensor):
+            return self.source.read(start, length)
+        with open(self.source, "rb") as f:
+            f.seek(self.offset + start)
+            return f.read(length)
+
+    def blocks(self) -> Iterator[bytes]:
+        if isinstance(self.source, GgufTensor):
+            yield from self.source.blocks()
+            return
+        with open(self.source, "rb") as f:
+            f.seek(self.offset)
+            left = self.length
+            while left > 0:
+                block = f.read(min(_BLOCK, left))
+                if not block:
+                    raise ModelError(f"{self.source} ended inside tensor {self.name}")
+                left -= len(block)
+                yield block
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +94,7 @@ class RefFile:
             seg, lo = self.segments[i], max(offset, starts[i])
             hi = min(end, starts[i] + seg.length)
             if hi > lo:
-                with open(seg.source, "rb") as f:
-                    f.seek(seg.offset + lo - starts[i])
-                    out += f.read(hi - lo)
+                out += seg.read(lo - starts[i], hi - lo)
             i += 1
         return bytes(out)
 
@@ -79,15 +109,7 @@ class RefFile:
         """The whole file, front to back, a few MB at a time."""
         yield self.prefix
         for seg in self.segments:
-            with open(seg.source, "rb") as f:
-                f.seek(seg.offset)
-                left = seg.length
-                while left > 0:
-                    block = f.read(min(_BLOCK, left))
-                    if not block:
-                        raise ModelError(f"{seg.source} ended inside tensor {seg.name}")
-                    left -= len(block)
-                    yield block
+            yield from seg.blocks()
 
     def sha256(self) -> str:
         digest = hashlib.sha256()
@@ -110,14 +132,21 @@ def tensor_locations(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, i
             for name, info in header.items() if name != "__metadata__"}
 
 
-def build_ref(entries: Iterable[TensorEntry], files: dict[str, Path]) -> RefFile:
+def build_ref(entries: Iterable[TensorEntry], files: dict[str, Path | GgufTensor]) -> RefFile:
     """The RefFile whose bytes equal `write_safetensors(entries)`: each entry's data read in place from
-    `files[name]`, where it must be stored with the same dtype and shape."""
+    `files[name]` (a safetensors file or a GGUF tensor), where it must be stored with the same dtype
+    and shape."""
     entries = list(entries)
     headers: dict[Path, dict] = {}
     segments = []
     for entry in entries:
-        source = Path(files[entry.name]).resolve()
+        held = files[entry.name]
+        if isinstance(held, GgufTensor):
+            if (held.dtype, held.shape) != (entry.dtype, entry.shape):
+                raise ModelError(f"{entry.name} in {held.path} is not read as {entry.dtype} {entry.shape}")
+            segments.append(Segment(entry.name, held, 0, held.nbytes))
+            continue
+        source = Path(held).resolve()
         located = headers.setdefault(source, tensor_locations(source))[entry.name]
         if located[:2] != (_DTYPE_CODES.get(entry.dtype), entry.shape) or located[3] != entry.nbytes:
             raise ModelError(f"{entry.name} in {source} is not stored as {entry.dtype} {entry.shape}")
@@ -138,12 +167,25 @@ def write_ref(path: Path, ref: RefFile, progress: Callable[[int], None] | None =
     base = path.parent.resolve()
     data = {
         "ref_format": REF_FORMAT, "bytes": ref.size, "header": ref.prefix[8:].decode("ascii"),
-        "tensors": [[s.name, os.path.relpath(s.source, base), str(s.source), s.offset, s.length]
-                    for s in ref.segments],
-        "sources": {str(src): _identity(src) for src in {s.source for s in ref.segments}},
+        "tensors": [_segment_row(s, base) for s in ref.segments],
+        "sources": {str(src): _identity(src) for src in {s.file for s in ref.segments}},
     }
     path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return digest.hexdigest(), ref.size
+
+
+def _segment_row(seg: Segment, base: Path) -> list | dict:
+    """A file segment as [name, relative path, absolute path, offset, length]; a GGUF one as a dict."""
+    if isinstance(seg.source, GgufTensor):
+        return {"name": seg.name, "gguf": os.path.relpath(seg.file, base), "path": str(seg.file),
+                **seg.source.to_json()}
+    return [seg.name, os.path.relpath(seg.source, base), str(seg.source), seg.offset, seg.length]
+
+
+def _gguf_segment(row: dict, ref_path: Path) -> Segment:
+    source = _existing(Path(ref_path).parent / row["gguf"], Path(row["path"]), ref_path, row["name"])
+    tensor = GgufTensor.from_json(str(row["name"]), source, row)
+    return Segment(tensor.name, tensor, 0, tensor.nbytes)
 
 
 def read_ref(path: Path) -> RefFile:
@@ -154,19 +196,22 @@ def read_ref(path: Path) -> RefFile:
         if data["ref_format"] != REF_FORMAT:
             raise ValueError(f"ref_format {data['ref_format']} unsupported")
         header = data["header"].encode("ascii")
-        rows = [(str(n), str(rel), str(absolute), int(off), int(length))
-                for n, rel, absolute, off, length in data["tensors"]]
+        rows = [row if isinstance(row, dict) else tuple(row) for row in data["tensors"]]
+        ggufs = {i: _gguf_segment(row, path) for i, row in enumerate(rows) if isinstance(row, dict)}
+        files = [(i, str(n), str(rel), str(absolute), int(off), int(length))
+                 for i, row in enumerate(rows) if not isinstance(row, dict)
+                 for n, rel, absolute, off, length in [row]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"invalid shard reference {path}: {exc}") from None
-    segments, headers = [], {}
-    for name, rel, absolute, offset, length in rows:
+        raise ModelError(f"invalid shard reference {path}: {exc!r}") from None
+    segments, headers = dict(ggufs), {}
+    for i, name, rel, absolute, offset, length in files:
         source = _existing(Path(path).parent / rel, Path(absolute), path, name)
         located = headers.setdefault(source, tensor_locations(source)).get(name)
         if located is None or located[2:] != (offset, length):
             raise ModelError(f"{path.name} refers to {name} in {source}, which no longer holds it there "
                              "(the checkpoint was converted again): split again")
-        segments.append(Segment(name, source, offset, length))
-    ref = RefFile(struct.pack("<Q", len(header)) + header, tuple(segments))
+        segments[i] = Segment(name, source, offset, length)
+    ref = RefFile(struct.pack("<Q", len(header)) + header, tuple(segments[i] for i in range(len(rows))))
     if ref.size != data.get("bytes", ref.size):
         raise ModelError(f"invalid shard reference {path}: sizes disagree")
     return ref
@@ -203,17 +248,17 @@ def all_resolve(shard_dir: Path, names: list[str]) -> bool:
     try:
         for r in (r for r in refs if r.is_file()):
             sources = json.loads(r.read_text()).get("sources", {})
-            if any(sources.get(str(s)) != _identity(s) for s in {seg.source for seg in read_ref(r).segments}):
+            if any(sources.get(str(s)) != _identity(s) for s in {seg.file for seg in read_ref(r).segments}):
                 return False
         return any(r.is_file() for r in refs)
     except (ModelError, OSError, ValueError):
         return False
 
 
-def ref_tensor_files(shard_dir: Path, skip: set[str]) -> dict[str, Path]:
-    """name -> checkpoint file for the tensors of every `.ref` in `shard_dir` whose file is not
-    itself present (a present file, e.g. fetched, wins)."""
-    out: dict[str, Path] = {}
+def ref_tensor_files(shard_dir: Path, skip: set[str]) -> dict[str, Path | GgufTensor]:
+    """name -> checkpoint file (or GGUF tensor) for the tensors of every `.ref` in `shard_dir` whose
+    file is not itself present (a present file, e.g. fetched, wins)."""
+    out: dict[str, Path | GgufTensor] = {}
     for ref_path in sorted(Path(shard_dir).glob("*.safetensors" + REF_SUFFIX)):
         if ref_path.name.removesuffix(REF_SUFFIX) in skip:
             continue

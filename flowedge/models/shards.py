@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
 from flowedge.filenames import is_plain_file_name
-from flowedge.models import packing, shard_refs
+from flowedge.models import gguf_tensors, packing, shard_refs
+from flowedge.models.gguf_tensors import GgufTensor
 from flowedge.models.quant import DEFAULT_GROUP_SIZE
 from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors  # noqa: F401
 from flowedge.progress import Progress as Bar
@@ -157,14 +158,17 @@ def _layer_counts(num_layers: int, stages: int, layers: list[int] | None) -> lis
 
 
 class _TensorSource:
-    """Tensor names -> file in a Hugging Face directory (single file or index-sharded)."""
+    """Tensor names -> file in a Hugging Face directory (single file or index-sharded), or the GGUF
+    tensor a converted checkpoint reads its embedding / lm_head from."""
 
     def __init__(self, model_dir: Path) -> None:
         single = model_dir / "model.safetensors"
         index = model_dir / "model.safetensors.index.json"
+        self.files: dict[str, Path | GgufTensor]
         if single.is_file():
             with safe_open(str(single), "pt") as f:
                 self.files = {name: single for name in f.keys()}
+            self.files.update(gguf_tensors.checkpoint_tensors(model_dir))
         elif index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: model_dir / fname for name, fname in weight_map.items()}
@@ -185,6 +189,9 @@ class _TensorSource:
         out = []
         for name in names:
             path = self.files[name]
+            if isinstance(path, GgufTensor):
+                out.append(TensorEntry(name, path.dtype, path.shape, path.load))
+                continue
             with safe_open(str(path), "pt") as f:
                 sl = f.get_slice(name)
                 dtype, shape = _CODE_DTYPES[sl.get_dtype()], tuple(sl.get_shape())
@@ -192,15 +199,17 @@ class _TensorSource:
         return out
 
 
-def shard_tensor_files(shard_dir: Path) -> dict[str, Path]:
-    """name -> file for a shard directory: its safetensors files, and the checkpoint files its
-    `.ref`s point into (for the files not present themselves)."""
-    files: dict[str, Path] = {}
+def shard_tensor_files(shard_dir: Path) -> dict[str, Path | GgufTensor]:
+    """name -> file for a shard or checkpoint directory: its safetensors files, the checkpoint files its
+    `.ref`s point into (for the files not present themselves), and the GGUF tensors a converted
+    checkpoint reads its embedding / lm_head from."""
+    files: dict[str, Path | GgufTensor] = {}
     present = sorted(Path(shard_dir).glob("*.safetensors"))
     for path in present:
         with safe_open(str(path), "pt") as f:
             files.update({name: path for name in f.keys()})
     files.update(shard_refs.ref_tensor_files(shard_dir, skip={p.name for p in present}))
+    files.update(gguf_tensors.checkpoint_tensors(shard_dir))
     return files
 
 
@@ -393,11 +402,7 @@ def load_shard(
         verify_file(stored, spec)
     if isinstance(stored, Path):
         return load_file(str(stored))
-    out = {}
-    for seg in stored.segments:
-        with safe_open(str(seg.source), "pt") as f:
-            out[seg.name] = f.get_tensor(seg.name)
-    return out
+    return {seg.name: gguf_tensors.read_tensor(seg.source, seg.name) for seg in stored.segments}
 
 
 def verify_file(stored: Path | shard_refs.RefFile, spec: FileSpec | StageSpec) -> None:

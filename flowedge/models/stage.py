@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from flowedge.errors import ModelError
@@ -239,8 +238,9 @@ def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
 
 
 def _read_one(index: dict[str, Path], name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    with safe_open(str(index[name]), framework="pt") as st:
-        t = st.get_tensor(name)
+    from flowedge.models.gguf_tensors import read_tensor   # a safetensors file, or a GGUF-held tensor
+
+    t = read_tensor(index[name], name)
     return t if dtype is None else t.to(dtype)
 
 

@@ -1,0 +1,205 @@
+"""16-bit tensors read from a GGUF the cache keeps, instead of a second copy on disk.
+
+A W4A16 checkpoint converted from a registry GGUF stores no 16-bit embedding or lm_head: those are
+~0.5 GB each for the real 1.5B, and the GGUF beside it already holds them as Q4_K..Q8_0 blocks. The
+checkpoint's flowedge.json records where they are (GGUF file + sha256, tensor name, byte offset, block
+type, shape, the 16-bit dtype) and every loader dequantises them on read with the `gguf` package's
+`dequantize` - the function transformers itself calls - then casts to the recorded dtype, which gives
+the very tensor the converter used to store (checked with torch.equal at conversion time, where a
+mismatch keeps the copy). GGUF rows are whole quantization blocks, so any row range can be
+dequantised alone: loads and byte-range reads go a few thousand rows at a time, never a float32
+copy of the whole matrix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowedge.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+MARKER_KEY = "gguf_tensors"
+# Hugging Face name -> GGUF name for the tensors worth referencing (the standard llama.cpp names).
+HF_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+_CHUNK_ROWS = 8192
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_verified: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256, per process
+
+
+@dataclass(frozen=True, slots=True)
+class GgufTensor:
+    """One GGUF tensor as the 16-bit [rows, cols] matrix the converter would have stored."""
+    name: str            # Hugging Face name
+    path: Path           # the GGUF file
+    tensor: str          # its name in the GGUF
+    qtype: int           # gguf.GGMLQuantizationType value
+    offset: int          # absolute byte offset of its blocks in the file
+    rows: int
+    cols: int
+    dtype: torch.dtype   # float16, or bfloat16 where float16 overflowed
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes per row as stored (16-bit)."""
+        return self.cols * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_nbytes
+
+    def _quant_row_bytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
+        return self.cols // block * size
+
+    def rows_tensor(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) dequantised: GGUF blocks -> float32 (gguf.dequantize) -> self.dtype."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        width = self._quant_row_bytes()
+        try:
+            blocks = np.memmap(self.path, np.uint8, "r", offset=self.offset + start * width,
+                               shape=(end - start, width))
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read {self.tensor} from {self.path}: {exc}") from None
+        values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(end - start, self.cols)
+        return torch.from_numpy(values).to(self.dtype)
+
+    def load(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        for start in range(0, self.rows, _CHUNK_ROWS):
+            end = min(start + _CHUNK_ROWS, self.rows)
+            out[start:end] = self.rows_tensor(start, end)
+        return out
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the tensor's 16-bit little-endian data."""
+        first, last = offset // self.row_nbytes, -(-(offset + length) // self.row_nbytes)
+        data = self.rows_tensor(first, min(last, self.rows)).reshape(-1).view(torch.uint8).numpy()
+        lo = offset - first * self.row_nbytes
+        return data[lo:lo + length].tobytes()
+
+    def blocks(self) -> Iterator[bytes]:
+        """The whole 16-bit data, front to back, a few MB at a time."""
+        for start in range(0, self.rows, _CHUNK_ROWS):
+            rows = self.rows_tensor(start, min(start + _CHUNK_ROWS, self.rows))
+            yield rows.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "qtype": self.qtype, "offset": self.offset,
+                "shape": [self.rows, self.cols], "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_json(cls, name: str, path: Path, data: dict) -> GgufTensor:
+        try:
+            rows, cols = (int(d) for d in data["shape"])
+            return cls(name, Path(path), str(data["tensor"]), int(data["qtype"]), int(data["offset"]),
+                       rows, cols, _DTYPES[data["dtype"]])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"invalid GGUF tensor record for {name}: {exc!r}") from None
+
+
+def read_tensor(source: Path | GgufTensor, name: str) -> torch.Tensor:
+    """Tensor `name` from a safetensors file or, dequantised, from its GGUF."""
+    if isinstance(source, GgufTensor):
+        return source.load()
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def locate(gguf: Path, wanted: dict[str, torch.dtype]) -> dict[str, GgufTensor]:
+    """GgufTensors for the HF names in `wanted` (name -> 16-bit dtype) that the GGUF holds as a 2-D matrix."""
+    from gguf import GGUFReader
+
+    try:
+        by_name = {t.name: t for t in GGUFReader(gguf).tensors}
+    except (OSError, ValueError, IndexError, KeyError) as exc:   # unreadable here: the caller keeps copies
+        log.warning("cannot index the tensors of %s (%s); storing 16-bit copies instead", gguf, exc)
+        return {}
+    out = {}
+    for name, dtype in wanted.items():
+        t = by_name.get(HF_TO_GGUF.get(name, ""))
+        if t is None or len(t.shape) != 2:
+            continue
+        cols, rows = (int(d) for d in t.shape)   # GGUF lists the fastest-moving dimension first
+        out[name] = GgufTensor(name, Path(gguf).resolve(), t.name, int(t.tensor_type), int(t.data_offset),
+                               rows, cols, dtype)
+    return out
+
+
+def file_record(gguf: Path, sha256: str, base: Path) -> dict:
+    """What a checkpoint records about the GGUF it reads from: where (relative to `base`, and absolute),
+    which (sha256) and the size/mtime that let a load skip re-hashing an untouched file."""
+    st = Path(gguf).stat()
+    _verified[(str(Path(gguf).resolve()), st.st_size, st.st_mtime_ns)] = sha256
+    return {"file": os.path.relpath(Path(gguf).resolve(), Path(base).resolve()), "path": str(Path(gguf).resolve()),
+            "sha256": sha256, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, GgufTensor]:
+    """The GGUF-held tensors of a converted checkpoint (none for any other directory), after checking
+    that the GGUF is still there and unchanged; a clear ModelError otherwise."""
+    marker_path = Path(model_dir) / "flowedge.json"
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    records = marker.get(MARKER_KEY) if isinstance(marker, dict) else None
+    if not records:
+        return {}
+    gguf = check_gguf(model_dir, marker)
+    return {name: GgufTensor.from_json(name, gguf, rec) for name, rec in records["tensors"].items()}
+
+
+def check_gguf(model_dir: Path, marker: dict) -> Path:
+    """The GGUF a checkpoint reads from, if present with its recorded sha256 (hashed again only when its
+    size or mtime changed); else a ModelError saying what to do."""
+    rec = marker[MARKER_KEY]
+    source = marker.get("source", "the model")
+    redo = (f"run `flowedge models pull {source}` (or any command using the model) to fetch it "
+            f"and convert again" if not str(source).endswith(".gguf") else f"delete {model_dir} to convert again")
+    gguf = next((p for p in (Path(model_dir) / rec["file"], Path(rec["path"])) if p.is_file()), None)
+    if gguf is None:
+        raise ModelError(f"{model_dir} reads its embedding/lm_head from {rec['path']}, which is missing: {redo}")
+    gguf = gguf.resolve()
+    st = gguf.stat()
+    key = (str(gguf), st.st_size, st.st_mtime_ns)
+    if _verified.get(key) == rec["sha256"] or (st.st_size, st.st_mtime_ns) == (rec["bytes"], rec["mtime_ns"]):
+        return gguf
+    log.info("%s changed on disk since conversion; checking its sha256", gguf)
+    actual = _sha256(gguf)
+    if actual != rec["sha256"]:
+        _forget_verified(gguf)
+        raise ModelError(f"{gguf} was altered (sha256 {actual[:16]}…, converted from {rec['sha256'][:16]}…): "
+                         f"{model_dir} cannot read its embedding/lm_head from it; {redo}")
+    _verified[key] = actual
+    return gguf
+
+
+def _forget_verified(gguf: Path) -> None:
+    """Drop the registry's 'verified' sidecar of an altered GGUF, so the next pull hashes and fetches it."""
+    Path(str(gguf) + ".sha256").unlink(missing_ok=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()

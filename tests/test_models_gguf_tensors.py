@@ -1,0 +1,183 @@
+"""A registry model's W4A16 checkpoint stores no 16-bit embedding / lm_head: they are dequantised from
+the GGUF the cache keeps, and every loader (stage, head file, its stream to a remote stage, a migrated
+old cache) gets the very tensors and bytes the float16 copies held. Uses a real GGUF (gguf's writer,
+Q8_0 and Q4_0 blocks) standing for a tiny model; transformers' GGUF reading is faked as in
+test_models_resolve (tested upstream) but dequantises those blocks as transformers does."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, dequantize, quants
+from safetensors import safe_open
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.daemon import shard_fetch
+from flowedge.engine.local import generate_ar_staged
+from flowedge.errors import ModelError
+from flowedge.models import registry, resolve
+from flowedge.models.gguf_tensors import GgufTensor, read_tensor
+from flowedge.models.resolve import convert_gguf, resolve_model
+from flowedge.models.shard_refs import RefFile, resolve_file
+from flowedge.models.shards import load_shard, shard_tensor_files, split_model
+from flowedge.models.stage import StageModel
+from flowedge.models.tiny import make_tiny_model
+from flowedge.transport import protocol as proto
+
+NAME = "qwen2.5-coder-0.5b"
+REFERENCED = ("model.embed_tokens.weight", "lm_head.weight")
+PROMPTS = [[5, 17, 3, 99, 42, 7], [200, 100, 50, 25, 12]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=3, tie=False)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tiny, tmp_path_factory) -> Path:
+    """A real GGUF holding the tiny model's embedding (Q8_0) and lm_head (Q4_0) as quantized blocks."""
+    path = tmp_path_factory.mktemp("gguf") / f"{NAME}.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    for name, qtype in (("token_embd.weight", GGMLQuantizationType.Q8_0),
+                        ("output.weight", GGMLQuantizationType.Q4_0)):
+        hf = "model.embed_tokens.weight" if name == "token_embd.weight" else "lm_head.weight"
+        weight = read_tensor(tiny / "model.safetensors", hf).float().numpy()
+        writer.add_tensor(name, quants.quantize(weight, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def home(monkeypatch, tiny, gguf_file, tmp_path) -> Path:
+    """A cache whose registry entry NAME is `gguf_file`; transformers' GGUF load gives the tiny model
+    with its embedding and lm_head dequantised from the GGUF (gguf.dequantize, as transformers does)."""
+    pulled = tmp_path / "home" / "gguf" / f"{NAME}.gguf"
+    pulled.parent.mkdir(parents=True)
+    shutil.copy(gguf_file, pulled)
+    sha = hashlib.sha256(pulled.read_bytes()).hexdigest()
+    monkeypatch.setitem(registry.MODELS, NAME, dataclasses.replace(registry.MODELS[NAME], sha256=sha))
+
+    def pull(name, home):
+        if not pulled.is_file() or hashlib.sha256(pulled.read_bytes()).hexdigest() != sha:
+            shutil.copy(gguf_file, pulled)   # what registry.pull does: fetch it again
+        return pulled
+
+    def load_model(folder, gguf_file, dtype):
+        model = transformers.Qwen2ForCausalLM.from_pretrained(tiny, dtype=dtype)
+        blocks = {t.name: t for t in GGUFReader(Path(folder) / gguf_file).tensors}
+        for hf, gg in (("model.embed_tokens.weight", "token_embd.weight"), ("lm_head.weight", "output.weight")):
+            values = dequantize(blocks[gg].data, blocks[gg].tensor_type)
+            model.get_parameter(hf).data = torch.from_numpy(np.copy(values)).to(dtype)
+        return model
+
+    monkeypatch.setattr(registry, "pull", pull)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda folder, gguf_file: transformers.PreTrainedTokenizerFast.from_pretrained(tiny))
+    return tmp_path / "home"
+
+
+def _copies(home: Path, tmp_path: Path) -> Path:
+    """The same conversion with 16-bit copies (what format 2 stored, and a user's own GGUF still gets)."""
+    gguf = home / "gguf" / f"{NAME}.gguf"
+    return convert_gguf(gguf, tmp_path / "copies", source=str(gguf), sha256=registry.MODELS[NAME].sha256)
+
+
+def _names(path: Path) -> set[str]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_checkpoint_reads_embedding_and_lm_head_from_the_gguf_bit_identically(home, tmp_path):
+    out = resolve_model(NAME, home=home)
+    copies = _copies(home, tmp_path)
+    assert not set(REFERENCED) & _names(out) and set(REFERENCED) <= _names(copies)
+    assert (out / "model.safetensors").stat().st_size < (copies / "model.safetensors").stat().st_size
+    index = shard_tensor_files(out)
+    for name in REFERENCED:
+        assert isinstance(index[name], GgufTensor)
+        assert torch.equal(read_tensor(index[name], name), read_tensor(copies / "model.safetensors", name))
+    a, b = StageModel.load(out), StageModel.load(copies)
+    assert torch.equal(a.embed_tokens.weight, b.embed_tokens.weight) and torch.equal(a.lm_head.weight, b.lm_head.weight)
+    runs = [[generate_ar_staged(m, p, 10, SamplingParams()).token_ids for p in PROMPTS] for m in (a, b)]
+    assert runs[0] == runs[1]
+
+
+def test_head_file_streamed_from_the_gguf_is_the_copied_one_byte_for_byte(home, tmp_path):
+    out = resolve_model(NAME, home=home)
+    refs = split_model(out, 2, tmp_path / "refs")
+    copies = split_model(_copies(home, tmp_path), 2, tmp_path / "copied", copy=True)
+    assert refs.head == copies.head   # same bytes, so the same sha256 in the manifest as before
+    want = (tmp_path / "copied" / copies.head.file).read_bytes()
+    ref = resolve_file(tmp_path / "refs", refs.head.file)
+    assert isinstance(ref, RefFile) and any(isinstance(s.source, GgufTensor) for s in ref.segments)
+    assert b"".join(ref.blocks()) == want
+    for offset, length in [(0, 9), (len(ref.prefix) - 5, 777), (len(want) // 2 - 3, 4097), (len(want) - 11, 99)]:
+        assert ref.read(offset, length) == want[offset:offset + length], (offset, length)
+    # A last stage on another host fetches the head file over the wire: an ordinary file, same bytes.
+    served = shard_fetch.head_file(tmp_path / "refs")
+    stage_dir = tmp_path / "remote"
+    stage_dir.mkdir()
+    shutil.copy(tmp_path / "refs" / "manifest.json", stage_dir)
+    assign = proto.Assign(stage_index=2, layer_start=refs.stages[1].start, layer_end=refs.num_layers,
+                          shard_sha256=refs.stages[1].sha256, shard_bytes=refs.stages[1].bytes, side_files={},
+                          model=NAME, next_addr="", quant="int4", source_dir="", head_sha256=refs.head.sha256,
+                          head_bytes=refs.head.bytes)
+    queue: list[proto.ShardChunk] = []
+    shard_fetch.fetch_head_file(assign, stage_dir, lambda req: queue.append(shard_fetch.read_chunk(served, req)),
+                                lambda timeout_s: queue.pop(0) if queue else None)
+    assert (stage_dir / refs.head.file).read_bytes() == want
+    head = load_shard(tmp_path / "refs", "head")
+    assert all(torch.equal(head[n], read_tensor(tmp_path / "copied" / "head.safetensors", n)) for n in head)
+
+
+def test_a_format2_cache_is_migrated_in_place_not_converted_again(home, tmp_path):
+    target = home / "models" / NAME
+    gguf = home / "gguf" / f"{NAME}.gguf"
+    convert_gguf(gguf, target, source=NAME, sha256=registry.MODELS[NAME].sha256)   # 16-bit copies
+    marker = json.loads((target / "flowedge.json").read_text())
+    (target / "flowedge.json").write_text(json.dumps(marker | {"format": 2}))
+    before = {n: read_tensor(target / "model.safetensors", n) for n in _names(target)}
+    loads = []
+    real_load = transformers.AutoModelForCausalLM.from_pretrained
+    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or real_load(*a, **k)
+    try:
+        assert resolve_model(NAME, home=home) == target
+    finally:
+        transformers.AutoModelForCausalLM.from_pretrained = real_load
+    assert loads == []   # no conversion: the copies were dropped in place
+    marker = json.loads((target / "flowedge.json").read_text())
+    assert marker["format"] == resolve.CONVERT_FORMAT and set(marker["gguf_tensors"]["tensors"]) == set(REFERENCED)
+    assert _names(target) == set(before) - set(REFERENCED)
+    index = shard_tensor_files(target)
+    assert all(torch.equal(read_tensor(index[n], n), before[n]) for n in before)
+
+
+def test_a_missing_or_altered_gguf_is_a_clear_error_and_resolving_fetches_it_again(home, tmp_path):
+    out = resolve_model(NAME, home=home)
+    gguf = home / "gguf" / f"{NAME}.gguf"
+    gguf.rename(tmp_path / "away.gguf")
+    with pytest.raises(ModelError, match=f"missing: run `flowedge models pull {NAME}`"):
+        StageModel.load(out)
+    data = bytearray((tmp_path / "away.gguf").read_bytes())
+    at = GgufTensor.from_json("e", gguf, json.loads((out / "flowedge.json").read_text())["gguf_tensors"]
+                              ["tensors"]["model.embed_tokens.weight"]).offset
+    data[at + 40] ^= 0xFF
+    gguf.write_bytes(bytes(data))
+    os.utime(gguf, ns=(1, 10**9))
+    with pytest.raises(ModelError, match="was altered .*flowedge models pull"):
+        StageModel.load(out)
+    assert resolve_model(NAME, home=home) == out   # fetched again (the fake pull), then usable
+    StageModel.load(out)
