@@ -229,7 +229,9 @@ def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
         tmp.unlink(missing_ok=True)
     marker.update({"format": CONVERT_FORMAT, gguf_tensors.MARKER_KEY: {
         **gguf_tensors.file_record(gguf, sha256, target), "tensors": {n: t.to_json() for n, t in refs.items()}}})
-    (target / CONVERTED_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    tmp_marker = target / f".{CONVERTED_MARKER}.tmp-{os.getpid()}"   # a new file: never through a hard link
+    tmp_marker.write_text(json.dumps(marker, indent=1) + "\n")
+    os.replace(tmp_marker, target / CONVERTED_MARKER)
     return True
 
 
