@@ -24,7 +24,7 @@ from flowedge.daemon import shard_fetch
 from flowedge.engine.local import generate_ar_staged
 from flowedge.errors import ModelError
 from flowedge.models import registry, resolve
-from flowedge.models.gguf_tensors import GgufTensor, read_tensor
+from flowedge.models.gguf_tensors import GgufEmbedding, GgufTensor, read_tensor
 from flowedge.models.resolve import convert_gguf, resolve_model
 from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import load_shard, shard_tensor_files, split_model
@@ -110,7 +110,13 @@ def test_checkpoint_reads_embedding_and_lm_head_from_the_gguf_bit_identically(ho
         assert isinstance(index[name], GgufTensor)
         assert torch.equal(read_tensor(index[name], name), read_tensor(copies / "model.safetensors", name))
     a, b = StageModel.load(out), StageModel.load(copies)
-    assert torch.equal(a.embed_tokens.weight, b.embed_tokens.weight) and torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert isinstance(a.embed_tokens, GgufEmbedding)   # rows dequantised on lookup, no 16-bit matrix held
+    ids = torch.tensor([[3, 259, 0], [7, 7, 128]])
+    assert torch.equal(a.embed_tokens(ids), b.embed_tokens(ids)) and a.embed_tokens(ids).shape == (2, 3, 64)
+    every = torch.arange(a.config.vocab_size)
+    assert torch.equal(a.embed(every), b.embed(every)) and torch.equal(a.lm_head.weight, b.lm_head.weight)
+    with pytest.raises(IndexError):
+        a.embed(torch.tensor([a.config.vocab_size]))
     runs = [[generate_ar_staged(m, p, 10, SamplingParams()).token_ids for p in PROMPTS] for m in (a, b)]
     assert runs[0] == runs[1]
 

@@ -8,7 +8,8 @@ type, shape, the 16-bit dtype) and every loader dequantises them on read with th
 the very tensor the converter used to store (checked with torch.equal at conversion time, where a
 mismatch keeps the copy). GGUF rows are whole quantization blocks, so any row range can be
 dequantised alone: loads and byte-range reads go a few thousand rows at a time, never a float32
-copy of the whole matrix.
+copy of the whole matrix. An embedding held this way stays in the GGUF even in memory
+(`GgufEmbedding`: a lookup dequantises only the rows it is asked for, through mmap).
 """
 from __future__ import annotations
 
@@ -66,18 +67,25 @@ class GgufTensor:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(self.qtype)]
         return self.cols // block * size
 
-    def rows_tensor(self, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) dequantised: GGUF blocks -> float32 (gguf.dequantize) -> self.dtype."""
-        from gguf import GGMLQuantizationType, dequantize
-
+    def block_rows(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The quantized blocks of rows [start, end), mapped from the file: [rows, bytes per row] uint8."""
         width = self._quant_row_bytes()
+        end = self.rows if end is None else end
         try:
-            blocks = np.memmap(self.path, np.uint8, "r", offset=self.offset + start * width,
-                               shape=(end - start, width))
+            return np.memmap(self.path, np.uint8, "r", offset=self.offset + start * width, shape=(end - start, width))
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read {self.tensor} from {self.path}: {exc}") from None
-        values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(end - start, self.cols)
+
+    def dequantize(self, blocks: np.ndarray) -> torch.Tensor:
+        """Rows of blocks -> float32 (gguf.dequantize, as transformers) -> self.dtype, [rows, cols]."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(blocks.shape[0], self.cols)
         return torch.from_numpy(values).to(self.dtype)
+
+    def rows_tensor(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) dequantised."""
+        return self.dequantize(self.block_rows(start, end))
 
     def load(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
@@ -111,6 +119,25 @@ class GgufTensor:
                        rows, cols, _DTYPES[data["dtype"]])
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"invalid GGUF tensor record for {name}: {exc!r}") from None
+
+
+class GgufEmbedding(torch.nn.Module):
+    """An embedding lookup straight from the GGUF's blocks: only the looked-up rows are dequantised (the
+    same values as GgufTensor.load()[ids]), so the 16-bit matrix (0.47 GB for the real 1.5B) is never
+    held in memory; the file's pages come and go through the page cache."""
+
+    def __init__(self, tensor: GgufTensor) -> None:
+        super().__init__()
+        self.tensor = tensor
+        self._blocks = tensor.block_rows()
+        self.num_embeddings, self.embedding_dim = tensor.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).numpy()
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = self.tensor.dequantize(np.ascontiguousarray(self._blocks[flat]))
+        return rows.reshape(*ids.shape, self.embedding_dim)
 
 
 def read_tensor(source: Path | GgufTensor, name: str) -> torch.Tensor:

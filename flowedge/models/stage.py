@@ -19,6 +19,7 @@ from torch import nn
 
 from flowedge.errors import ModelError
 from flowedge.models import packing
+from flowedge.models.gguf_tensors import GgufEmbedding, GgufTensor, read_tensor
 from flowedge.models.attention import ATTN_IMPLEMENTATION
 from flowedge.models.kv_cache import KVCache, PackedKV
 
@@ -133,8 +134,11 @@ class StageModel(nn.Module):
         if parts.embed or parts.head:
             embed = inner.embed_tokens
             keep_16 = "lm_head.weight" in index or (quant_lm_head and backend in ("int4", "nf4"))
-            _load_into(embed, {"weight": _read_one(index, "model.embed_tokens.weight", None if keep_16 else dtype)},
-                       "embedding")
+            if "lm_head.weight" in index and isinstance(index["model.embed_tokens.weight"], GgufTensor):
+                embed = GgufEmbedding(index["model.embed_tokens.weight"])   # a lookup, rows from the GGUF
+            else:
+                _load_into(embed, {"weight": _read_one(index, "model.embed_tokens.weight",
+                                                       None if keep_16 else dtype)}, "embedding")
         if parts.head:
             norm = inner.norm
             _load_into(norm, {"weight": _read_one(index, "model.norm.weight", dtype)}, "final norm")
@@ -238,9 +242,7 @@ def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
 
 
 def _read_one(index: dict[str, Path], name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    from flowedge.models.gguf_tensors import read_tensor   # a safetensors file, or a GGUF-held tensor
-
-    t = read_tensor(index[name], name)
+    t = read_tensor(index[name], name)   # from a safetensors file, or dequantised from the GGUF
     return t if dtype is None else t.to(dtype)
 
 
