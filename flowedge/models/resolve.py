@@ -96,8 +96,8 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
         return False
     if marker.get("format") != CONVERT_FORMAT and \
             (marker.get("format"), marker.get("quant")) != (2, _FORMAT_2_LAYOUT_KEPT):
-        log.info("%s was converted by an older flowedge (format %s, %s); converting again", target,
-                 marker.get("format"), marker.get("dtype", "unknown dtype"))
+        log.info("%s was converted by an older flowedge (format %s, %s); migrating or converting again",
+                 target, marker.get("format"), marker.get("dtype", "unknown dtype"))
         return False
     if sha256 is not None and marker.get("sha256") != sha256:
         return False
