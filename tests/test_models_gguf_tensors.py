@@ -27,7 +27,7 @@ from flowedge.models import registry, resolve
 from flowedge.models.gguf_tensors import GgufEmbedding, GgufTensor, read_tensor
 from flowedge.models.resolve import convert_gguf, resolve_model
 from flowedge.models.shard_refs import RefFile, resolve_file
-from flowedge.models.shards import load_shard, shard_tensor_files, split_model
+from flowedge.models.shards import is_referenced, load_shard, shard_tensor_files, split_model
 from flowedge.models.stage import StageModel
 from flowedge.models.tiny import make_tiny_model
 from flowedge.transport import protocol as proto
@@ -126,6 +126,7 @@ def test_head_file_streamed_from_the_gguf_is_the_copied_one_byte_for_byte(home, 
     refs = split_model(out, 2, tmp_path / "refs")
     copies = split_model(_copies(home, tmp_path), 2, tmp_path / "copied", copy=True)
     assert refs.head == copies.head   # same bytes, so the same sha256 in the manifest as before
+    assert is_referenced(tmp_path / "refs")   # a daemon reuses this split
     want = (tmp_path / "copied" / copies.head.file).read_bytes()
     ref = resolve_file(tmp_path / "refs", refs.head.file)
     assert isinstance(ref, RefFile) and any(isinstance(s.source, GgufTensor) for s in ref.segments)
@@ -187,3 +188,8 @@ def test_a_missing_or_altered_gguf_is_a_clear_error_and_resolving_fetches_it_aga
         StageModel.load(out)
     assert resolve_model(NAME, home=home) == out   # fetched again (the fake pull), then usable
     StageModel.load(out)
+
+
+def test_a_gguf_file_the_user_gives_keeps_its_copies(home, gguf_file):
+    out = resolve_model(str(gguf_file), home=home)   # the cache does not own that file: no reference into it
+    assert set(REFERENCED) <= _names(out) and "gguf_tensors" not in json.loads((out / "flowedge.json").read_text())
