@@ -193,3 +193,8 @@ def test_a_missing_or_altered_gguf_is_a_clear_error_and_resolving_fetches_it_aga
 def test_a_gguf_file_the_user_gives_keeps_its_copies(home, gguf_file):
     out = resolve_model(str(gguf_file), home=home)   # the cache does not own that file: no reference into it
     assert set(REFERENCED) <= _names(out) and "gguf_tensors" not in json.loads((out / "flowedge.json").read_text())
+
+
+def test_a_cast_load_equals_casting_the_16_bit_tensor(home):
+    tensor = shard_tensor_files(resolve_model(NAME, home=home))["lm_head.weight"]
+    assert torch.equal(read_tensor(tensor, "lm_head.weight", torch.float32), tensor.load().float())

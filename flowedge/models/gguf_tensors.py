@@ -87,8 +87,10 @@ class GgufTensor:
         """Rows [start, end) dequantised."""
         return self.dequantize(self.block_rows(start, end))
 
-    def load(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype)
+    def load(self, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole matrix; `as_dtype` casts the 16-bit values chunk by chunk (an lm_head loaded as
+        float32 never has its 16-bit copy and its float32 copy in memory at once)."""
+        out = torch.empty(self.shape, dtype=as_dtype or self.dtype)
         for start in range(0, self.rows, _CHUNK_ROWS):
             end = min(start + _CHUNK_ROWS, self.rows)
             out[start:end] = self.rows_tensor(start, end)
@@ -133,21 +135,23 @@ class GgufEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = tensor.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).numpy()
+        flat = ids.detach().reshape(-1).cpu().numpy()
         if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         rows = self.tensor.dequantize(np.ascontiguousarray(self._blocks[flat]))
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
 
-def read_tensor(source: Path | GgufTensor, name: str) -> torch.Tensor:
-    """Tensor `name` from a safetensors file or, dequantised, from its GGUF."""
+def read_tensor(source: Path | GgufTensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Tensor `name` from a safetensors file or, dequantised, from its GGUF; cast to `dtype` if given
+    (the same values either way: the stored 16-bit ones, cast)."""
     if isinstance(source, GgufTensor):
-        return source.load()
+        return source.load(dtype)
     from safetensors import safe_open
 
     with safe_open(str(source), framework="pt") as f:
-        return f.get_tensor(name)
+        t = f.get_tensor(name)
+    return t if dtype is None else t.to(dtype)
 
 
 def locate(gguf: Path, wanted: dict[str, torch.dtype]) -> dict[str, GgufTensor]:

@@ -242,8 +242,7 @@ def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
 
 
 def _read_one(index: dict[str, Path], name: str, dtype: torch.dtype | None) -> torch.Tensor:
-    t = read_tensor(index[name], name)   # from a safetensors file, or dequantised from the GGUF
-    return t if dtype is None else t.to(dtype)
+    return read_tensor(index[name], name, dtype)   # from a safetensors file, or dequantised from the GGUF
 
 
 def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: list[str],
