@@ -27,7 +27,16 @@ class BackendUnavailable(FlowedgeError):
 
 
 class ProtocolError(FlowedgeError):
-    """A peer sent a malformed frame, an unknown message type or a wrong protocol version."""
+    """A peer sent a malformed frame, an unknown message type or a wrong protocol version.
+
+    Its text is cut to MAX_CHARS whatever built it: it often quotes peer input, and a node quotes it
+    back in a Refuse or ErrorReply, which must stay sendable (the 5 KB `type` that once ended the head)."""
+
+    MAX_CHARS = 1000
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        super().__init__(text if len(text) <= self.MAX_CHARS else text[: self.MAX_CHARS - 1] + "…")
 
 
 class StageLost(FlowedgeError):

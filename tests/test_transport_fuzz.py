@@ -76,6 +76,18 @@ def test_fuzz_schema_shaped_headers(frames):
     _decode_or_error(frames)
 
 
+def test_a_long_hidden_wire_name_is_not_quoted_whole_in_the_error():
+    """Regression (found by the fuzzer above in CI): a segment whose header names a 5,000-character hidden
+    wire dtype was refused with an error quoting that name whole."""
+    seg = next(s for s in SAMPLES if isinstance(s, p.Segment) and s.hidden is not None)
+    frames = [bytes(memoryview(f).cast("B")) for f in p.encode(seg)]
+    header = msgpack.unpackb(frames[0])
+    header["hidden_wire"] = "t" * 5000
+    with pytest.raises(ProtocolError) as err:
+        p.decode([msgpack.packb(header), *frames[1:]])
+    assert len(str(err.value)) <= MAX_ERROR_CHARS
+
+
 # ---- real messages, truncated or mutated -------------------------------------------------------------
 @settings(FUZZ, max_examples=3000)
 @given(sample=st.sampled_from(SAMPLES), frame=st.integers(0, 3), cut=st.integers(0, 400),

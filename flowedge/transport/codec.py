@@ -269,7 +269,7 @@ def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict
     allowed = {INDEX: ("int16", "int32"), TOKENS: tuple(TOKEN_WIRE_DTYPES), HIDDEN: (header.get("hidden_wire"),),
                BYTES: ("uint8",)}[kind]
     if dtype not in allowed:
-        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {quote(dtype)}, expected one of {allowed}")
+        raise ProtocolError(f"{msg_type}: {kind} tensor sent as {quote(dtype)}, expected one of {quote(allowed)}")
     if kind == BYTES:
         if meta.get("shape") != [len(frame_buffer(frame))]:
             raise ProtocolError(f"{msg_type}: byte frame length does not match its shape")

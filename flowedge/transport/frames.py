@@ -109,7 +109,7 @@ def _check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
         raise ProtocolError("tensor meta must be a map")
     dtype = WIRE_DTYPES.get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
     if dtype is None:
-        raise ProtocolError(f"unknown tensor dtype {meta.get('dtype')!r}")
+        raise ProtocolError(f"unknown tensor dtype {str(meta.get('dtype'))[:60]!r}")
     shape = meta.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ProtocolError(f"tensor shape must be a list of at most {MAX_DIMS} sizes")
