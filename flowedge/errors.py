@@ -35,8 +35,13 @@ class ProtocolError(FlowedgeError):
     MAX_CHARS = 1000
 
     def __init__(self, message: object = "") -> None:
-        text = str(message)
-        super().__init__(text if len(text) <= self.MAX_CHARS else text[: self.MAX_CHARS - 1] + "…")
+        super().__init__(bounded(message, self.MAX_CHARS))
+
+
+def bounded(text: object, max_chars: int) -> str:
+    """`text` cut to at most `max_chars` characters (an ellipsis marks the cut)."""
+    text = str(text)
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
 
 
 class StageLost(FlowedgeError):

@@ -53,7 +53,7 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
             wait_ready(spec.addr, 1800, alive=cluster.alive)
             for name in cfg.strategies:
                 answers: list[dict] = [{} for _ in prompts]
-                drafts0, stages0 = _draft_counts(spec.addr), _stage_counts(spec.addr)
+                before = _batch_counts(spec.addr)
                 t0 = time.monotonic()
                 workers = [threading.Thread(target=_ask, args=(spec.addr, p.text, cfg, name, answers[i]))
                            for i, p in enumerate(prompts)]
@@ -63,9 +63,10 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
                     w.join()
                 wall_s = time.monotonic() - t0
                 row = _row(name, c, answers, wall_s, alone)
-                row["mean_draft_batch"] = _per_forward(drafts0, _draft_counts(spec.addr))
                 time.sleep(2 * spec.heartbeat_ms / 1000)   # the stages' counts come with their heartbeats
-                row["mean_batch"] = _per_forward(stages0, _stage_counts(spec.addr))
+                after = _batch_counts(spec.addr)
+                row["mean_draft_batch"] = _per_forward(before["draft"], after["draft"])
+                row["mean_batch"] = _per_forward(before["stage"], after["stage"])
                 results["rows"].append(row)
                 say(f"{name} x{c}: {row['tokens_per_s']:.2f} tok/s (wall), p50 {row['p50_tbt_ms']:.0f} ms, "
                     f"p99 {row['p99_tbt_ms']:.0f} ms between pieces")
@@ -77,25 +78,22 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
     return results
 
 
-def _draft_counts(addr: str) -> dict:
+def _batch_counts(addr: str) -> dict[str, dict]:
+    """From one status reading: node 0's packed draft forwards and the calls they held ("draft"), and the
+    stages' batched forwards and the requests they held, summed over the stages ("stage")."""
     from flowedge.daemon.client import Client
 
     with Client(addr) as client:
-        head = next(n for n in client.status() if n.get("role") == "head")
-    return head.get("draft_batching") or {"forwards": 0, "calls": 0}
-
-
-def _stage_counts(addr: str) -> dict:
-    """Batched forwards and the requests they held, summed over the stages (from their heartbeats)."""
-    from flowedge.daemon.client import Client
-
-    with Client(addr) as client:
-        rows = [n.get("batched") or {} for n in client.status() if n.get("role") == "stage"]
-    return {"forwards": sum(r.get("forwards", 0) for r in rows), "calls": sum(r.get("requests", 0) for r in rows)}
+        nodes = client.status()
+    head = next(n for n in nodes if n.get("role") == "head")
+    stages = [n.get("batched") or {} for n in nodes if n.get("role") == "stage"]
+    return {"draft": head.get("draft_batching") or {"forwards": 0, "calls": 0},
+            "stage": {"forwards": sum(r.get("forwards", 0) for r in stages),
+                      "calls": sum(r.get("requests", 0) for r in stages)}}
 
 
 def _per_forward(before: dict, after: dict) -> float | None:
-    """Draft calls per packed draft forward between two status readings (None: no draft calls)."""
+    """Calls (requests) per batched forward between two readings (None: no forward in between)."""
     forwards = after["forwards"] - before["forwards"]
     return (after["calls"] - before["calls"]) / forwards if forwards else None
 

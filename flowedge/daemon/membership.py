@@ -256,12 +256,6 @@ class Membership:
         return [i for i in self.slots if i is not None]
 
     # ---- liveness ---------------------------------------------------------------------------------
-    def tick(self, busy_clients: set[bytes]) -> list:
-        """Ping, re-assign refused slots when due, and judge liveness (see `judge`)."""
-        self.ping(busy_clients)
-        self.retry_refused()
-        return self.judge(busy_clients)
-
     def retry_refused(self) -> None:
         """Stages that refused their assignment get it again once their retry time has come."""
         if any(0 < p.retry_at <= self.clock() for p in self.peers.values() if p.stage):

@@ -129,10 +129,7 @@ class DraftBatcher:
         h = self.model.embed(torch.cat([c.tokens for c in batch]))
         positions = torch.cat([c.positions for c in batch])
         masks = [bool_to_float_mask(c.allowed, h.dtype) for c in batch]
-        if len(batch) == 1:
-            h = self.model.forward_layers(h, positions, masks[0], batch[0].cache)
-        else:
-            h = self.model.forward_packed(h, positions, masks, [c.cache for c in batch])
+        h = self.model.forward_packed(h, positions, masks, [c.cache for c in batch])
         logp = torch.log_softmax(self.model.logits(h), dim=-1)
         self.batch_sizes.append(len(batch))
         self.forwards += 1

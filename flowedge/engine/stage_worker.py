@@ -306,10 +306,7 @@ class StageWorker:
         hidden = torch.cat([r.seg.hidden for r in rows])
         positions = torch.cat([r.seg.positions for r in rows])
         masks = [bool_to_float_mask(r.allowed, hidden.dtype) for r in rows]
-        if len(rows) == 1:
-            out = self.model.forward_layers(hidden, positions, masks[0], rows[0].slot.cache)
-        else:
-            out = self.model.forward_packed(hidden, positions, masks, [r.slot.cache for r in rows])
+        out = self.model.forward_packed(hidden, positions, masks, [r.slot.cache for r in rows])
         return list(out.split([len(r.seg) for r in rows]))
 
     def _finish_row(self, r: _Row, hidden: torch.Tensor) -> tuple[Segment, int]:

@@ -13,7 +13,6 @@ copy of the whole matrix. An embedding held this way stays in the GGUF even in m
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from flowedge.errors import ModelError
+from flowedge.models.safetensors_io import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def check_gguf(model_dir: Path, marker: dict) -> Path:
     if _verified.get(key) == rec["sha256"] or (st.st_size, st.st_mtime_ns) == (rec["bytes"], rec["mtime_ns"]):
         return gguf
     log.info("%s changed on disk since conversion; checking its sha256", gguf)
-    actual = _sha256(gguf)
+    actual = file_sha256(gguf)
     if actual != rec["sha256"]:
         _forget_verified(gguf)
         raise ModelError(f"{gguf} was altered (sha256 {actual[:16]}…, converted from {rec['sha256'][:16]}…): "
@@ -227,10 +227,3 @@ def _forget_verified(gguf: Path) -> None:
     """Drop the registry's 'verified' sidecar of an altered GGUF, so the next pull hashes and fetches it."""
     Path(str(gguf) + ".sha256").unlink(missing_ok=True)
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()

@@ -188,7 +188,9 @@ class StageModel(nn.Module):
 
         The Linear layers run over all rows at once; each request attends over its own cache with its
         own mask (models/attention.py), so with row-invariant Linears (W4A16) each request's rows are
-        bit-identical to its `forward_layers` alone."""
+        bit-identical to its `forward_layers` alone. One request alone runs `forward_layers` itself."""
+        if len(caches) == 1:
+            return self.forward_layers(hidden, positions, masks[0], caches[0])
         if self.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ModelError("forward_packed needs the per-request attention (load the model with StageModel.load)")
         packed = PackedKV(caches, [m.to(hidden.dtype)[None, None] for m in masks])

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Sequence
 
 import msgpack
 
+from flowedge import errors
 from flowedge.errors import ProtocolError
 from flowedge.transport.buffers import (
     TOKEN_WIRE_DTYPES,
@@ -68,8 +69,7 @@ def check_version(peer: Sequence[int]) -> None:
 def bounded(text: str, max_chars: int = MAX_TEXT_CHARS) -> str:
     """`text` cut to at most `max_chars` characters (an ellipsis marks the cut). Every error text that
     may quote peer input goes through this before it becomes a Refuse or ErrorReply."""
-    text = str(text)
-    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+    return errors.bounded(text, max_chars)
 
 
 def quote(value: Any) -> str:

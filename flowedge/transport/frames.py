@@ -22,6 +22,7 @@ import torch
 
 from flowedge.errors import ProtocolError
 from flowedge.transport.buffers import MAX_DIMS, MAX_TENSOR_BYTES, frame_buffer
+from flowedge.transport.codec import quote
 
 __all__ = [
     "MAX_TENSOR_BYTES",
@@ -109,7 +110,7 @@ def _check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
         raise ProtocolError("tensor meta must be a map")
     dtype = WIRE_DTYPES.get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
     if dtype is None:
-        raise ProtocolError(f"unknown tensor dtype {str(meta.get('dtype'))[:60]!r}")
+        raise ProtocolError(f"unknown tensor dtype {quote(meta.get('dtype'))}")
     shape = meta.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ProtocolError(f"tensor shape must be a list of at most {MAX_DIMS} sizes")
