@@ -127,6 +127,20 @@ def test_a_request_runs_to_done_and_streams_every_token_once():
     assert b.served["requests"] == 1
 
 
+def test_an_engine_sees_how_many_requests_are_running():
+    """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py)."""
+    b, port = book(max_running=2)
+    port.engine_.load = lambda: 1
+    b.tick(0.0, True)
+    for rid, owner in ((1, b"a"), (2, b"b")):
+        b.submit(owner, prompt(rid, max_new=1), 0.0, True, [])
+    b.tick(0.1, True)
+    assert port.engine_.load() == 2
+    first = port.engine_.starts[0][0]
+    b.on_segment(first, 11, 0.2)   # the first one's single token: done
+    assert port.done(b"a") and port.engine_.load() == 1
+
+
 def test_a_lost_stage_pauses_the_request_and_the_replay_continues_from_the_committed_tokens():
     b, port = book(recovery_s=10.0)
     b.tick(0.0, True)

@@ -47,6 +47,34 @@ def test_auto_starts_with_flowspec_on_bandwidth_bound_devices_and_ar_pp_on_cpus(
     assert "profiles predict" in chooser.reason
 
 
+@pytest.mark.parametrize("device", list_devices())
+def test_the_load_model_never_speeds_a_request_up_and_is_one_alone(device):
+    prediction = _prediction(device, 5)
+    factors = [prediction.load_factor(c) for c in range(1, 17)]
+    assert factors[0] == 1.0 and all(0 < b <= a + 1e-12 <= 1.0 + 1e-12 for a, b in zip(factors, factors[1:]))
+
+
+def test_under_load_flowspec_is_weighed_against_ar_pp_at_the_same_load():
+    """5 x Orin Nano (docs/bench/orin-nano-concurrency-8: per request, flowspec 11.98 and ar-pp 9.47 tok/s at
+    4 concurrent; 7.52 and 8.06 at 8). Alone ar-pp's predicted 13.6 tok/s, which made `auto` fall back at 4
+    concurrent; at the same load the model puts ar-pp at ~9.1 tok/s, from 4 requests on (the slowest stage,
+    the last with its lm_head, is busy all the time)."""
+    prediction = _prediction("orin-nano-8gb", 5)
+    assert prediction.load_factor(2) == 1.0 and 0.6 < prediction.load_factor(4) < 0.75
+    running = [4]
+    policy = AutoPolicy(window_tokens=16)
+    loaded = Chooser(prediction, policy, load=lambda: running[0])
+    loaded.observe(24, 24 / 11.98)
+    assert loaded.decide() == FLOWSPEC
+    alone = Chooser(prediction, policy)
+    alone.observe(24, 24 / 11.98)
+    assert alone.decide() == AR_PP   # alone, 12 tok/s of flowspec is slower than ar-pp would be
+    running[0] = 8
+    busier = Chooser(prediction, policy, load=lambda: running[0])
+    busier.observe(24, 24 / 7.0)
+    assert busier.decide() == AR_PP and "at 8 requests" in busier.reason
+
+
 def test_without_a_profile_auto_runs_flowspec():
     assert Chooser(None).choice == FLOWSPEC
 

@@ -259,3 +259,26 @@ def test_a_packed_forward_refuses_a_mask_that_does_not_fit_its_cache(tiny_pair):
     with pytest.raises(ModelError, match="5 rows for masks of 4"):
         model.forward_packed(torch.zeros(5, model.config.hidden_size), torch.arange(5),
                              [torch.zeros(2, 2), torch.zeros(2, 2)], caches)
+
+
+def test_every_admitted_head_sees_the_requests_running():
+    """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py):
+    each head admitted reads the scheduler's count, not its own view of one."""
+    from flowedge.engine.scheduler import MultiHead
+
+    class Head:
+        load = staticmethod(lambda: 1)
+        outputs: list[int] = []
+        stats = None
+        finished = False
+
+        def start(self, request_id, prompt, max_new, params):
+            return []
+
+    heads = []
+    multi = MultiHead(lambda sub: heads.append(Head()) or heads[-1], 2, BatchConfig(max_concurrent=2))
+    for rid in (1, 2, 3):
+        multi.receive(Submit(rid, (5, 6), 4))
+    assert len(heads) == 2 and [h.load() for h in heads] == [2, 2] and multi.queued == 1
+    multi.receive(Cancel(1))   # the third is admitted in its place: still two running
+    assert len(heads) == 3 and all(h.load() == 2 for h in heads)

@@ -51,7 +51,20 @@ def summarize_level(strategy: str, concurrency: int, res, multi, stages, refs: l
         "busy_fraction": {k: round(v, 3) for k, v in busy.items() if not k.startswith("link")},
         "matches_ar": None if refs is None else all(t.done.token_ids == r for t, r in zip(timings, refs)),
         "token_ids": [t.done.token_ids for t in timings],
+        **_auto_summary([t.done.stats.auto for t in timings]),
     }
+
+
+def _auto_summary(reports: list[dict]) -> dict:
+    """Strategy `auto` under load: the tokens each strategy produced and the switches, over all requests."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return {}
+    tokens: dict[str, int] = {}
+    for r in reports:
+        for name, n in r.get("tokens", {}).items():
+            tokens[name] = tokens.get(name, 0) + n
+    return {"auto_tokens": tokens, "auto_switches": sum(len(r.get("switches", [])) for r in reports)}
 
 
 def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,

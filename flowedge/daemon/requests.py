@@ -205,6 +205,9 @@ class RequestBook:
                     self._run(req, partial(_reraise, result))
         return self.has_work()
 
+    def _running_count(self) -> int:
+        return sum(1 for r in self.running.values() if r.state is State.RUNNING)
+
     def has_work(self) -> bool:
         return any(r.work for r in self.running.values() if r.state is State.RUNNING)
 
@@ -332,6 +335,8 @@ class RequestBook:
         except FlowedgeError as err:
             self._end(req, State.FAILED, str(err), prefix="")
             return
+        if hasattr(req.engine, "load"):   # strategy `auto` weighs its predictions by the requests running
+            req.engine.load = self._running_count
         self.engine_ids += 1
         req.engine_id = self.engine_ids
         req.work.clear()   # a replay: whatever the old run had queued is void

@@ -15,10 +15,20 @@ Two sources, in this order of trust:
 A fall-back from flowspec to ar-pp is tried again after `probe_tokens` tokens, then twice as many after
 each try that did not pay; where the profiles already predict ar-pp, flowspec is never probed (a probe
 would cost the request time on exactly the devices where speculation cannot pay).
+
+**Load.** Requests that share the pipeline (engine/scheduler.py, the daemon's request book) slow each
+other down, so a request's measured rate under load must be compared with the other strategy's rate *at
+the same load*, not alone: comparing a loaded flowspec measurement with ar-pp's rate alone made `auto` fall
+back at 4 concurrent requests on the Orin profile, where flowspec's aggregate is 1.27x ar-pp's
+(docs/bench/orin-nano-concurrency-auto). `ArLoad` scales the predictions to the number of requests
+running: ar-pp's tokens circulate one per request through the stages, so its aggregate grows with the
+requests until the slowest stage is busy all the time, and from there with the batch that stage runs
+(the tokens per stage: requests / stages).
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FLOWSPEC, AR_PP, PIPEDEC = "flowspec", "ar-pp", "pipedec"
@@ -36,10 +46,32 @@ PIPEDEC_HIT = 0.84
 
 
 @dataclass(frozen=True)
+class ArLoad:
+    """How one request's rate falls as `load` requests share the pipeline, from ar-pp's costs."""
+    token_latency_s: float   # one token through every stage, then the lm_head
+    bottleneck_s: float      # the slowest stage's 1-token forward (the last stage's with its lm_head)
+    n_stages: int
+
+    def factor(self, load: int) -> float:
+        """A request's rate among `load` running requests over its rate alone (1 alone, falling to
+        the slowest stage's share once that stage is busy all the time)."""
+        if load <= 1 or self.token_latency_s <= 0 or self.bottleneck_s <= 0:
+            return 1.0
+        batch = max(1.0, load / max(1, self.n_stages))   # tokens waiting at a stage when it is saturated
+        aggregate = min(load / self.token_latency_s, batch / self.bottleneck_s)
+        return min(1.0, aggregate * self.token_latency_s / load)
+
+
+@dataclass(frozen=True)
 class Prediction:
-    """Tokens per second the profiles predict for each strategy."""
+    """Tokens per second the profiles predict for each strategy (one request alone), and how a request's
+    rate scales when several share the pipeline (`load`; None: as alone)."""
     rates: dict[str, float]
     source: str = "profiles"
+    load: ArLoad | None = None
+
+    def load_factor(self, running: int) -> float:
+        return self.load.factor(running) if self.load is not None else 1.0
 
     @property
     def speculative(self) -> str:
@@ -49,12 +81,14 @@ class Prediction:
     @staticmethod
     def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
                    accept_per_step: float = ACCEPT_PER_STEP, *, pipeline_latency_s: float = 0.0,
-                   segment_step_s: float = 0.0) -> "Prediction | None":
+                   segment_step_s: float = 0.0, bottleneck_token_s: float = 0.0,
+                   n_stages: int = 0) -> "Prediction | None":
         """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free).
 
         Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
         (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
-        slower of that and the draft call when it hits, a trip through the pipeline when it misses."""
+        slower of that and the draft call when it hits, a trip through the pipeline when it misses.
+        `bottleneck_token_s` and `n_stages` (where known) give the load model (`ArLoad`)."""
         step_s = max(flow_step_s, draft_call_s)
         if token_latency_s <= 0 or step_s <= 0:
             return None
@@ -63,7 +97,8 @@ class Prediction:
         if segment_step_s > 0:
             level_s = max(segment_step_s, draft_call_s)
             rates[PIPEDEC] = 1.0 / (PIPEDEC_HIT * level_s + (1 - PIPEDEC_HIT) * (pipeline_latency_s + draft_call_s))
-        return Prediction(rates)
+        load = ArLoad(token_latency_s, bottleneck_token_s, n_stages) if bottleneck_token_s > 0 and n_stages else None
+        return Prediction(rates, load=load)
 
 
 @dataclass(frozen=True)
@@ -104,8 +139,10 @@ class _Meter:
 class Chooser:
     """Per request: the current choice, the reason for it, and the switches made."""
 
-    def __init__(self, prediction: Prediction | None, policy: AutoPolicy = AutoPolicy()) -> None:
+    def __init__(self, prediction: Prediction | None, policy: AutoPolicy = AutoPolicy(),
+                 load: Callable[[], int] = lambda: 1) -> None:
         self.prediction, self.policy = prediction, policy
+        self.load = load   # requests running on the pipeline now, this one included
         self.spec = prediction.speculative if prediction is not None else FLOWSPEC   # the one tried
         self.meters = {s: _Meter(4 * policy.window_tokens) for s in (self.spec, AR_PP)}
         self.tokens = {self.spec: 0, AR_PP: 0}
@@ -135,17 +172,21 @@ class Chooser:
         self.since_switch += tokens
 
     def rate(self, strategy: str) -> tuple[float | None, str]:
-        """Measured rate if there is one, else the prediction scaled by the other's measurement."""
+        """Measured rate if there is one, else the prediction at the current load, scaled by the other's
+        measurement (which was taken under load too)."""
         measured = self.meters[strategy].rate(self.policy.window_tokens)
         if measured is not None:
             return measured, "measured"
         if self.prediction is None:
             return None, "unknown"
+        running = self.load()
+        loaded = self.prediction.load_factor(running)
+        how = "predicted" if running <= 1 else f"predicted at {running} requests"
         # the speculative estimate follows ar-pp's measured speed (the devices' absolute speed); ar-pp's
         # never follows the speculative one's (that one also carries the prompt's acceptance)
         ar_measured = self.meters[AR_PP].rate(self.policy.window_tokens) if strategy != AR_PP else None
-        scale = ar_measured / self.prediction.rates[AR_PP] if ar_measured is not None else 1.0
-        return self.prediction.rates[strategy] * scale, "predicted"
+        scale = ar_measured / (self.prediction.rates[AR_PP] * loaded) if ar_measured is not None else 1.0
+        return self.prediction.rates[strategy] * loaded * scale, how
 
     def decide(self) -> str:
         """The strategy to run from here (may switch; the reason says why)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
         self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
+        self.load: Callable[[], int] = lambda: 1   # requests on the pipeline now, this one included (the driver's)
         self.view = RoundView(self)   # all a strategy sees of this head
 
     # ---- request lifecycle ------------------------------------------------------------------------

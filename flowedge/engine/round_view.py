@@ -62,6 +62,10 @@ class RoundView:
         """Seconds on the driver's clock (the simulator's virtual one under simulation)."""
         return self._head.clock()
 
+    def load(self) -> int:
+        """Requests sharing the pipeline now, this one included (1 alone; strategy `auto` weighs it)."""
+        return self._head.load()
+
     @property
     def stats(self) -> Stats:
         """The answer's statistics (strategy `auto` files its choice and switches under `auto`)."""

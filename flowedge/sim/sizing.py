@@ -76,6 +76,8 @@ class TreeCosts:
     prefill_chunk: int | None = None   # prompt tokens per prefill segment (`prefill_chunk_for`); None: as set
     flat_segment: int | None = None    # most tokens a segment carries at about an l_max one's cost (flat only)
     segment_step_s: float = 0.0   # the slowest stage on an l_max segment (a pipedec level's step)
+    bottleneck_token_s: float = 0.0   # the slowest stage on 1 token, the last with its lm_head (ar-pp under load)
+    n_stages: int = 0
 
 
 FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions
@@ -151,8 +153,10 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     segment = flat_segment_for(slowest_stage_s, l_max, exp_nodes, call_s(topk)) if flat else None
     if segment is not None and segment < FLOW_SEGMENT:   # expansions send no more than that
         flow_s = max(fwd(segment))
+    one = fwd(1)
+    bottleneck = max([*one[:-1], one[-1] + head_s])
     return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio, token_s, flow_s, chunk, segment,
-                     max(fwd(l_max)))
+                     max(fwd(l_max)), bottleneck, len(shapes))
 
 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
@@ -163,4 +167,5 @@ def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
 def predict_from_costs(costs: TreeCosts) -> Prediction | None:
     """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
     return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
-                                 pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s)
+                                 pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
+                                 bottleneck_token_s=costs.bottleneck_token_s, n_stages=costs.n_stages)
