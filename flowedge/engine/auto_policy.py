@@ -20,10 +20,8 @@ would cost the request time on exactly the devices where speculation cannot pay)
 other down, so a request's measured rate under load must be compared with the other strategy's rate *at
 the same load*, not alone: comparing a loaded flowspec measurement with ar-pp's rate alone made `auto` fall
 back at 4 concurrent requests on the Orin profile, where flowspec's aggregate is 1.27x ar-pp's
-(docs/bench/orin-nano-concurrency-auto). `ArLoad` scales the predictions to the number of requests
-running: ar-pp's tokens circulate one per request through the stages, so its aggregate grows with the
-requests until the slowest stage is busy all the time, and from there with the batch that stage runs
-(the tokens per stage: requests / stages).
+(docs/bench/orin-nano-concurrency-auto). `LoadModel` scales the predictions to the number of requests
+running, for the first choice as for the comparisons after it.
 """
 from __future__ import annotations
 
@@ -46,20 +44,46 @@ PIPEDEC_HIT = 0.84
 
 
 @dataclass(frozen=True)
-class ArLoad:
-    """How one request's rate falls as `load` requests share the pipeline, from ar-pp's costs."""
-    token_latency_s: float   # one token through every stage, then the lm_head
-    bottleneck_s: float      # the slowest stage's 1-token forward (the last stage's with its lm_head)
-    n_stages: int
+class LoadModel:
+    """How one request's rate falls as `load` requests share the pipeline (1 alone).
 
-    def factor(self, load: int) -> float:
-        """A request's rate among `load` running requests over its rate alone (1 alone, falling to
-        the slowest stage's share once that stage is busy all the time)."""
-        if load <= 1 or self.token_latency_s <= 0 or self.bottleneck_s <= 0:
+    ar-pp: each request keeps one token circulating through the stages, so the aggregate grows with the
+    requests until the slowest stage is busy all the time; from there only with the batch that stage runs
+    (its tokens waiting: requests / stages). flowspec: node 0 drafts for every request, so the aggregate
+    grows only as far as its draft calls batch: a call serves its own request and each other one whose
+    segment came back while it ran (once per trip through the pipeline): 1 + (load - 1) x call / trip
+    of them, at `draft_batch_s[k - 1]` for k (1.49, 2.46 and 4.4 requests per call at 2, 4 and 8 on the
+    Orin profile; the simulator measured 1.41, 2.18 and 4.06, docs/bench/orin-nano-concurrency-8).
+    pipedec, like flowspec, waits on node 0 every level."""
+    token_latency_s: float            # one token through every stage, then the lm_head
+    bottleneck_s: float               # the slowest stage's 1-token forward (the last stage's with its lm_head)
+    n_stages: int
+    pipeline_latency_s: float = 0.0   # an l_max segment through every stage
+    draft_batch_s: tuple[float, ...] = ()   # one draft call batching 1, 2, ... requests' expansions
+
+    def factor(self, strategy: str, load: int) -> float:
+        if load <= 1:
+            return 1.0
+        return self._ar(load) if strategy == AR_PP else self._drafting(load)
+
+    def _ar(self, load: int) -> float:
+        if self.token_latency_s <= 0 or self.bottleneck_s <= 0:
             return 1.0
         batch = max(1.0, load / max(1, self.n_stages))   # tokens waiting at a stage when it is saturated
         aggregate = min(load / self.token_latency_s, batch / self.bottleneck_s)
         return min(1.0, aggregate * self.token_latency_s / load)
+
+    def _drafting(self, load: int) -> float:
+        calls = self.draft_batch_s
+        if not calls or self.pipeline_latency_s <= 0:
+            return 1.0
+        # a call serves its own request and each other one whose segment came back while it ran
+        k = min(float(len(calls)), 1.0 + (load - 1) * min(1.0, calls[0] / self.pipeline_latency_s))
+        lo = int(k)
+        hi = min(lo + 1, len(calls))
+        call_s = calls[lo - 1] + (k - lo) * (calls[hi - 1] - calls[lo - 1])
+        speedup = min(float(load), k * calls[0] / call_s)   # the aggregate over one request alone
+        return speedup / load
 
 
 @dataclass(frozen=True)
@@ -68,10 +92,14 @@ class Prediction:
     rate scales when several share the pipeline (`load`; None: as alone)."""
     rates: dict[str, float]
     source: str = "profiles"
-    load: ArLoad | None = None
+    load: LoadModel | None = None
 
-    def load_factor(self, running: int) -> float:
-        return self.load.factor(running) if self.load is not None else 1.0
+    def load_factor(self, strategy: str, running: int) -> float:
+        return self.load.factor(strategy, running) if self.load is not None else 1.0
+
+    def at_load(self, running: int) -> dict[str, float]:
+        """Each strategy's predicted rate for one request among `running` ones."""
+        return {s: r * self.load_factor(s, running) for s, r in self.rates.items()}
 
     @property
     def speculative(self) -> str:
@@ -82,13 +110,13 @@ class Prediction:
     def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
                    accept_per_step: float = ACCEPT_PER_STEP, *, pipeline_latency_s: float = 0.0,
                    segment_step_s: float = 0.0, bottleneck_token_s: float = 0.0,
-                   n_stages: int = 0) -> "Prediction | None":
+                   n_stages: int = 0, draft_batch_s: tuple[float, ...] = ()) -> "Prediction | None":
         """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free).
 
         Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
         (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
         slower of that and the draft call when it hits, a trip through the pipeline when it misses.
-        `bottleneck_token_s` and `n_stages` (where known) give the load model (`ArLoad`)."""
+        `bottleneck_token_s`, `n_stages` and `draft_batch_s` (where known) give the load model."""
         step_s = max(flow_step_s, draft_call_s)
         if token_latency_s <= 0 or step_s <= 0:
             return None
@@ -97,7 +125,8 @@ class Prediction:
         if segment_step_s > 0:
             level_s = max(segment_step_s, draft_call_s)
             rates[PIPEDEC] = 1.0 / (PIPEDEC_HIT * level_s + (1 - PIPEDEC_HIT) * (pipeline_latency_s + draft_call_s))
-        load = ArLoad(token_latency_s, bottleneck_token_s, n_stages) if bottleneck_token_s > 0 and n_stages else None
+        load = (LoadModel(token_latency_s, bottleneck_token_s, n_stages, pipeline_latency_s, tuple(draft_batch_s))
+                if bottleneck_token_s > 0 and n_stages else None)
         return Prediction(rates, load=load)
 
 
@@ -156,12 +185,16 @@ class Chooser:
     def _initial(self) -> tuple[str, str]:
         if self.prediction is None:
             return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
-        fs, ar = self.prediction.rates[self.spec], self.prediction.rates[AR_PP]
-        others = "".join(f", {s} {r:.2f}" for s, r in self.prediction.rates.items() if s not in (self.spec, AR_PP))
+        running = self.load()
+        rates = self.prediction.at_load(running)
+        fs, ar = rates[self.spec], rates[AR_PP]
+        others = "".join(f", {s} {r:.2f}" for s, r in rates.items() if s not in (self.spec, AR_PP))
+        among = "" if running <= 1 else f" (each of {running} requests)"
         if fs >= self.policy.margin * ar:
             return self.spec, (f"profiles predict {self.spec} {fs:.2f} tok/s >= {self.policy.margin}x ar-pp "
-                               f"{ar:.2f}{others}")
-        return AR_PP, f"profiles predict {self.spec} {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}{others}"
+                               f"{ar:.2f}{others}{among}")
+        return AR_PP, (f"profiles predict {self.spec} {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}"
+                       f"{others}{among}")
 
     def observe(self, tokens: int, seconds: float) -> None:
         """`tokens` were emitted over `seconds` while the current choice ran."""
@@ -180,13 +213,13 @@ class Chooser:
         if self.prediction is None:
             return None, "unknown"
         running = self.load()
-        loaded = self.prediction.load_factor(running)
+        rates = self.prediction.at_load(running)
         how = "predicted" if running <= 1 else f"predicted at {running} requests"
         # the speculative estimate follows ar-pp's measured speed (the devices' absolute speed); ar-pp's
         # never follows the speculative one's (that one also carries the prompt's acceptance)
         ar_measured = self.meters[AR_PP].rate(self.policy.window_tokens) if strategy != AR_PP else None
-        scale = ar_measured / (self.prediction.rates[AR_PP] * loaded) if ar_measured is not None else 1.0
-        return self.prediction.rates[strategy] * loaded * scale, how
+        scale = ar_measured / rates[AR_PP] if ar_measured is not None else 1.0
+        return rates[strategy] * scale, how
 
     def decide(self) -> str:
         """The strategy to run from here (may switch; the reason says why)."""

@@ -78,9 +78,11 @@ class TreeCosts:
     segment_step_s: float = 0.0   # the slowest stage on an l_max segment (a pipedec level's step)
     bottleneck_token_s: float = 0.0   # the slowest stage on 1 token, the last with its lm_head (ar-pp under load)
     n_stages: int = 0
+    draft_batch_s: tuple[float, ...] = ()   # one draft call for 1, 2, ... requests' expansions (`draft_width` rows each)
 
 
 FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions
+MAX_LOAD = 16       # requests sharing a draft call that `draft_batch_s` covers (`max_concurrent` is 4 by default)
 
 
 SIZING_CONTEXT = 256   # tokens of context the costs are taken at (a chat turn's order of magnitude)
@@ -155,8 +157,10 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
         flow_s = max(fwd(segment))
     one = fwd(1)
     bottleneck = max([*one[:-1], one[-1] + head_s])
-    return TreeCosts(latency, call_s(topk), flat_draft_width(call_s, topk), ratio, token_s, flow_s, chunk, segment,
-                     max(fwd(l_max)), bottleneck, len(shapes))
+    width = flat_draft_width(call_s, topk)
+    batches = tuple(call_s(width * k) for k in range(1, MAX_LOAD + 1))
+    return TreeCosts(latency, call_s(topk), width, ratio, token_s, flow_s, chunk, segment,
+                     max(fwd(l_max)), bottleneck, len(shapes), batches)
 
 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
@@ -168,4 +172,5 @@ def predict_from_costs(costs: TreeCosts) -> Prediction | None:
     """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
     return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
                                  pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
-                                 bottleneck_token_s=costs.bottleneck_token_s, n_stages=costs.n_stages)
+                                 bottleneck_token_s=costs.bottleneck_token_s, n_stages=costs.n_stages,
+                                 draft_batch_s=costs.draft_batch_s)

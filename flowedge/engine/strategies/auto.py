@@ -60,12 +60,12 @@ class Auto(Strategy):
 
     def on_output(self, view: RoundView, live_nodes: int) -> list:
         actions = self.active.on_output(view, live_nodes)
-        if view.finished or view.round_ended or self.active is self.inner[AR_PP]:
-            return actions
         self._tick(view)
-        if self.chooser.decide() != self.active.name:   # measured slower than ar-pp: end this round now
+        if not (view.finished or view.round_ended or self.active is self.inner[AR_PP]) \
+                and self.chooser.decide() != self.active.name:   # measured slower than ar-pp: end this round now
             self._report(view)
             actions += view.restart_round(reason=self.chooser.reason)
+        self._report(view)   # the answer's stats count every token, the last ones included
         return actions
 
     def expand(self, view: RoundView, accepted: bool) -> list:
