@@ -130,15 +130,19 @@ def test_a_request_runs_to_done_and_streams_every_token_once():
 def test_an_engine_sees_how_many_requests_are_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py)."""
     b, port = book(max_running=2)
-    port.engine_.load = lambda: 1
+    port.engine_.running_requests = lambda: 1
     b.tick(0.0, True)
-    for rid, owner in ((1, b"a"), (2, b"b")):
+    for rid, owner in ((1, b"a"), (2, b"b"), (3, b"c")):
         b.submit(owner, prompt(rid, max_new=1), 0.0, True, [])
     b.tick(0.1, True)
-    assert port.engine_.load() == 2
+    assert port.engine_.running_requests() == 2   # the third waits in the queue: not counted
     first = port.engine_.starts[0][0]
     b.on_segment(first, 11, 0.2)   # the first one's single token: done
-    assert port.done(b"a") and port.engine_.load() == 1
+    assert port.done(b"a") and port.engine_.running_requests() == 1
+    b.tick(0.3, True)              # the third starts in its place
+    assert port.engine_.running_requests() == 2
+    b.stage_lost("stage 1 died", 0.4)   # paused requests wait for a stage, they do not run
+    assert port.engine_.running_requests() == 0
 
 
 def test_a_lost_stage_pauses_the_request_and_the_replay_continues_from_the_committed_tokens():

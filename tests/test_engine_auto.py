@@ -50,6 +50,7 @@ def test_auto_starts_with_flowspec_on_bandwidth_bound_devices_and_ar_pp_on_cpus(
 @pytest.mark.parametrize("device", list_devices())
 def test_the_load_model_never_speeds_a_request_up_and_is_one_alone(device):
     prediction = _prediction(device, 5)
+    assert prediction.load is not None   # the profiles give it: no load model would read as "no slowdown"
     for strategy in prediction.rates:
         factors = [prediction.load_factor(strategy, c) for c in range(1, 17)]
         assert factors[0] == 1.0 and all(0 < b <= a + 1e-12 <= 1.0 + 1e-12 for a, b in zip(factors, factors[1:]))
@@ -80,6 +81,33 @@ def test_under_load_auto_starts_with_ar_pp_from_some_load_on_and_never_goes_back
     if device == "orin-nano-8gb":
         assert choices[3] == FLOWSPEC and choices[7] == AR_PP   # the sweep: flowspec 1.23x at 4, 0.94x at 8
         assert "each of 8 requests" in Chooser(prediction, load=lambda: 8).reason
+
+
+def test_a_request_started_on_ar_pp_for_load_goes_speculative_once_the_load_falls():
+    running = [8]
+    chooser = Chooser(_prediction("orin-nano-8gb", 5), load=lambda: running[0])
+    assert chooser.choice == AR_PP and chooser.report()["requests_running"] == 8
+    chooser.observe(5, 0.5)
+    assert chooser.decide() == AR_PP   # still 8 running
+    running[0] = 3
+    assert chooser.decide() == FLOWSPEC and "3 requests running now" in chooser.reason
+    assert Chooser(_prediction("x86-cpu", 3), load=lambda: running[0]).decide() == AR_PP   # ar-pp alone too
+
+
+def test_concurrent_auto_requests_choose_at_the_load_they_see(tiny_pair):
+    """Real engine heads under the scheduler: the first choice is made when a request's first round starts,
+    with the requests running then, and is filed with the answer."""
+    from flowedge.engine.scheduler import BatchConfig
+    from flowedge.sim.cluster import SimRequest
+
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL)
+    requests = [SimRequest(i + 1, tuple(p), 12, SamplingParams()) for i, p in enumerate(PROMPTS[:3])]
+    res, _, _ = cluster.generate_many("auto", requests, BatchConfig(max_concurrent=3), device="orin-nano-8gb")
+    reports = [res.requests[i + 1].done.stats.auto for i in range(3)]
+    assert all(r["requests_running"] == 3 and "each of 3 requests" in r["reason"] for r in reports), reports
+    # every token is counted, but the first, which the prompt's prefill chose before any strategy ran
+    assert all(sum(r["tokens"].values()) == len(res.requests[i + 1].done.token_ids) - 1 for i, r in enumerate(reports))
 
 
 def test_under_load_flowspec_is_weighed_against_ar_pp_at_the_same_load():

@@ -267,7 +267,7 @@ def test_every_admitted_head_sees_the_requests_running():
     from flowedge.engine.scheduler import MultiHead
 
     class Head:
-        load = staticmethod(lambda: 1)
+        running_requests = staticmethod(lambda: 1)
         outputs: list[int] = []
         stats = None
         finished = False
@@ -279,6 +279,6 @@ def test_every_admitted_head_sees_the_requests_running():
     multi = MultiHead(lambda sub: heads.append(Head()) or heads[-1], 2, BatchConfig(max_concurrent=2))
     for rid in (1, 2, 3):
         multi.receive(Submit(rid, (5, 6), 4))
-    assert len(heads) == 2 and [h.load() for h in heads] == [2, 2] and multi.queued == 1
+    assert len(heads) == 2 and [h.running_requests() for h in heads] == [2, 2] and multi.queued == 1
     multi.receive(Cancel(1))   # the third is admitted in its place: still two running
-    assert len(heads) == 3 and all(h.load() == 2 for h in heads)
+    assert len(heads) == 3 and all(h.running_requests() == 2 for h in heads)

@@ -335,8 +335,8 @@ class RequestBook:
         except FlowedgeError as err:
             self._end(req, State.FAILED, str(err), prefix="")
             return
-        if hasattr(req.engine, "load"):   # strategy `auto` weighs its predictions by the requests running
-            req.engine.load = self._running_count
+        if hasattr(req.engine, "running_requests"):   # every engine Head (the tests' fakes may not)
+            req.engine.running_requests = self._running_count   # strategy `auto` weighs its predictions by it
         self.engine_ids += 1
         req.engine_id = self.engine_ids
         req.work.clear()   # a replay: whatever the old run had queued is void

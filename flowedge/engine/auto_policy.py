@@ -17,11 +17,12 @@ each try that did not pay; where the profiles already predict ar-pp, flowspec is
 would cost the request time on exactly the devices where speculation cannot pay).
 
 **Load.** Requests that share the pipeline (engine/scheduler.py, the daemon's request book) slow each
-other down, so a request's measured rate under load must be compared with the other strategy's rate *at
-the same load*, not alone: comparing a loaded flowspec measurement with ar-pp's rate alone made `auto` fall
-back at 4 concurrent requests on the Orin profile, where flowspec's aggregate is 1.27x ar-pp's
-(docs/bench/orin-nano-concurrency-auto). `LoadModel` scales the predictions to the number of requests
-running, for the first choice as for the comparisons after it.
+other down, each strategy differently (`LoadModel`), so every prediction is taken at the number of
+requests running: the first choice (made when a request's first round starts), the comparisons with a
+measured rate after it (comparing a loaded flowspec measurement with ar-pp alone made `auto` fall back at
+4 concurrent requests on the Orin profile, where flowspec's aggregate is 1.23x ar-pp's:
+docs/bench/orin-nano-concurrency-auto), and a request that started on ar-pp because of the load goes
+speculative once the load has fallen enough.
 """
 from __future__ import annotations
 
@@ -43,23 +44,32 @@ ROUND_TOKENS = 8.0
 PIPEDEC_HIT = 0.84
 
 
+def _at(costs: tuple[float, ...], k: float) -> float:
+    """`costs[i]` is the cost for i + 1 requests; linear in between, the last one past the end."""
+    k = min(max(k, 1.0), float(len(costs)))
+    lo = int(k)
+    hi = min(lo + 1, len(costs))
+    return costs[lo - 1] + (k - lo) * (costs[hi - 1] - costs[lo - 1])
+
+
 @dataclass(frozen=True)
 class LoadModel:
     """How one request's rate falls as `load` requests share the pipeline (1 alone).
 
     ar-pp: each request keeps one token circulating through the stages, so the aggregate grows with the
-    requests until the slowest stage is busy all the time; from there only with the batch that stage runs
-    (its tokens waiting: requests / stages). flowspec: node 0 drafts for every request, so the aggregate
-    grows only as far as its draft calls batch: a call serves its own request and each other one whose
-    segment came back while it ran (once per trip through the pipeline): 1 + (load - 1) x call / trip
-    of them, at `draft_batch_s[k - 1]` for k (1.49, 2.46 and 4.4 requests per call at 2, 4 and 8 on the
-    Orin profile; the simulator measured 1.41, 2.18 and 4.06, docs/bench/orin-nano-concurrency-8).
-    pipedec, like flowspec, waits on node 0 every level."""
-    token_latency_s: float            # one token through every stage, then the lm_head
-    bottleneck_s: float               # the slowest stage's 1-token forward (the last stage's with its lm_head)
+    requests until the slowest stage is busy all the time, and from there as that stage batches the
+    tokens waiting at it (requests / stages of them, at `ar_batch_s`). flowspec (and pipedec): every
+    request needs node 0's draft call and a stage step per segment. A call serves its own request and
+    each other one whose segment came back while it ran (once per trip through the pipeline): about
+    1 + (load - 1) x call / trip of them (on the Orin profile 1.49, 2.46 and 4.4 at 2, 4 and 8; the
+    simulator measured 1.41, 2.18 and 4.06 per draft call, docs/bench/orin-nano-concurrency-8), and the
+    step for that many costs the slower of their batched draft call and their batched stage segment."""
+    token_latency_s: float              # one token through every stage, then the lm_head
     n_stages: int
-    pipeline_latency_s: float = 0.0   # an l_max segment through every stage
-    draft_batch_s: tuple[float, ...] = ()   # one draft call batching 1, 2, ... requests' expansions
+    ar_batch_s: tuple[float, ...]       # the slowest stage's ar-pp step for 1, 2, ... requests' tokens
+    pipeline_latency_s: float = 0.0     # an l_max segment through every stage
+    draft_batch_s: tuple[float, ...] = ()   # one draft call for 1, 2, ... requests' expansions
+    flow_batch_s: tuple[float, ...] = ()    # the slowest stage on 1, 2, ... requests' mean segments
 
     def factor(self, strategy: str, load: int) -> float:
         if load <= 1:
@@ -67,22 +77,20 @@ class LoadModel:
         return self._ar(load) if strategy == AR_PP else self._drafting(load)
 
     def _ar(self, load: int) -> float:
-        if self.token_latency_s <= 0 or self.bottleneck_s <= 0:
+        if self.token_latency_s <= 0 or not self.ar_batch_s or self.ar_batch_s[0] <= 0:
             return 1.0
         batch = max(1.0, load / max(1, self.n_stages))   # tokens waiting at a stage when it is saturated
-        aggregate = min(load / self.token_latency_s, batch / self.bottleneck_s)
+        aggregate = min(load / self.token_latency_s, batch / _at(self.ar_batch_s, batch))
         return min(1.0, aggregate * self.token_latency_s / load)
 
     def _drafting(self, load: int) -> float:
-        calls = self.draft_batch_s
-        if not calls or self.pipeline_latency_s <= 0:
+        calls, stage = self.draft_batch_s, self.flow_batch_s or (0.0,)
+        if not calls or calls[0] <= 0 or self.pipeline_latency_s <= 0:
             return 1.0
-        # a call serves its own request and each other one whose segment came back while it ran
-        k = min(float(len(calls)), 1.0 + (load - 1) * min(1.0, calls[0] / self.pipeline_latency_s))
-        lo = int(k)
-        hi = min(lo + 1, len(calls))
-        call_s = calls[lo - 1] + (k - lo) * (calls[hi - 1] - calls[lo - 1])
-        speedup = min(float(load), k * calls[0] / call_s)   # the aggregate over one request alone
+        k = 1.0 + (load - 1) * min(1.0, calls[0] / self.pipeline_latency_s)
+        step_alone = max(calls[0], stage[0])
+        step_shared = max(_at(calls, k), _at(stage, k) if self.flow_batch_s else 0.0)
+        speedup = min(float(load), max(1.0, k * step_alone / step_shared))   # the aggregate over one alone
         return speedup / load
 
 
@@ -109,14 +117,15 @@ class Prediction:
     @staticmethod
     def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
                    accept_per_step: float = ACCEPT_PER_STEP, *, pipeline_latency_s: float = 0.0,
-                   segment_step_s: float = 0.0, bottleneck_token_s: float = 0.0,
-                   n_stages: int = 0, draft_batch_s: tuple[float, ...] = ()) -> "Prediction | None":
+                   segment_step_s: float = 0.0, n_stages: int = 0, ar_batch_s: tuple[float, ...] = (),
+                   draft_batch_s: tuple[float, ...] = (),
+                   flow_batch_s: tuple[float, ...] = ()) -> "Prediction | None":
         """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free).
 
         Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
         (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
         slower of that and the draft call when it hits, a trip through the pipeline when it misses.
-        `bottleneck_token_s`, `n_stages` and `draft_batch_s` (where known) give the load model."""
+        `n_stages` and the batched costs (where known) give the load model (`LoadModel`)."""
         step_s = max(flow_step_s, draft_call_s)
         if token_latency_s <= 0 or step_s <= 0:
             return None
@@ -125,8 +134,8 @@ class Prediction:
         if segment_step_s > 0:
             level_s = max(segment_step_s, draft_call_s)
             rates[PIPEDEC] = 1.0 / (PIPEDEC_HIT * level_s + (1 - PIPEDEC_HIT) * (pipeline_latency_s + draft_call_s))
-        load = (LoadModel(token_latency_s, bottleneck_token_s, n_stages, pipeline_latency_s, tuple(draft_batch_s))
-                if bottleneck_token_s > 0 and n_stages else None)
+        load = (LoadModel(token_latency_s, n_stages, tuple(ar_batch_s), pipeline_latency_s, tuple(draft_batch_s),
+                          tuple(flow_batch_s)) if ar_batch_s and n_stages else None)
         return Prediction(rates, load=load)
 
 
@@ -179,6 +188,7 @@ class Chooser:
         self.probe_after = policy.probe_tokens
         self.since_switch = 0
         self.fell_back = False   # probes only follow a measured fall-back, never a predicted ar-pp
+        self.started_at_load = self.initial_load = load()
         self.choice, self.reason = self._initial()
         self.initial = (self.choice, self.reason)
 
@@ -238,7 +248,10 @@ class Chooser:
         self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
 
     def _maybe_probe(self) -> None:
-        if not self.fell_back or self.since_switch < self.probe_after:
+        if not self.fell_back:
+            self._maybe_unload()
+            return
+        if self.since_switch < self.probe_after:
             return
         fs, how = self.rate(self.spec)
         ar, _ = self.rate(AR_PP)
@@ -246,6 +259,18 @@ class Chooser:
         self.probe_after = min(2 * self.probe_after, self.policy.max_probe_tokens)
         self._switch(self.spec, f"probe after {self.since_switch} ar-pp tokens ({self.spec} {how} "
                                 f"{fs:.2f} tok/s, ar-pp {ar:.2f})")
+
+    def _maybe_unload(self) -> None:
+        """ar-pp was predicted at the load there was: go speculative if the profiles predict it at the
+        load there is now (requests ended). Where ar-pp is predicted alone this never switches."""
+        running = self.load()
+        if self.prediction is None or running >= self.started_at_load:
+            return
+        rates = self.prediction.at_load(running)
+        if rates[self.spec] >= self.policy.margin * rates[AR_PP]:
+            self.started_at_load = running
+            self._switch(self.spec, f"{running} requests running now: profiles predict {self.spec} "
+                                    f"{rates[self.spec]:.2f} tok/s >= {self.policy.margin}x ar-pp {rates[AR_PP]:.2f}")
 
     def _switch(self, to: str, reason: str) -> None:
         self.switches.append({"to": to, "after_tokens": sum(self.tokens.values()), "reason": reason})
@@ -257,4 +282,8 @@ class Chooser:
                "tokens": dict(self.tokens), "switches": list(self.switches)}
         if self.prediction is not None:
             out["predicted_tok_s"] = {k: round(v, 3) for k, v in self.prediction.rates.items()}
+            if self.initial_load > 1:   # what the first choice was made on
+                out["requests_running"] = self.initial_load
+                out["predicted_tok_s_each"] = {k: round(v, 3)
+                                               for k, v in self.prediction.at_load(self.initial_load).items()}
         return out

@@ -46,7 +46,8 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         self.request_id = 0
         self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
-        self.load: Callable[[], int] = lambda: 1   # requests on the pipeline now, this one included (the driver's)
+        # requests sharing the pipeline now, this one included: set by MultiHead or the daemon's RequestBook
+        self.running_requests: Callable[[], int] = lambda: 1
         self.view = RoundView(self)   # all a strategy sees of this head
 
     # ---- request lifecycle ------------------------------------------------------------------------

@@ -62,9 +62,9 @@ class RoundView:
         """Seconds on the driver's clock (the simulator's virtual one under simulation)."""
         return self._head.clock()
 
-    def load(self) -> int:
+    def running_requests(self) -> int:
         """Requests sharing the pipeline now, this one included (1 alone; strategy `auto` weighs it)."""
-        return self._head.load()
+        return self._head.running_requests()
 
     @property
     def stats(self) -> Stats:

@@ -168,8 +168,8 @@ class MultiHead:
             head = self.make_head(sub)
             if hasattr(head, "clock"):
                 head.clock = self.now
-            if hasattr(head, "load"):
-                head.load = lambda: self.in_flight   # strategy `auto` weighs its predictions by it
+            if hasattr(head, "running_requests"):   # every engine Head (the tests' fakes may not)
+                head.running_requests = lambda: self.in_flight   # strategy `auto` weighs its predictions by it
             self.heads[sub.request_id] = head
             self.reserved[sub.request_id] = self.footprint(sub)
             log.debug("admitted request %d (%d running, %d queued)", sub.request_id, len(self.heads),

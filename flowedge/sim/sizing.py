@@ -76,9 +76,11 @@ class TreeCosts:
     prefill_chunk: int | None = None   # prompt tokens per prefill segment (`prefill_chunk_for`); None: as set
     flat_segment: int | None = None    # most tokens a segment carries at about an l_max one's cost (flat only)
     segment_step_s: float = 0.0   # the slowest stage on an l_max segment (a pipedec level's step)
-    bottleneck_token_s: float = 0.0   # the slowest stage on 1 token, the last with its lm_head (ar-pp under load)
     n_stages: int = 0
-    draft_batch_s: tuple[float, ...] = ()   # one draft call for 1, 2, ... requests' expansions (`draft_width` rows each)
+    # under load (engine/auto_policy.LoadModel), for 1, 2, ... MAX_LOAD requests at once:
+    ar_batch_s: tuple[float, ...] = ()      # the slowest stage's ar-pp step (the last with its lm_head)
+    draft_batch_s: tuple[float, ...] = ()   # one draft call (`draft_width` rows per request)
+    flow_batch_s: tuple[float, ...] = ()    # the slowest stage on their mean flowspec segments
 
 
 FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions
@@ -155,12 +157,20 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
     segment = flat_segment_for(slowest_stage_s, l_max, exp_nodes, call_s(topk)) if flat else None
     if segment is not None and segment < FLOW_SEGMENT:   # expansions send no more than that
         flow_s = max(fwd(segment))
-    one = fwd(1)
-    bottleneck = max([*one[:-1], one[-1] + head_s])
     width = flat_draft_width(call_s, topk)
-    batches = tuple(call_s(width * k) for k in range(1, MAX_LOAD + 1))
-    return TreeCosts(latency, call_s(topk), width, ratio, token_s, flow_s, chunk, segment,
-                     max(fwd(l_max)), bottleneck, len(shapes), batches)
+    seg_tokens = min(FLOW_SEGMENT, segment) if segment is not None else FLOW_SEGMENT
+
+    def batched(tokens_each: int, k: int) -> list[float]:   # k requests' rows, each attending its own context
+        return [forward_time_s(dev, shape, tokens_each * k, ctx * k, path, attended=ctx) for dev, shape, path in stages]
+
+    def ar_step(k: int) -> float:
+        f = batched(1, k)
+        return max([*f[:-1], f[-1] + lm_head_time_s(stage_devices[-1], base_config, k, paths[-1])])
+
+    loads = range(1, MAX_LOAD + 1)
+    return TreeCosts(latency, call_s(topk), width, ratio, token_s, flow_s, chunk, segment, max(fwd(l_max)),
+                     len(shapes), tuple(ar_step(k) for k in loads), tuple(call_s(width * k) for k in loads),
+                     tuple(max(batched(seg_tokens, k)) for k in loads))
 
 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
@@ -172,5 +182,5 @@ def predict_from_costs(costs: TreeCosts) -> Prediction | None:
     """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
     return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
                                  pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
-                                 bottleneck_token_s=costs.bottleneck_token_s, n_stages=costs.n_stages,
-                                 draft_batch_s=costs.draft_batch_s)
+                                 n_stages=costs.n_stages, ar_batch_s=costs.ar_batch_s,
+                                 draft_batch_s=costs.draft_batch_s, flow_batch_s=costs.flow_batch_s)

@@ -39,7 +39,7 @@ class Auto(Strategy):
         now, emitted = view.clock(), view.emitted
         if self._stats is not view.stats:
             self._stats = view.stats   # a new answer: fresh measurements (prompts differ)
-            self.chooser = Chooser(self.prediction, self.policy, load=view.load)
+            self.chooser = Chooser(self.prediction, self.policy, load=view.running_requests)
             view.stats.auto = self.chooser.report()
         else:
             self.chooser.observe(emitted - self._last[1], now - self._last[0])
@@ -63,7 +63,6 @@ class Auto(Strategy):
         self._tick(view)
         if not (view.finished or view.round_ended or self.active is self.inner[AR_PP]) \
                 and self.chooser.decide() != self.active.name:   # measured slower than ar-pp: end this round now
-            self._report(view)
             actions += view.restart_round(reason=self.chooser.reason)
         self._report(view)   # the answer's stats count every token, the last ones included
         return actions
