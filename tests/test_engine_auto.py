@@ -90,7 +90,8 @@ def test_a_request_started_on_ar_pp_for_load_goes_speculative_once_the_load_fall
     chooser.observe(5, 0.5)
     assert chooser.decide() == AR_PP   # still 8 running
     running[0] = 3
-    assert chooser.decide() == FLOWSPEC and "3 requests running now" in chooser.reason
+    assert chooser.decide(tokens_left=10) == AR_PP   # too little left to pay for a new round
+    assert chooser.decide(tokens_left=100) == FLOWSPEC and "3 requests running now" in chooser.reason
     assert Chooser(_prediction("x86-cpu", 3), load=lambda: running[0]).decide() == AR_PP   # ar-pp alone too
 
 

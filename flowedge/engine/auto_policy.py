@@ -145,6 +145,7 @@ class AutoPolicy:
     window_tokens: int = 16      # a measured rate counts after this many tokens
     probe_tokens: int = 32       # ar-pp tokens before flowspec is tried again after a fall-back
     max_probe_tokens: int = 512  # the doubling stops here
+    unload_tokens: int = 64      # a request started on ar-pp for load goes speculative only with this many left
 
 
 class _Meter:
@@ -231,12 +232,12 @@ class Chooser:
         scale = ar_measured / rates[AR_PP] if ar_measured is not None else 1.0
         return rates[strategy] * scale, how
 
-    def decide(self) -> str:
-        """The strategy to run from here (may switch; the reason says why)."""
+    def decide(self, tokens_left: int | None = None) -> str:
+        """The strategy to run from here (may switch; the reason says why). `tokens_left`: of the answer."""
         if self.choice != AR_PP:
             self._maybe_fall_back()
         else:
-            self._maybe_probe()
+            self._maybe_probe(tokens_left)
         return self.choice
 
     def _maybe_fall_back(self) -> None:
@@ -247,9 +248,10 @@ class Chooser:
         self.fell_back = True
         self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
 
-    def _maybe_probe(self) -> None:
+    def _maybe_probe(self, tokens_left: int | None = None) -> None:
         if not self.fell_back:
-            self._maybe_unload()
+            if tokens_left is None or tokens_left >= self.policy.unload_tokens:
+                self._maybe_unload()
             return
         if self.since_switch < self.probe_after:
             return
@@ -262,7 +264,10 @@ class Chooser:
 
     def _maybe_unload(self) -> None:
         """ar-pp was predicted at the load there was: go speculative if the profiles predict it at the
-        load there is now (requests ended). Where ar-pp is predicted alone this never switches."""
+        load there is now (requests ended). Where ar-pp is predicted alone this never switches. Only with
+        `unload_tokens` of the answer left: a switch starts a round, a trip through the pipeline (measured
+        on a burst of 8 x 48-token answers on the Orin profile: switching for the last tokens as the others
+        ended took the aggregate from 64.46 to 59.08 tok/s)."""
         running = self.load()
         if self.prediction is None or running >= self.started_at_load:
             return

@@ -54,6 +54,11 @@ class RoundView:
         """Tokens answered so far in this request."""
         return len(self._head.outputs)
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the answer may still have (it may stop sooner)."""
+        return self._head.max_new - len(self._head.outputs)
+
     def context(self) -> list[int]:
         """Prompt + answered tokens (a fresh list)."""
         return self._head.context()

@@ -51,7 +51,7 @@ class Auto(Strategy):
     # ---- the strategy interface -------------------------------------------------------------------
     def build_round(self, view: RoundView) -> DraftTree:
         self._tick(view)
-        self.active = self.inner[self.chooser.decide()]
+        self.active = self.inner[self.chooser.decide(view.tokens_left)]
         self._report(view)
         return self.active.build_round(view)
 
@@ -62,7 +62,7 @@ class Auto(Strategy):
         actions = self.active.on_output(view, live_nodes)
         self._tick(view)
         if not (view.finished or view.round_ended or self.active is self.inner[AR_PP]) \
-                and self.chooser.decide() != self.active.name:   # measured slower than ar-pp: end this round now
+                and self.chooser.decide(view.tokens_left) != self.active.name:   # measured slower than ar-pp: end this round now
             actions += view.restart_round(reason=self.chooser.reason)
         self._report(view)   # the answer's stats count every token, the last ones included
         return actions
