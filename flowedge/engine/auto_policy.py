@@ -84,13 +84,15 @@ class LoadModel:
         return min(1.0, aggregate * self.token_latency_s / load)
 
     def _drafting(self, load: int) -> float:
-        calls, stage = self.draft_batch_s, self.flow_batch_s or (0.0,)
+        calls, stages = self.draft_batch_s, self.flow_batch_s
         if not calls or calls[0] <= 0 or self.pipeline_latency_s <= 0:
             return 1.0
+
+        def step_s(requests: float) -> float:   # node 0's batched call or the slowest stage's, the slower
+            return max(_at(calls, requests), _at(stages, requests) if stages else 0.0)
+
         k = 1.0 + (load - 1) * min(1.0, calls[0] / self.pipeline_latency_s)
-        step_alone = max(calls[0], stage[0])
-        step_shared = max(_at(calls, k), _at(stage, k) if self.flow_batch_s else 0.0)
-        speedup = min(float(load), max(1.0, k * step_alone / step_shared))   # the aggregate over one alone
+        speedup = min(float(load), max(1.0, k * step_s(1.0) / step_s(k)))   # the aggregate over one alone
         return speedup / load
 
 
@@ -189,23 +191,27 @@ class Chooser:
         self.probe_after = policy.probe_tokens
         self.since_switch = 0
         self.fell_back = False   # probes only follow a measured fall-back, never a predicted ar-pp
-        self.started_at_load = self.initial_load = load()
+        self.initial_load = load()   # the first choice is made at it
         self.choice, self.reason = self._initial()
         self.initial = (self.choice, self.reason)
 
     def _initial(self) -> tuple[str, str]:
         if self.prediction is None:
             return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
-        running = self.load()
+        running = self.initial_load
+        speculate, words = self._profiles_speculate(running)
+        among = "" if running <= 1 else f" (each of {running} requests)"
+        return (self.spec if speculate else AR_PP), words + among
+
+    def _profiles_speculate(self, running: int) -> tuple[bool, str]:
+        """Whether the profiles predict the speculative strategy `margin` times ar-pp's rate or more, for
+        each of `running` requests; and that comparison in words."""
         rates = self.prediction.at_load(running)
         fs, ar = rates[self.spec], rates[AR_PP]
+        speculate = fs >= self.policy.margin * ar
         others = "".join(f", {s} {r:.2f}" for s, r in rates.items() if s not in (self.spec, AR_PP))
-        among = "" if running <= 1 else f" (each of {running} requests)"
-        if fs >= self.policy.margin * ar:
-            return self.spec, (f"profiles predict {self.spec} {fs:.2f} tok/s >= {self.policy.margin}x ar-pp "
-                               f"{ar:.2f}{others}{among}")
-        return AR_PP, (f"profiles predict {self.spec} {fs:.2f} tok/s < {self.policy.margin}x ar-pp {ar:.2f}"
-                       f"{others}{among}")
+        return speculate, (f"profiles predict {self.spec} {fs:.2f} tok/s {'>=' if speculate else '<'} "
+                           f"{self.policy.margin}x ar-pp {ar:.2f}{others}")
 
     def observe(self, tokens: int, seconds: float) -> None:
         """`tokens` were emitted over `seconds` while the current choice ran."""
@@ -236,8 +242,10 @@ class Chooser:
         """The strategy to run from here (may switch; the reason says why). `tokens_left`: of the answer."""
         if self.choice != AR_PP:
             self._maybe_fall_back()
-        else:
-            self._maybe_probe(tokens_left)
+        elif self.fell_back:
+            self._maybe_probe()
+        elif tokens_left is None or tokens_left >= self.policy.unload_tokens:
+            self._maybe_unload()
         return self.choice
 
     def _maybe_fall_back(self) -> None:
@@ -248,11 +256,7 @@ class Chooser:
         self.fell_back = True
         self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
 
-    def _maybe_probe(self, tokens_left: int | None = None) -> None:
-        if not self.fell_back:
-            if tokens_left is None or tokens_left >= self.policy.unload_tokens:
-                self._maybe_unload()
-            return
+    def _maybe_probe(self) -> None:
         if self.since_switch < self.probe_after:
             return
         fs, how = self.rate(self.spec)
@@ -269,13 +273,11 @@ class Chooser:
         on a burst of 8 x 48-token answers on the Orin profile: switching for the last tokens as the others
         ended took the aggregate from 64.46 to 59.08 tok/s)."""
         running = self.load()
-        if self.prediction is None or running >= self.started_at_load:
+        if self.prediction is None or running >= self.initial_load:
             return
-        rates = self.prediction.at_load(running)
-        if rates[self.spec] >= self.policy.margin * rates[AR_PP]:
-            self.started_at_load = running
-            self._switch(self.spec, f"{running} requests running now: profiles predict {self.spec} "
-                                    f"{rates[self.spec]:.2f} tok/s >= {self.policy.margin}x ar-pp {rates[AR_PP]:.2f}")
+        speculate, words = self._profiles_speculate(running)
+        if speculate:   # from here a slow measurement falls back and probes, as after any other start
+            self._switch(self.spec, f"{running} requests running now: {words}")
 
     def _switch(self, to: str, reason: str) -> None:
         self.switches.append({"to": to, "after_tokens": sum(self.tokens.values()), "reason": reason})

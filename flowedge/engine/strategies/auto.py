@@ -61,9 +61,9 @@ class Auto(Strategy):
     def on_output(self, view: RoundView, live_nodes: int) -> list:
         actions = self.active.on_output(view, live_nodes)
         self._tick(view)
-        if not (view.finished or view.round_ended or self.active is self.inner[AR_PP]) \
-                and self.chooser.decide(view.tokens_left) != self.active.name:   # measured slower than ar-pp: end this round now
-            actions += view.restart_round(reason=self.chooser.reason)
+        speculating = not (view.finished or view.round_ended or self.active is self.inner[AR_PP])
+        if speculating and self.chooser.decide(view.tokens_left) != self.active.name:
+            actions += view.restart_round(reason=self.chooser.reason)   # measured slower than ar-pp: end it now
         self._report(view)   # the answer's stats count every token, the last ones included
         return actions
 
