@@ -30,7 +30,8 @@ from zmq.utils.monitor import parse_monitor_message
 from flowedge.daemon import wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.daemon.membership import ClientGone, ConnectionTracker, Membership, Peer, StageLost
+from flowedge.daemon.connections import ConnectionTracker
+from flowedge.daemon.membership import ClientGone, Membership, Peer, StageLost
 from flowedge.daemon.plan import Replanner, prepare_plan
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
@@ -61,7 +62,7 @@ class HeadNode:
         self.security = Security.start(self.ctx, config.keys_path, config.insecure)
         self.ctrl = self._bind(zmq.ROUTER, self.port)
         self.ret = self._bind(zmq.PULL, self.port + 1)
-        self.monitor = self.ctrl.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.ctrl.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.connections = ConnectionTracker()
         self.to_stage1: zmq.Socket | None = None
         self.stage1: bytes | None = None   # identity the to_stage1 socket was made for
@@ -126,7 +127,7 @@ class HeadNode:
         while not self.stop.is_set():
             ready = dict(poller.poll(0 if self.requests.has_work() else 50))
             emptied = True
-            if self.monitor in ready:   # first: a closed connection is known before its fd is reused
+            if self.monitor in ready:   # first: a closed connection ends its peers before anything else
                 emptied &= self._drain(self.monitor, self._on_monitor)
             if self.ret in ready:
                 self._drain(self.ret, self._on_return)
@@ -183,7 +184,11 @@ class HeadNode:
         identity, body = frames[0].bytes, frames[1:]
         if not body:
             return
-        self.connections.saw(frames[0].get(zmq.SRCFD), identity)
+        if not self.connections.knows(identity):   # its connection's ACCEPTED is in the monitor by now
+            while not self._drain(self.monitor, self._on_monitor):
+                pass
+        if not self.connections.bind(frames[0].get(zmq.SRCFD), identity):
+            return   # from a connection already closed: nobody to answer
         peer = self.members.seen(identity)
         if peer is None:
             try:
@@ -237,10 +242,11 @@ class HeadNode:
         self.requests.cancel(peer.identity, msg.request_id)
 
     def _on_monitor(self, frames: list) -> None:
+        """Connections accepted and closed (connections.py ties them to peer identities), refused handshakes."""
         event = recv_monitor_message_from(frames)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            identity = self.connections.closed(event["value"])
-            if identity is not None:
+        if event["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
+            track = self.connections.accepted if event["event"] == zmq.EVENT_ACCEPTED else self.connections.closed
+            for identity in track(event["value"]):
                 self._events(self.members.on_disconnect(identity))
             return
         log.warning("refused a connection from %s: CurveZMQ handshake failed (event %s) — a node without "

@@ -331,17 +331,3 @@ def heartbeats(peer: Peer) -> bool:
     by their connection only."""
     return peer.hello.capabilities.get("heartbeat") is True
 
-
-class ConnectionTracker:
-    """Maps the ROUTER's connections (file descriptors, as the socket monitor names them) to peer
-    identities, so a DISCONNECTED event names the peer that left."""
-
-    def __init__(self) -> None:
-        self.identity_of_fd: dict[int, bytes] = {}
-
-    def saw(self, fd: int | None, identity: bytes) -> None:
-        if fd is not None and fd >= 0:
-            self.identity_of_fd[fd] = identity
-
-    def closed(self, fd: int) -> bytes | None:
-        return self.identity_of_fd.pop(fd, None)
