@@ -2,7 +2,8 @@
 
 - none: keep the weights as loaded.
 - nf4:  bitsandbytes Linear4bit (NF4, blocksize 64), CUDA and CPU.
-- int4: torch's tinygemm int4 kernels, group-wise asymmetric quantization (no extra package).
+- int4: group-wise asymmetric 4-bit (W4A16): on CPU flowedge's row-invariant kernel (flowedge.kernels,
+        built with the system C compiler on first use), else torch's tinygemm int4 kernels.
 Only nn.Linear layers are replaced; embeddings and lm_head stay as they are unless asked.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from flowedge.errors import BackendUnavailable, ConfigError
+from flowedge.kernels import w4a16
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +163,17 @@ def pack_int4(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Pac
 
 
 class Int4Linear(nn.Module):
-    """Linear with 4-bit group-quantized weights run by torch's int4pack matmul."""
+    """Linear with 4-bit group-quantized weights.
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int, group_size: int) -> None:
+    CPU: flowedge's row-invariant native kernel (`flowedge.kernels.w4a16`) when it builds here, else
+    torch's int4pack matmul (not row-invariant: a row's result depends on the rows sharing the call).
+    CUDA: torch's tinygemm int4pack matmul."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, group_size: int, native: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.native = native   # packed holds the native kernel's tiles (scales and zeros inside)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         self.register_buffer("bias", bias)
@@ -182,9 +189,13 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_packed(cls, w: PackedInt4, bias: torch.Tensor | None,
                     device: torch.device | str = "cpu") -> Int4Linear:
-        """Repack the portable layout for this device's kernel (CPU: int32 codes in; CUDA: two codes a
-        byte, high nibble first). Only this layer's codes are ever unpacked, never a float weight."""
+        """Repack the portable layout for this device's kernel (CPU native: 16-output tiles; CPU int4pack:
+        int32 codes in; CUDA: two codes a byte, high nibble first). Never a float weight."""
         device = torch.device(device)
+        if device.type == "cpu" and _native_kernel(w):
+            tiles = w4a16.prepare(w).tiles
+            bias = None if bias is None else bias.float()
+            return cls(tiles, None, bias, w.in_features, w.out_features, w.group_size, native=True)
         if device.type == "cuda":
             q = w.qweight.to(device)
             as_bytes = ((q & 15) << 4) | (q >> 4)   # the CUDA kernel wants the even column high
@@ -199,6 +210,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if self.native:
+            return self._native_forward(x)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if flat.device.type == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_zeros)
@@ -210,8 +223,20 @@ class Int4Linear(nn.Module):
             out = out + self.bias.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = w4a16.W4A16Weight(self.packed, self.out_features, self.in_features, self.group_size)
+        out = w4a16.linear(x.reshape(-1, self.in_features).float(), weight, self.bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        kernel = "native" if self.native else "int4pack"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={kernel}")
+
+
+def _native_kernel(w: PackedInt4) -> bool:
+    """True when flowedge's CPU kernel takes this weight (it is built here and the shape fits)."""
+    return w4a16.supports(w.out_features, w.in_features, w.group_size) and w4a16.available()
 
 
 # ---------------------------------------------------------------- nf4 (bitsandbytes)

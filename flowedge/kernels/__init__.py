@@ -1,0 +1,1 @@
+"""Native CPU kernels built on first use (see build.py); torch's kernels are the fallback."""

@@ -1,0 +1,125 @@
+"""Compile a kernel's C source once per machine and load it with ctypes.
+
+The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<key>.so`, the key hashing the source, the
+compiler's version and the flags it expands `-march=native` to: a new source, compiler or CPU builds
+anew, anything else reuses the file. The compiler writes to a private temporary name that is renamed
+into place, so processes building at once never load a half-written file.
+
+No compiler, a failed build or `FLOWEDGE_KERNELS=torch` -> `load()` returns None and says why once
+(callers fall back to torch's kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowedge.models.registry import flowedge_home
+
+log = logging.getLogger(__name__)
+
+KERNELS_ENV = "FLOWEDGE_KERNELS"   # "torch": never use the native kernels (A/B measurements)
+CC_ENV = "CC"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
+BUILD_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A loaded kernel library and where it came from."""
+
+    lib: ctypes.CDLL
+    path: Path
+    compiled: bool   # False when an earlier build was reused
+
+
+class BuildError(RuntimeError):
+    """The C source could not be compiled or loaded here."""
+
+
+def disabled() -> bool:
+    return os.environ.get(KERNELS_ENV, "").strip().lower() == "torch"
+
+
+def compiler() -> list[str]:
+    return shlex.split(os.environ.get(CC_ENV) or "gcc")
+
+
+def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False, **kwargs)
+
+
+def _native_flags(cc: list[str]) -> str:
+    """What -march=native means on this CPU (gcc prints the expanded options); '' if unknown."""
+    try:
+        out = _run([*cc, "-march=native", "-Q", "--help=target"]).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return "\n".join(line.strip() for line in out.splitlines() if line.strip().startswith(("-march=", "-m")))
+
+
+def cache_key(source: Path, cc: list[str]) -> str:
+    try:
+        version = _run([*cc, "--version"]).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"compiler {shlex.join(cc)!r} cannot run ({exc})") from exc
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), _native_flags(cc).encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build(source: Path, cache_dir: Path | None = None) -> Built:
+    """Compile `source` (or reuse its cached build) and load it. Raises BuildError."""
+    cc = compiler()
+    cache_dir = cache_dir or flowedge_home() / "kernels"
+    target = cache_dir / f"{source.stem}-{cache_key(source, cc)}.so"
+    compiled = False
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache_dir)
+        os.close(fd)
+        try:
+            result = _run([*cc, *FLAGS, "-o", tmp, str(source)])
+            if result.returncode != 0:
+                raise BuildError(f"{shlex.join(cc)} failed on {source.name}: {_first_error(result.stderr)}")
+            os.replace(tmp, target)
+            compiled = True
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BuildError(f"compiler {shlex.join(cc)!r} cannot run ({exc})") from exc
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        return Built(ctypes.CDLL(str(target)), target, compiled)
+    except OSError as exc:
+        raise BuildError(f"cannot load {target}: {exc}") from exc
+
+
+def _first_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "error" in line] or stderr.splitlines() or ["no output"]
+    return lines[0][:300]
+
+
+@functools.lru_cache(maxsize=None)
+def load(source: Path) -> Built | None:
+    """The built library, or None (logged once) when disabled or it cannot be built here."""
+    if disabled():
+        log.info("native kernels off (%s=torch): using torch's kernels", KERNELS_ENV)
+        return None
+    try:
+        built = build(source)
+    except BuildError as exc:
+        log.warning("native %s kernel unavailable, using torch's kernels: %s", source.stem, exc)
+        return None
+    if built.compiled:
+        log.info("built native kernel %s", built.path)
+    return built

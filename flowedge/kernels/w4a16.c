@@ -1,0 +1,229 @@
+/* Row-invariant W4A16 matmul: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W 4-bit group-quantized.
+ *
+ * Called through ctypes with raw pointers (no torch, no Python API). The numerics and the tiled
+ * weight layout are documented in flowedge/kernels/w4a16.py; in short, per output n and group g:
+ *   S = sum over the group's k of (code - 8) * bf16(x[k])   (fp32, a fixed order per build)
+ *   y += S * scale + zero * X_g,   X_g = sum over the group of bf16(x[k]) (fp32, fixed order)
+ * Every output's operations are the same whatever M, the row block a row falls in, or the thread
+ * count (threads split N only), so a row's result never depends on the rows beside it.
+ *
+ * Layout (per tile of 16 outputs, per group; BLK = 64 + 8 * G bytes, tiles then groups):
+ *   16 scales bf16 | 16 zeros bf16 | G/8 blocks of 16 dwords; dword i of block b holds the codes
+ *   c0..c7 of output i at k = 8b..8b+7 as nibbles c0 c2 c4 c6 c1 c3 c5 c7 (low to high), so that
+ *   (dword >> 4p) puts (c_2p, c_2p+1) in the low bits of its two 16-bit halves.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#define TILE 16
+
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x [M, K] fp32 -> xb [M, K] bf16 bits and xs [M, K/G] group sums of the rounded values.
+ * The sum runs in 16 fixed lanes, then the lanes are added in a fixed order: per row, as in any M. */
+static void prepare_x(const float *x, int64_t M, int64_t K, int64_t G, uint16_t *xb, float *xs) {
+    int64_t ng = K / G;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        uint16_t *br = xb + m * K;
+        for (int64_t k = 0; k < K; k++) br[k] = bf16_rne(xr[k]);
+        for (int64_t g = 0; g < ng; g++) {
+            float lane[16] = {0};
+            for (int64_t k = 0; k < G; k += 16)
+                for (int j = 0; j < 16; j++) lane[j] += bf16_to_f32(br[g * G + k + j]);
+            float s = 0.f;
+            for (int j = 0; j < 16; j++) s += lane[j];
+            xs[m * ng + g] = s;
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+const char *w4a16_isa(void) { return "avx512bf16"; }
+
+static inline __m512 load_bf16x16(const uint8_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* R rows x T tiles, all of K. acc/gacc live in registers (R, T are constants after inlining). */
+static inline __attribute__((always_inline)) void
+tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uint16_t *xb, const float *xs,
+            int64_t K, const float *bias, float *y, int64_t N, int64_t n0, const int R, const int T) {
+    /* entries 0..15 = bf16(c - 8); 16..31 repeat them so bit 4 of the index does not matter */
+    const __m512i table = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+    __m512 acc[T][R];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+    const int64_t blk = 64 + 8 * G;
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 gacc[T][R];
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < R; r++) gacc[t][r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < G / 8; b++) {
+            for (int t = 0; t < T; t++) {
+                const uint8_t *cp = w + t * blk_tile + g * blk + 64 + b * 64;
+                __m512i d = _mm512_loadu_si512((const void *)cp);
+                for (int p = 0; p < 4; p++) {
+                    __m512i idx = p == 0 ? d : _mm512_srli_epi32(d, 4 * p);
+                    __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+                    for (int r = 0; r < R; r++) {
+                        int32_t xp;
+                        memcpy(&xp, xb + r * K + g * G + b * 8 + 2 * p, 4);
+                        gacc[t][r] = _mm512_dpbf16_ps(gacc[t][r], wv, (__m512bh)_mm512_set1_epi32(xp));
+                    }
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const uint8_t *sp = w + t * blk_tile + g * blk;
+            __m512 s = load_bf16x16(sp), z = load_bf16x16(sp + 32);
+            for (int r = 0; r < R; r++) {
+                acc[t][r] = _mm512_fmadd_ps(gacc[t][r], s, acc[t][r]);
+                acc[t][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * ng + g]), acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + t * TILE) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(y + r * N + n0 + t * TILE, _mm512_add_ps(acc[t][r], bv));
+    }
+}
+
+#define KERNEL(R, T)                                                                                      \
+    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const uint16_t *xb,  \
+                               const float *xs, int64_t K, const float *bias, float *y, int64_t N,        \
+                               int64_t n0) {                                                              \
+        tile_kernel(w, bt, ng, G, xb, xs, K, bias, y, N, n0, R, T);                                       \
+    }
+KERNEL(1, 1) KERNEL(1, 4)
+KERNEL(2, 1) KERNEL(2, 2)
+KERNEL(3, 1) KERNEL(3, 2)
+KERNEL(4, 1) KERNEL(4, 2)
+KERNEL(5, 1) KERNEL(6, 1) KERNEL(7, 1) KERNEL(8, 1)
+
+typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint16_t *, const float *, int64_t,
+                        const float *, float *, int64_t, int64_t);
+#define ROW_BLOCK 8
+/* [R][wide?]: the wide variant runs T tiles at once (more independent chains for few rows) */
+static const kern_fn KERNELS[ROW_BLOCK + 1][2] = {
+    {0, 0}, {kern_1_1, kern_1_4}, {kern_2_1, kern_2_2}, {kern_3_1, kern_3_2}, {kern_4_1, kern_4_2},
+    {kern_5_1, kern_5_1}, {kern_6_1, kern_6_1}, {kern_7_1, kern_7_1}, {kern_8_1, kern_8_1}};
+static const int WIDE_T[ROW_BLOCK + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1};
+
+static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N,
+                      const uint16_t *xb, const float *xs, const float *bias, float *y) {
+    int64_t ng = K / G, bt = ng * (64 + 8 * G);
+    for (int64_t t = t0; t < t1;) {
+        int64_t R0 = M < ROW_BLOCK ? M : ROW_BLOCK;
+        int wide = (t1 - t) >= WIDE_T[R0];
+        int64_t T = wide ? WIDE_T[R0] : 1;
+        for (int64_t m = 0; m < M; m += ROW_BLOCK) {
+            int64_t R = M - m < ROW_BLOCK ? M - m : ROW_BLOCK;
+            int w_ok = (t1 - t) >= WIDE_T[R] && WIDE_T[R] == T;
+            if (w_ok) {
+                KERNELS[R][1](w + t * bt, bt, ng, G, xb + m * K, xs + m * ng, K, bias, y + m * N, N, t * TILE);
+            } else {
+                for (int64_t u = t; u < t + T; u++)
+                    KERNELS[R][0](w + u * bt, bt, ng, G, xb + m * K, xs + m * ng, K, bias, y + m * N, N, u * TILE);
+            }
+        }
+        t += T;
+    }
+}
+
+#else /* portable: plain C that the compiler vectorizes over the 16 outputs of a tile */
+
+const char *w4a16_isa(void) { return "portable"; }
+
+static const int NIBBLE_SHIFT[8] = {0, 16, 4, 20, 8, 24, 12, 28};
+
+static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N,
+                      const uint16_t *xb, const float *xs, const float *bias, float *y) {
+    int64_t ng = K / G, blk = 64 + 8 * G, bt = ng * blk;
+    float wf[256][TILE], s[TILE], z[TILE], gacc[TILE];
+    for (int64_t t = t0; t < t1; t++) {
+        for (int64_t m = 0; m < M; m++) memset(y + m * N + t * TILE, 0, TILE * sizeof(float));
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *p = w + t * bt + g * blk;
+            for (int i = 0; i < TILE; i++) {
+                uint16_t sh, zh;
+                memcpy(&sh, p + 2 * i, 2);
+                memcpy(&zh, p + 32 + 2 * i, 2);
+                s[i] = bf16_to_f32(sh);
+                z[i] = bf16_to_f32(zh);
+            }
+            for (int64_t b = 0; b < G / 8; b++)
+                for (int i = 0; i < TILE; i++) {
+                    uint32_t d;
+                    memcpy(&d, p + 64 + b * 64 + 4 * i, 4);
+                    for (int c = 0; c < 8; c++) wf[b * 8 + c][i] = (float)((int)((d >> NIBBLE_SHIFT[c]) & 15u) - 8);
+                }
+            for (int64_t m = 0; m < M; m++) {
+                const uint16_t *xr = xb + m * K + g * G;
+                float *yr = y + m * N + t * TILE;
+                for (int i = 0; i < TILE; i++) gacc[i] = 0.f;
+                for (int64_t k = 0; k < G; k++) {
+                    float xv = bf16_to_f32(xr[k]);
+                    for (int i = 0; i < TILE; i++) gacc[i] += wf[k][i] * xv;
+                }
+                float xg = xs[m * ng + g];
+                for (int i = 0; i < TILE; i++) yr[i] = (yr[i] + gacc[i] * s[i]) + z[i] * xg;
+            }
+        }
+        if (bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int i = 0; i < TILE; i++) y[m * N + t * TILE + i] += bias[t * TILE + i];
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T (+ bias). Returns 0, or -1 on bad arguments / no memory. */
+int w4a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
+                 float *y, int nthreads) {
+    if (M <= 0 || K <= 0 || N <= 0 || N % TILE || G % 16 || G > 256 || K % G) return -1;
+    uint16_t *xb = malloc((size_t)(M * K) * sizeof(uint16_t));
+    float *xs = malloc((size_t)(M * (K / G)) * sizeof(float));
+    if (!xb || !xs) {
+        free(xb);
+        free(xs);
+        return -1;
+    }
+    prepare_x(x, M, K, G, xb, xs);
+    int64_t tiles = N / TILE;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > tiles) nthreads = (int)tiles;
+    if (nthreads == 1) {
+        run_tiles(w, 0, tiles, M, K, G, N, xb, xs, bias, y);
+    } else {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+            run_tiles(w, tiles * i / n, tiles * (i + 1) / n, M, K, G, N, xb, xs, bias, y);
+        }
+    }
+    free(xb);
+    free(xs);
+    return 0;
+}

@@ -1,0 +1,127 @@
+"""Row-invariant W4A16 matmul on CPU: `linear(x, weight)` over a weight prepared once from `PackedInt4`.
+
+Why our own kernel: torch's `_weight_int4pack_mm_for_cpu` rounds a row differently depending on how many
+rows share the call (so T=0 speculation drifts from `ar`), and costs 3.6x for 8 rows what one row costs.
+Here each 16-output weight tile is unpacked once per block of up to 8 rows and reused for every row.
+
+Numerics (the same for every row whatever M, its row block or the thread count; threads split N only):
+  1. x is rounded to bfloat16 (round to nearest even), the "A16".
+  2. Per output n and group g of G inputs: S = sum over the group of (code - 8) * bf16(x) in fp32.
+     AVX512-BF16 build: `vdpbf16ps` over the input pairs (2k, 2k+1) in k order, one accumulator.
+     Portable build: a plain fp32 sum in k order, no fused multiply-add (`-ffp-contract=off`).
+  3. X_g = sum of the group's bf16(x) in fp32: 16 strided lanes, then the lanes in order.
+  4. y[n] = sum over g in order of: y = fma(S, scale, y); y = fma(zero, X_g, y) (portable: separate
+     multiply and add), then y += bias[n]. scale and zero are the stored bfloat16 values, exactly.
+The two builds differ in the last bits from each other, never between rows of one build.
+
+Prepared layout (about 5 bits a weight at G=32, like the stored one): uint8 [N/16, K/G, 64 + 8G], per tile
+of 16 outputs and group: 16 scales, 16 zeros (bf16), then G/8 blocks of 16 dwords; dword i holds output
+i's codes for k = 8b..8b+7 as nibbles c0 c2 c4 c6 c1 c3 c5 c7 (low to high), so a 4p-bit shift of the
+dword leaves (c_2p, c_2p+1) in the low bits of its two 16-bit halves, ready for a 16-entry table lookup.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from flowedge.kernels import build
+
+if TYPE_CHECKING:   # quant imports this module: no import back at run time
+    from flowedge.models.quant import PackedInt4
+
+SOURCE = Path(__file__).with_name("w4a16.c")
+TILE = 16
+REPACK_ROWS = 4096   # outputs repacked at once (bounds the temporaries for a vocabulary-sized lm_head)
+
+
+@dataclass(frozen=True, slots=True)
+class W4A16Weight:
+    """A weight in the kernel's tiled layout: tiles uint8 [N/16, K/G, 64 + 8G]."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+
+def _library() -> ctypes.CDLL | None:
+    built = build.load(SOURCE)
+    if built is None:
+        return None
+    lib = built.lib
+    if not getattr(lib, "_flowedge_typed", False):
+        lib.w4a16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int]
+        lib.w4a16_linear.restype = ctypes.c_int
+        lib.w4a16_isa.restype = ctypes.c_char_p
+        lib._flowedge_typed = True
+    return lib
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded here (and not switched off)."""
+    return _library() is not None
+
+
+def isa() -> str | None:
+    """'avx512bf16' or 'portable' (the code path compiled in), None when unavailable."""
+    lib = _library()
+    return None if lib is None else lib.w4a16_isa().decode()
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    return (out_features % TILE == 0 and group_size % 16 == 0 and 16 <= group_size <= 256
+            and in_features % group_size == 0)
+
+
+def prepare(w: PackedInt4) -> W4A16Weight:
+    """Repack the portable layout into tiles (one pass, REPACK_ROWS outputs at a time)."""
+    n, k, g = w.out_features, w.in_features, w.group_size
+    if not supports(n, k, g):
+        raise ValueError(f"W4A16 kernel needs N % 16 == 0 and G in 16..256 dividing K (N={n}, K={k}, G={g})")
+    parts = [_repack(q, s, z, g) for q, s, z in zip(w.qweight.split(REPACK_ROWS), w.scales.split(REPACK_ROWS),
+                                                   w.zeros.split(REPACK_ROWS))]
+    return W4A16Weight(torch.cat(parts).contiguous(), n, k, g)
+
+
+def _repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g: int) -> torch.Tensor:
+    # qweight: [n, K/2] bytes (c_2j | c_2j+1 << 4) -> [n/16, K/G, 64 + 8G]
+    n, ng = scales.shape
+    q = qweight.reshape(n, -1, 4)                                  # [n, K/8, 4]: codes (c0c1)(c2c3)(c4c5)(c6c7)
+    lo, hi = q & 15, q >> 4
+    codes = torch.stack([lo[..., 0] | lo[..., 1] << 4, lo[..., 2] | lo[..., 3] << 4,
+                         hi[..., 0] | hi[..., 1] << 4, hi[..., 2] | hi[..., 3] << 4], dim=-1)
+    codes = codes.reshape(n // TILE, TILE, ng, g // 8, 4).permute(0, 2, 3, 1, 4).reshape(n // TILE, ng, 8 * g)
+
+    def table(t: torch.Tensor) -> torch.Tensor:                     # [n, ng] bf16 -> [n/16, ng, 32] bytes
+        return t.reshape(n // TILE, TILE, ng).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([table(scales), table(zeros), codes], dim=-1)
+
+
+def linear(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32 (plus a float32 bias [N]); `threads` defaults to torch's."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("native W4A16 kernel unavailable (see the log for why)")
+    m, k = x.shape
+    if k != weight.in_features or x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(m, weight.out_features, dtype=torch.float32)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    rc = lib.w4a16_linear(x.data_ptr(), m, k, weight.tiles.data_ptr(), weight.out_features, weight.group_size,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(),
+                          threads or torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"w4a16_linear failed (M={m}, K={k}, N={weight.out_features})")
+    return out
