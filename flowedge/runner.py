@@ -4,10 +4,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flowedge.engine.local import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
         "wall_s": round(res.wall_s, 4),
         "total_s": round(time.monotonic() - t0, 4),
         "tokens_per_s": round(len(res.token_ids) / res.wall_s, 3) if res.wall_s > 0 else None,
+        **decode_stats(res),
     }
     if res.accept_lens:
         out["mean_accept_len"] = round(res.mean_accept_len, 4)
@@ -118,6 +122,17 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
     out["quant"] = req.quant
     out.update(extra)
     return out
+
+
+def decode_stats(res: GenerationResult) -> dict:
+    """Prefill and decode apart: `tokens_per_s` spreads the prompt's prefill over the answer, so a figure to
+    compare decoding speed with (llama.cpp's, docs/bench/llamacpp) counts only the tokens after the first."""
+    if res.first_token_s is None:
+        return {}
+    decode_s = res.decode_s
+    rate = (len(res.token_ids) - 1) / decode_s if len(res.token_ids) > 1 and decode_s > 0 else None
+    return {"prefill_s": round(res.first_token_s, 4), "decode_s": round(decode_s, 4),
+            "decode_tokens_per_s": round(rate, 3) if rate is not None else None}
 
 
 def tree_settings(req: GenerateRequest, topk: int, depth: int, nodes: int):

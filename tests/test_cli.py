@@ -37,6 +37,10 @@ def test_generate_tree_matches_ar_json(tiny_pair):
     assert outs["tree"]["token_ids"] == outs["ar"]["token_ids"] == outs["flowspec"]["token_ids"]
     for key in ("text", "token_ids", "new_tokens", "wall_s"):
         assert key in outs["ar"]
+    for strategy in ("ar", "tree"):   # decode speed without prefill, what the llama.cpp A/B compares
+        out = outs[strategy]
+        assert out["prefill_s"] + out["decode_s"] == pytest.approx(out["wall_s"], abs=2e-4)
+        assert out["decode_tokens_per_s"] == pytest.approx((out["new_tokens"] - 1) / out["decode_s"], rel=5e-2)
     assert outs["tree"]["mean_accept_len"] >= 1.0
     assert outs["flowspec"]["sim_tokens_per_s"] > 0
 

@@ -29,6 +29,12 @@ class GenerationResult:
     accept_lens: list[int] = field(default_factory=list)   # tokens gained per verification
     rounds: int = 0
     draft_forwards: int = 0
+    first_token_s: float | None = None   # prefill + choosing the first token: what `wall_s - first_token_s` excludes
+
+    @property
+    def decode_s(self) -> float | None:
+        """Seconds for every token after the first: decoding alone, without prefill."""
+        return self.wall_s - self.first_token_s if self.first_token_s is not None else None
 
     @property
     def mean_accept_len(self) -> float | None:
@@ -77,16 +83,19 @@ def generate_ar(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([prompt_ids])
     out: list[int] = []
+    first_s: float | None = None
     while len(out) < max_new_tokens:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
         y = choose_token(logits.float(), params, gen)
+        if not out:
+            first_s = time.monotonic() - t0
         out.append(y)
         if on_tokens:
             on_tokens([y])
         if y in stops:
             break
         ids = torch.tensor([[y]])
-    return GenerationResult(out, time.monotonic() - t0)
+    return GenerationResult(out, time.monotonic() - t0, first_token_s=first_s)
 
 
 @torch.inference_mode()
@@ -111,18 +120,21 @@ def generate_ar_staged(model: StageModel, prompt_ids: list[int], max_new_tokens:
     t0 = time.monotonic()
     cache = model.new_cache()
     ids, out = torch.tensor(prompt_ids), []
+    first_s: float | None = None
     while len(out) < max_new_tokens:
         past = cache.length
         h = model.forward_layers(model.embed(ids), torch.arange(past, past + ids.numel()),
                                  bool_to_float_mask(causal_mask(ids.numel(), past)), cache)
         y = choose_token(model.logits(h[-1:])[0], params, gen)
+        if not out:
+            first_s = time.monotonic() - t0
         out.append(y)
         if on_tokens:
             on_tokens([y])
         if y in stops:
             break
         ids = torch.tensor([y])
-    return GenerationResult(out, time.monotonic() - t0)
+    return GenerationResult(out, time.monotonic() - t0, first_token_s=first_s)
 
 
 @torch.inference_mode()
@@ -139,9 +151,9 @@ def generate_tree(base: StageModel, drafter: Drafter, prompt_ids: list[int], max
     h = base.forward_layers(base.embed(torch.tensor(prompt_ids)), torch.arange(n),
                             bool_to_float_mask(causal_mask(n, 0)), cache)
     out = [choose_token(base.logits(h[-1:])[0], params, gen)]
+    result = GenerationResult([], 0.0, first_token_s=time.monotonic() - t0)
     if on_tokens:
         on_tokens(out[:])
-    result = GenerationResult([], 0.0)
     done = out[0] in stops
     while not done and len(out) < max_new_tokens:
         tree, _ = select_top(drafter.build(prompt_ids + out, shape), total, "score")
