@@ -19,7 +19,7 @@ from flowedge import AsyncClient
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.daemon.client import Client, RequestFailed, wait_ready
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.daemon.prompting import chat_ids
 from flowedge.errors import FlowedgeError
@@ -153,6 +153,31 @@ def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
         assert httpx.get(stack["url"] + path).status_code == 401
     r = httpx.post(stack["url"] + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 401
+
+
+def test_out_of_vocabulary_ids_are_400_and_the_empty_prompt_is_refused_everywhere(stack, oai):
+    """Issue 28's wrong codes: an id past the embedding was a 500 IndexError; the empty prompt, refused
+    over HTTP, was answered through the Client and the CLI."""
+    with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):
+        oai.completions.create(model="m", prompt=[1_000_000], max_tokens=4, temperature=0)
+    addr = stack["cluster"].spec.addr
+    with Client(addr, timeout_s=30) as c:
+        with pytest.raises(RequestFailed, match="not in the model's vocabulary"):
+            c.generate([3, 1_000_000], max_new_tokens=4)
+        with pytest.raises(FlowedgeError, match="the prompt is empty"):
+            c.generate("", max_new_tokens=4)
+        assert c.generate(PROMPT, max_new_tokens=2)["new_tokens"] == 2   # the connection serves on
+
+    async def empty_async() -> None:
+        async with AsyncClient(addr, timeout_s=30) as c:
+            await c.generate("", max_new_tokens=4)
+
+    with pytest.raises(FlowedgeError, match="the prompt is empty"):
+        asyncio.run(empty_async())
+    out = flowedge_cli("prompt", "", "--head", addr, "--max-new-tokens", "4")
+    assert out.returncode == 1 and "error: the prompt is empty" in out.stderr, (out.returncode, out.stderr[-500:])
+    with pytest.raises(openai.BadRequestError, match="the prompt is empty"):
+        oai.completions.create(model="m", prompt="", max_tokens=4)
 
 
 def _raw_request(port: int, head: bytes, body: bytes) -> tuple[bytes, float]:

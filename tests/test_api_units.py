@@ -77,7 +77,8 @@ def test_api_keys_and_exposure(tmp_path):
 @pytest.fixture(scope="module")
 def api():
     """The app in front of a head that is not there: everything up to the head is checked."""
-    settings = ApiSettings(head="127.0.0.1:9", api_keys=(KEY,), status_timeout_s=0.3, request_timeout_s=0.5)
+    settings = ApiSettings(head="127.0.0.1:9", api_keys=(KEY,), status_timeout_s=0.3, request_timeout_s=0.5,
+                           insecure=True)   # no head, so no cluster keys needed
     with TestClient(create_app(settings)) as client:
         client.headers["Authorization"] = f"Bearer {KEY}"
         yield client
@@ -100,6 +101,29 @@ def test_bad_bodies_are_400_with_openai_errors(api):
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["message"], body
+
+
+@pytest.mark.parametrize("path,body,says", [
+    ("/v1/completions", {"prompt": [True, False]}, "prompt: "),          # booleans are not token ids
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream: "),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream: "),
+    ("/v1/completions", {"prompt": "x", "echo": "no"}, "echo: "),
+    ("/v1/completions", {"prompt": "x", "n": True}, "n: "),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens: "),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, "seed: "),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": ""}, "empty"),
+    ("/v1/completions", {"prompt": []}, "empty"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt: "),
+    ("/v1/completions", {"prompt": "x" * 1_000_000}, "too long"),        # under the body cap, over the prompt's
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1_000_000}]}, "too long"),
+])
+def test_client_mistakes_are_400_with_a_message_about_the_request(api, path, body, says):
+    """Before any head is asked (there is none here: a request that got that far would be 503)."""
+    r = api.post(path, json=body)
+    assert r.status_code == 400, (body, r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and says in err["message"], err
 
 
 def test_an_unreachable_head_is_503_and_health_says_so(api):
@@ -162,7 +186,7 @@ def live_api():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     settings = ApiSettings(head="127.0.0.1:9", header_timeout_s=1.0, read_timeout_s=3.0, status_timeout_s=0.3,
-                           request_timeout_s=0.5)
+                           request_timeout_s=0.5, insecure=True)
     server = build_server(settings, "127.0.0.1", port, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

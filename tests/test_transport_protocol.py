@@ -182,6 +182,9 @@ def test_equality_compares_tensors_by_value() -> None:
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop=["a"] * 17),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop="END"),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, raw=1),
+        lambda: p.PromptRequest(request_id=1, text="", max_new_tokens=4),          # the empty prompt
+        lambda: p.PromptRequest(request_id=1, token_ids=[], max_new_tokens=4),
+        lambda: p.PromptRequest(request_id=1, token_ids=[True, False], max_new_tokens=4),
         lambda: p.Cancel(request_id=-1),
         lambda: p.TokenChunk(request_id=1, token_ids=torch.arange(2), text="", done=1),
         lambda: p.StatusReply(nodes=[1, 2]),
@@ -190,6 +193,13 @@ def test_equality_compares_tensors_by_value() -> None:
 def test_invalid_messages_cannot_be_built(build) -> None:
     with pytest.raises(ProtocolError):
         build()
+
+
+def test_a_prompt_over_the_limit_is_refused_as_too_long_not_as_the_wrong_type() -> None:
+    with pytest.raises(ProtocolError, match=r"prompt.text is too long: 1000000 characters \(at most 524288\)"):
+        p.PromptRequest(request_id=1, text="x" * 1_000_000, max_new_tokens=4)
+    with pytest.raises(ProtocolError, match=r"prompt.messages is too long: 600000 characters"):
+        p.PromptRequest(request_id=1, messages=[{"role": "user", "content": "x" * 600_000}], max_new_tokens=4)
 
 
 def test_shard_chunk_verify_detects_corruption() -> None:

@@ -4,6 +4,9 @@ Only what flowedge can honour is accepted: one choice (`n` = 1), text content (a
 is joined), sampling by temperature/top_p/seed, stop strings. Fields OpenAI clients may send that do
 not change the answer (`user`, `stream_options` without usage, ...) are ignored. `strategy` (an
 extension, e.g. `extra_body={"strategy": "ar-pp"}`) picks the head's strategy.
+
+Types are strict, as JSON has them: `"stream": "yes"` is not a bool, `true` is not a token id or a
+count (pydantic's lax mode would take both); an int is still a number.
 """
 from __future__ import annotations
 
@@ -14,14 +17,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOPS = 16
+STRICT = ConfigDict(strict=True)
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -32,13 +38,14 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
     """What chat and text completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
     model: str = ""
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -47,8 +54,15 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = 1
     strategy: str = Field("", max_length=64)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v != 1:
+            raise ValueError("flowedge answers with one choice: n must be 1")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -79,17 +93,22 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1, le=1 << 20)   # OpenAI's default for completions
     echo: bool = False
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
+        """A string, a list of one string, or token ids; one message for every other shape."""
+        if isinstance(v, list) and v and all(isinstance(s, str) for s in v):
             if len(v) != 1:
                 raise ValueError("one prompt per request (batch several requests instead)")
-            return v[0]
+            v = v[0]
+        if v == "" or v == []:
+            raise ValueError("the prompt is empty")
+        if not isinstance(v, str) and not (isinstance(v, list) and all(type(t) is int for t in v)):
+            raise ValueError("a string, or a list of token ids (integers)")
         return v
 
     def client_kwargs(self, default_max_tokens: int) -> dict:

@@ -112,9 +112,10 @@ class AsyncClient:
         """Text pieces as the head accepts tokens (same arguments as `Client.stream`); afterwards
         `last_result` holds the totals. Leaving early or being cancelled cancels the request."""
         self._cancel_open()   # a stream abandoned without being closed
+        request = prompt_request(next(self._ids), prompt, **kwargs)   # a bad one is refused before the head
+        rid = request.request_id
         await self._hello()
-        rid = next(self._ids)
-        await self._send(prompt_request(rid, prompt, **kwargs))
+        await self._send(request)
         self._open = rid
         answer = Answer()
         try:

@@ -125,11 +125,12 @@ class Client:
         `prompt` is a user turn (through the chat template) or, with `raw`, the model's text as is;
         `messages` a whole conversation; `system` a system turn before either; `stop` strings end the
         answer (cut off). Leaving the loop early cancels the request at the head."""
+        request = prompt_request(next(self._ids), prompt, messages=messages, system=system, stop=stop, raw=raw,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, strategy=strategy)   # a bad one is refused here
+        rid = request.request_id
         self._hello()
-        rid = next(self._ids)
-        send_msg(self.sock, prompt_request(rid, prompt, messages=messages, system=system, stop=stop, raw=raw,
-                                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                           top_p=top_p, seed=seed, strategy=strategy))
+        send_msg(self.sock, request)
         answer = Answer()
         self.in_flight = rid
         try:

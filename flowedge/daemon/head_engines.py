@@ -17,7 +17,7 @@ from flowedge.daemon import kv_budget, wire
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import Membership
-from flowedge.daemon.prompting import prompt_ids
+from flowedge.daemon.prompting import check_vocab, prompt_ids
 from flowedge.daemon.requests import Handlers, Prepared, Request, run_in_turn
 from flowedge.engine import assembly
 from flowedge.engine.config import SpecConfig
@@ -52,8 +52,16 @@ class HeadEngines:
 
         params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
         ids = prompt_ids(self.plan.tokenizer, m)
+        check_vocab(ids, self._vocab_size())
         check_context(len(ids), m.max_new_tokens, self.plan.base_config.max_position_embeddings)
         return Prepared(ids, params, m.strategy or self.config.strategy)
+
+    def _vocab_size(self) -> int:
+        """Token ids both models can embed (the draft's table may be smaller than the base's)."""
+        sizes = [self.plan.base_config.vocab_size]
+        if self.plan.draft_model is not None:
+            sizes.append(self.plan.draft_model.config.vocab_size)
+        return min(sizes)
 
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
         spec = self._spec()

@@ -28,6 +28,14 @@ def prompt_ids(tokenizer, request) -> list[int]:
     return list(tokenizer(request.text)["input_ids"])
 
 
+def check_vocab(ids: list[int], vocab_size: int) -> None:
+    """Token ids the models have embedding rows for: an id past them is the client's mistake (one clear
+    error), not an IndexError deep in the engine."""
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"token id {bad} is not in the model's vocabulary (ids 0..{vocab_size - 1})")
+
+
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """The chat template over `messages`, ending with the assistant's turn to speak."""
     if not getattr(tokenizer, "chat_template", None):

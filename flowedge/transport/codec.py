@@ -82,6 +82,10 @@ def _fail(msg: Message, name: str, want: str) -> ProtocolError:
     return ProtocolError(f"{msg.TYPE}.{name} must be {want}, got {quote(getattr(msg, name))}")
 
 
+def too_long(msg: Message, name: str, chars: int, max_chars: int) -> ProtocolError:
+    return ProtocolError(f"{msg.TYPE}.{name} is too long: {chars} characters (at most {max_chars})")
+
+
 def _ints(msg: Message, *names: str, lo: int = 0, hi: int = _U64, optional: bool = False) -> None:
     for name in names:
         v = getattr(msg, name)
@@ -102,7 +106,9 @@ def _float(msg: Message, name: str, lo: float, hi: float, optional: bool = False
 
 def _str(msg: Message, name: str, choices: Sequence[str] = (), max_len: int = 4096) -> None:
     v = getattr(msg, name)
-    if not isinstance(v, str) or len(v) > max_len or (choices and v not in choices):
+    if isinstance(v, str) and len(v) > max_len:
+        raise too_long(msg, name, len(v), max_len)
+    if not isinstance(v, str) or (choices and v not in choices):
         raise _fail(msg, name, f"one of {list(choices)}" if choices else "a string")
 
 

@@ -60,6 +60,7 @@ from flowedge.transport.codec import (  # noqa: F401  (re-exported: the protocol
     _text,
     bounded,
     quote,
+    too_long,
     _version,
     check_version,
     decode,
@@ -365,6 +366,7 @@ class Reset(Message):
 MAX_MESSAGES = 1024          # turns in one conversation
 MAX_STOPS = 16               # stop strings in one request
 MAX_STOP_CHARS = 256         # characters in one stop string
+MAX_PROMPT_CHARS = MAX_HEADER_BYTES // 2   # characters of prompt text (or of all turns' content)
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -399,8 +401,10 @@ class PromptRequest(Message):
         if sum(x is not None for x in (self.text, self.token_ids, self.messages)) != 1:
             raise ProtocolError("prompt carries exactly one of text, token_ids or messages")
         if self.text is not None:
-            _str(self, "text", max_len=MAX_HEADER_BYTES // 2)
+            _str(self, "text", max_len=MAX_PROMPT_CHARS)
         _tokens(self, "token_ids", optional=True)
+        if self.text == "" or self.token_ids == ():
+            raise ProtocolError("the prompt is empty")
         if self.messages is not None:
             _messages(self)
         _float(self, "temperature", 0.0, 100.0)
@@ -422,8 +426,9 @@ def _messages(msg: PromptRequest) -> None:
             isinstance(t, dict) and set(t) == {"role", "content"} and t["role"] in CHAT_ROLES
             and isinstance(t["content"], str) for t in turns):
         raise _fail(msg, "messages", f"1..{MAX_MESSAGES} maps {{role: one of {list(CHAT_ROLES)}, content: str}}")
-    if sum(len(t["content"]) for t in turns) > MAX_HEADER_BYTES // 2:
-        raise _fail(msg, "messages", f"at most {MAX_HEADER_BYTES // 2} characters of content in all")
+    chars = sum(len(t["content"]) for t in turns)
+    if chars > MAX_PROMPT_CHARS:
+        raise too_long(msg, "messages", chars, MAX_PROMPT_CHARS)
     object.__setattr__(msg, "messages", [dict(t) for t in turns])
 
 
