@@ -41,7 +41,8 @@ class NodeConfig:
     stage_timeout_s: float = 2.0              # a stage (or, seen from a stage, the head) silent this long is dead
     # head only: the request lifecycle (daemon/requests.py)
     client_timeout_s: float = 10.0            # a client with a request in progress silent this long has left
-    recovery_s: float = 30.0                  # a request waits this long for a lost stage's slot to be filled
+    recovery_s: float = 30.0                  # a request in flight waits this long for a lost stage's slot to be
+                                              # filled (queued ones keep their place: their clients' timeouts)
     stall_timeout_s: float = 120.0            # a running request with no pipeline output this long is replayed
     max_concurrent: int = 4                   # requests in the pipeline at once (stages batch them); the rest queue
     kv_budget_tokens: int = 0                 # KV tokens a stage holds for all its requests; 0 = from each

@@ -16,7 +16,11 @@ undisturbed run. At temperature > 0 the replay draws from a generator seeded fro
 committed): tokens after the fault are drawn with fresh randomness from the same conditional
 distribution, so the distribution is exactly kept (the sample itself differs from an undisturbed run
 with the same seed; reusing the seed's stream would correlate the draws after the fault with those
-before it). Past `recovery_s` without a full cluster a waiting request fails with one clear error.
+before it). Past `recovery_s` without a full cluster a request in flight (paused) fails with one clear
+error. Queued requests keep their place through the outage, however long: each waits under its own
+deadline, its client's (every flowedge client gives up after its timeout and cancels; a client that
+leaves is dropped), and they start in order once the cluster is whole again. A request in flight
+has a client watching tokens stop; one in the queue has seen nothing yet and loses nothing by waiting.
 
 `max_running` bounds how many requests run at once, each with its own engine head (the config's
 `max_concurrent`: their segments interleave in the pipeline and the stages batch them). Admission also
@@ -96,7 +100,7 @@ class Request:
     msg: proto.PromptRequest
     submitted_s: float
     state: State = State.QUEUED
-    deadline_s: float | None = None   # while waiting on a cluster that lost a stage
+    deadline_s: float | None = None   # paused: the recovery deadline for a lost stage's slot
     prepared: Prepared | None = None
     engine: object = None
     engine_id: int = 0                # the engine run's id on the wire (a replay gets a new one)
@@ -172,9 +176,7 @@ class RequestBook:
         req = Request(self.keys, owner, msg, now)
         if not self._prepare(req) or not self._can_ever_fit(req):
             return
-        if not ready:   # the cluster lost a stage: wait for it, within the recovery deadline
-            req.deadline_s = now + self.limits.recovery_s
-        self.queue.append(req)
+        self.queue.append(req)   # while the cluster lacks a stage too: it waits its turn
 
     def add_segment(self, engine_id: int, segment, now: float) -> None:
         """A segment back from the pipeline, queued on its request until a `step` takes it."""
@@ -233,22 +235,18 @@ class RequestBook:
             self._end(req, State.CANCELLED, f"cancelled by its client ({why})")
 
     def stage_lost(self, why: str, now: float) -> None:
-        """A stage left: running requests pause, everything waiting gets the recovery deadline."""
+        """A stage left: running requests pause under the recovery deadline; queued ones keep their place."""
         self.lost_why = why
         for req in list(self.running.values()):
             if req.state is State.RUNNING:
                 self._pause(req, why)
-        for req in self._all():
             if req.deadline_s is None:
                 req.deadline_s = now + self.limits.recovery_s
 
     def tick(self, now: float, ready: bool) -> None:
         """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones."""
-        if ready:
-            self.ever_ready = True
-            for req in self.queue:
-                req.deadline_s = None
-        for req in [r for r in self._all() if r.deadline_s is not None and now > r.deadline_s]:
+        self.ever_ready |= ready
+        for req in [r for r in self.running.values() if r.deadline_s is not None and now > r.deadline_s]:
             self._end(req, State.FAILED, f"{self.lost_why or 'the cluster lost a stage'}, and no node took its "
                                          f"place within {self.limits.recovery_s:g} s")
         for req in list(self.running.values()):
