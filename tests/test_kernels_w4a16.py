@@ -117,3 +117,12 @@ def test_portable_build_is_row_invariant_and_accurate(monkeypatch, rebuilt):
     assert all(torch.equal(full[i], w4a16.linear(x[i:i + 1], weight, bias)[0]) for i in range(33))
     assert torch.equal(w4a16.linear(x[:33], weight, bias, threads=3), full)
     assert rel_err(full, x[:33] @ packed.dequantize().T + bias) < 5e-3
+
+
+def test_compiles_without_a_graph_break_and_gives_the_same_bits():
+    import torch._dynamo
+
+    packed, _, x, bias = make(48, 128)
+    layers = torch.nn.Sequential(Int4Linear.from_packed(packed, bias), torch.nn.SiLU())
+    assert torch._dynamo.explain(layers)(x[:5]).graph_break_count == 0
+    assert torch.equal(torch.compile(layers, backend="eager")(x[:5]), layers(x[:5]))
