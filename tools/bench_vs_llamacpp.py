@@ -193,7 +193,7 @@ class LocalCluster:
     def run(self, case: Case, max_new: int, repeat: int, block_threads: int) -> Run:
         res = self.prompt(case.text, max_new)
         n, first_s = res["new_tokens"], res.get("first_token_s")
-        decode_s = res["client_wall_s"] - first_s if first_s is not None else None
+        decode_s = round(res["client_wall_s"] - first_s, 4) if first_s is not None else None
         rate = decode_rate(n, decode_s)
         return Run(CLUSTER, block_threads, case.prompt_id, case.kind, repeat, n, decode_s,
                    round(rate, 3) if rate else None, first_s, self.peak_rss_mb(), res["token_ids"],
@@ -359,6 +359,10 @@ def main(argv: list[str] | None = None) -> None:
               f"- {len(cases)} prompts ({', '.join(sorted({c.kind for c in cases}))}), {args.max_new_tokens} new "
               f"tokens, T=0, {args.repeats} repeat(s); GGUF `{args.gguf}`",
               f"- box at start: {box_note()}"]
+    if os.getloadavg()[0] > 0.5:
+        log.warning("the box is busy (load average %.2f): llama.cpp's threads spin at their barriers and collapse "
+                    "when they share cores with other jobs (seen: 0.4 tok/s at 2 threads); compare on a quiet box",
+                    os.getloadavg()[0])
     runs: list[Run] = []
     with open(args.out / "raw.jsonl", "w") as sink:
         for threads in args.threads:
