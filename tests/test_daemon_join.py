@@ -3,11 +3,13 @@ through the head, checked, cached; a stage that dies mid-request and never comes
 request, once the recovery deadline has passed."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from daemon_helpers import free_port_pair, logs, spawn_join
@@ -145,13 +147,18 @@ def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path)
     from daemon_helpers import flowedge_cli
 
     base, draft = tiny_pair
-    port = str(free_port_pair())
+    port, data = str(free_port_pair()), free_port_pair()
     env = {"FLOWEDGE_HOME": str(tmp_path / "home")}
     up = flowedge_cli("up", "--nodes", "2", "--model", str(base), "--draft", str(draft), "--port", port,
-                      "--threads", "1", "--detach", env=env)
+                      "--threads", "1", "--detach", "--data-port", f"{data}-{data + 1}", env=env)
     try:
         assert up.returncode == 0, up.stderr
         assert "cluster ready" in up.stderr
+        pids = json.loads((tmp_path / "home" / "run" / f"up-{port}" / "cluster.json").read_text())["pids"]
+        listening = {c.laddr for pid in pids for c in psutil.Process(pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {("127.0.0.1", int(port)), ("127.0.0.1", int(port) + 1), ("127.0.0.1", data)}, \
+            listening   # a loopback cluster: nothing on 0.0.0.0; the stage's data port pinned
         again = flowedge_cli("up", "--nodes", "2", "--model", str(base), "--port", port, "--detach", env=env)
         assert again.returncode == 1 and "already runs" in again.stderr
         status = flowedge_cli("status", "--head", f"127.0.0.1:{port}", env=env)

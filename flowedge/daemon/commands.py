@@ -107,7 +107,8 @@ def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeou
 @click.option("--device", default=None, help="Device profile name to report (e.g. orin-nano-8gb).")
 @click.option("--threads", type=int, default=None)
 @click.option("--stage", type=int, default=None, help="Preferred stage slot (1..stages); default: first free.")
-@click.option("--data-port", type=int, default=None, help="Port for segments from the previous hop (default: any).")
+@click.option("--data-port", default=None,
+              help="Port (or range, e.g. 5560-5569: the first free) for segments from the previous hop (default: any).")
 @click.option("--advertise", default=None, help="Host other nodes reach this one at (default: guessed).")
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
 @liveness_options(head=False)
@@ -142,10 +143,13 @@ def join(head_addr, config_path, node_id, device, threads, stage, data_port, adv
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--detach", is_flag=True, help="Start in the background and return once ready (`flowedge down`).")
 @click.option("--ready-timeout", default=1800.0, show_default=True, help="Seconds to wait for the cluster.")
+@click.option("--data-port", default="0", show_default=True,
+              help="The stages' data ports: a range such as 5560-5569 (each stage takes the first free one); "
+                   "0 = any free port. They listen on loopback, as the head does.")
 @liveness_options(head=True)
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
-       detach, ready_timeout, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
+       detach, ready_timeout, data_port, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
        kv_budget_tokens, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
@@ -153,7 +157,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
 
     spec = local_cluster.LocalClusterSpec(
         nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
-        wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers),
+        wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers), data_port=data_port,
         **{k: v for k, v in dict(heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout,
                                  client_timeout_s=client_timeout, recovery_s=recovery,
                                  stall_timeout_s=stall_timeout, max_concurrent=max_concurrent,

@@ -68,8 +68,9 @@ class NodeConfig:
                                               # last stage then also holds the lm_head) | head | last-stage
     # stage only
     stage: int = 0                            # preferred slot in the plan (1..stages); 0 = first free
-    data_port: int = 0                        # 0 = any free port
-    advertise: str = ""                       # host others reach this stage at; default: guessed
+    data_port: int | str = 0                  # a port, or a range "5560-5569" (the first free); 0 = any free port.
+                                              # Listens on the interface the head is reached through
+    advertise: str = ""                       # host others reach this stage at; default: that interface's address
     same_host: bool = False                   # read the head's shard files directly (flowedge up)
 
     def __post_init__(self) -> None:
@@ -103,9 +104,21 @@ class NodeConfig:
             if not getattr(self, name) * 1000 >= 2 * self.heartbeat_ms:
                 raise ConfigError(f"{name} must be at least two heartbeats ({2 * self.heartbeat_ms} ms)")
         split_addr(self.head)
+        self.data_ports()
 
     def with_(self, **changes) -> "NodeConfig":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def data_ports(self) -> tuple[int, int]:
+        """`data_port` as (first, last); (0, 0) = any free port."""
+        v = self.data_port
+        text = str(v).strip() if type(v) in (int, str) else ""
+        first, sep, last = text.partition("-")
+        if first.isdigit() and (not sep or last.isdigit()):
+            lo, hi = int(first), int(last if sep else first)
+            if (lo, hi) == (0, 0) or 0 < lo <= hi < 65536:
+                return lo, hi
+        raise ConfigError(f"data_port must be a port (1-65535), a range like \"5560-5569\" or 0 (any), got {v!r}")
 
     @property
     def name(self) -> str:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowedge.daemon.config import DEFAULT_PORT, flowedge_home
+from flowedge.daemon.config import DEFAULT_PORT, NodeConfig, flowedge_home
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.transport import security
 
@@ -50,10 +50,14 @@ class LocalClusterSpec:
     stall_timeout_s: float = 120.0
     max_concurrent: int = 4          # requests in the pipeline at once
     kv_budget_tokens: int = 0        # per stage; 0 = from free memory
+    data_port: str = "0"             # the stages' data ports: "0" (any) or a range "5560-5569" (NodeConfig.data_port)
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
             raise ConfigError(f"a cluster needs at least 2 nodes (head + 1 stage), got {self.nodes}")
+        lo, hi = NodeConfig(data_port=self.data_port).data_ports()
+        if lo and hi - lo + 1 < self.nodes - 1:
+            raise ConfigError(f"--data-port {self.data_port}: {self.nodes - 1} stages need as many ports")
 
     @property
     def addr(self) -> str:
@@ -139,6 +143,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
                                 "--threads", str(threads), "--device", spec.device,
                                 "--same-host", f"--stage-timeout={spec.stage_timeout_s}",
+                                f"--data-port={spec.data_port}",
                                 f"--heartbeat-ms={spec.heartbeat_ms}"]
                         + (["--insecure"] if spec.insecure else []))
     procs = []

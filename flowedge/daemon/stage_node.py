@@ -15,7 +15,6 @@ why; the node stays connected, unassigned, heartbeating, and takes the next ASSI
 from __future__ import annotations
 
 import logging
-import socket
 import statistics
 import threading
 import time
@@ -28,6 +27,7 @@ import zmq
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
+from flowedge.daemon.data_port import bind_data_port
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.sd_notify import Notifier
@@ -63,13 +63,7 @@ class StageNode:
         self.data_in = self.ctx.socket(zmq.PULL)
         self.data_in.linger = 0
         self.security.server(self.data_in)
-        host = config.advertise or _reachable_ip(self.head_host)
-        if config.data_port:
-            self.data_in.bind(f"tcp://*:{config.data_port}")
-            port = config.data_port
-        else:
-            port = self.data_in.bind_to_random_port("tcp://*")
-        self.data_addr = tcp(host, port)
+        self.data_addr = bind_data_port(self.data_in, config, self.head_host)
         self.ctrl: zmq.Socket | None = None
         self.data_out: zmq.Socket | None = None
         self.assign: proto.Assign | None = None
@@ -365,14 +359,3 @@ class StageNode:
             self.busy_s = 0.0
         self.last_beat = now
 
-
-def _reachable_ip(head_host: str) -> str:
-    """The local address a peer on the head's network reaches us at (no packet is sent)."""
-    if head_host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((head_host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
