@@ -94,7 +94,7 @@ def bar_line(line: str) -> str:
 
 
 class Ticker:
-    """For a step that reports nothing itself (transformers loading a GGUF): a `progress:`-style line
+    """For a step that reports nothing itself (reading a GGUF's metadata): a `progress:`-style line
     with the elapsed time every `interval_s`, from a background thread, until the block ends."""
 
     def __init__(self, what: str, interval_s: float = 5.0) -> None:

@@ -1,8 +1,7 @@
 """A registry model's W4A16 checkpoint stores no 16-bit embedding / lm_head: they are dequantised from
 the GGUF the cache keeps, and every loader (stage, head file, its stream to a remote stage, a migrated
-old cache) gets the very tensors and bytes the float16 copies held. Uses a real GGUF (gguf's writer,
-Q8_0 and Q4_0 blocks) standing for a tiny model; transformers' GGUF reading is faked as in
-test_models_resolve (tested upstream) but dequantises those blocks as transformers does."""
+old cache) gets the very tensors and bytes the float16 copies held. Uses a real GGUF of a tiny model
+(models/tiny_gguf.py: the embedding as Q8_0 blocks, the lm_head as Q4_0, the rest mixed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, dequantize, quants
 from safetensors import safe_open
 
 from flowedge.core.sampling import SamplingParams
@@ -30,6 +26,7 @@ from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import is_referenced, load_shard, shard_tensor_files, split_model
 from flowedge.models.stage import StageModel
 from flowedge.models.tiny import make_tiny_model
+from flowedge.models.tiny_gguf import write_tiny_gguf
 from flowedge.transport import protocol as proto
 
 NAME = "qwen2.5-coder-0.5b"
@@ -44,25 +41,13 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gguf_file(tiny, tmp_path_factory) -> Path:
-    """A real GGUF holding the tiny model's embedding (Q8_0) and lm_head (Q4_0) as quantized blocks."""
-    path = tmp_path_factory.mktemp("gguf") / f"{NAME}.gguf"
-    writer = GGUFWriter(str(path), "qwen2")
-    for name, qtype in (("token_embd.weight", GGMLQuantizationType.Q8_0),
-                        ("output.weight", GGMLQuantizationType.Q4_0)):
-        hf = "model.embed_tokens.weight" if name == "token_embd.weight" else "lm_head.weight"
-        weight = read_tensor(tiny / "model.safetensors", hf).float().numpy()
-        writer.add_tensor(name, quants.quantize(weight, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """The tiny model as a real GGUF; its embedding (Q8_0) and lm_head (Q4_0) are quantized blocks."""
+    return write_tiny_gguf(tiny, tmp_path_factory.mktemp("gguf") / f"{NAME}.gguf")
 
 
 @pytest.fixture
-def home(monkeypatch, tiny, gguf_file, tmp_path) -> Path:
-    """A cache whose registry entry NAME is `gguf_file`; transformers' GGUF load gives the tiny model
-    with its embedding and lm_head dequantised from the GGUF (gguf.dequantize, as transformers does)."""
+def home(monkeypatch, gguf_file, tmp_path) -> Path:
+    """A cache whose registry entry NAME is `gguf_file`."""
     pulled = tmp_path / "home" / "gguf" / f"{NAME}.gguf"
     pulled.parent.mkdir(parents=True)
     shutil.copy(gguf_file, pulled)
@@ -74,18 +59,7 @@ def home(monkeypatch, tiny, gguf_file, tmp_path) -> Path:
             shutil.copy(gguf_file, pulled)   # what registry.pull does: fetch it again
         return pulled
 
-    def load_model(folder, gguf_file, dtype):
-        model = transformers.Qwen2ForCausalLM.from_pretrained(tiny, dtype=dtype)
-        blocks = {t.name: t for t in GGUFReader(Path(folder) / gguf_file).tensors}
-        for hf, gg in (("model.embed_tokens.weight", "token_embd.weight"), ("lm_head.weight", "output.weight")):
-            values = dequantize(blocks[gg].data, blocks[gg].tensor_type)
-            model.get_parameter(hf).data = torch.from_numpy(np.copy(values)).to(dtype)
-        return model
-
     monkeypatch.setattr(registry, "pull", pull)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                        lambda folder, gguf_file: transformers.PreTrainedTokenizerFast.from_pretrained(tiny))
     return tmp_path / "home"
 
 
@@ -150,21 +124,17 @@ def test_head_file_streamed_from_the_gguf_is_the_copied_one_byte_for_byte(home, 
     assert all(torch.equal(head[n], read_tensor(tmp_path / "copied" / "head.safetensors", n)) for n in head)
 
 
-def test_a_format2_cache_is_migrated_in_place_not_converted_again(home, tmp_path):
+def test_a_format2_cache_is_migrated_in_place_not_converted_again(home, tmp_path, monkeypatch):
     target = home / "models" / NAME
     gguf = home / "gguf" / f"{NAME}.gguf"
     convert_gguf(gguf, target, source=NAME, sha256=registry.MODELS[NAME].sha256)   # 16-bit copies
     marker = json.loads((target / "flowedge.json").read_text())
     (target / "flowedge.json").write_text(json.dumps(marker | {"format": 2}))
     before = {n: read_tensor(target / "model.safetensors", n) for n in _names(target)}
-    loads = []
-    real_load = transformers.AutoModelForCausalLM.from_pretrained
-    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: loads.append(a) or real_load(*a, **k)
-    try:
-        assert resolve_model(NAME, home=home) == target
-    finally:
-        transformers.AutoModelForCausalLM.from_pretrained = real_load
-    assert loads == []   # no conversion: the copies were dropped in place
+    conversions = []
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: conversions.append(a))
+    assert resolve_model(NAME, home=home) == target
+    assert conversions == []   # no conversion: the copies were dropped in place
     marker = json.loads((target / "flowedge.json").read_text())
     assert marker["format"] == resolve.CONVERT_FORMAT and set(marker["gguf_tensors"]["tensors"]) == set(REFERENCED)
     assert _names(target) == set(before) - set(REFERENCED)

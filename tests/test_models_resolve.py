@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from safetensors import safe_open
 
 from flowedge.errors import ModelError
 from flowedge.models import registry, resolve
+from flowedge.models.convert import convert_gguf
 from flowedge.models.resolve import resolve_model
 from flowedge.models.tiny import make_tiny_model
+from flowedge.models.tiny_gguf import exact_qtypes, write_tiny_gguf
 
 torch.set_num_threads(1)
 
@@ -23,27 +26,28 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", num_layers=2)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny, tmp_path_factory) -> Path:
+    """The tiny model as a real GGUF, every tensor F32: converted, it holds the tiny model's values."""
+    return write_tiny_gguf(tiny, tmp_path_factory.mktemp("gguf") / "tiny.gguf", qtypes=exact_qtypes)
+
+
 @pytest.fixture
-def fake_gguf_loader(monkeypatch, tiny):
-    """Stand in for transformers' GGUF loading (tested upstream): load the tiny model instead,
-    with the GGUF quantization_config transformers attaches, and count the loads."""
-    loads = []
-    real_tokenizer = transformers.AutoTokenizer.from_pretrained
+def conversions(monkeypatch) -> list[Path]:
+    """The GGUFs resolve_model converted, in order."""
+    done = []
 
-    def load_model(folder, gguf_file, dtype):
-        loads.append(Path(folder) / gguf_file)
-        if Path(folder, gguf_file).read_bytes().startswith(b"BAD"):
-            raise ValueError("not a GGUF file")
-        model = transformers.Qwen2ForCausalLM.from_pretrained(tiny, dtype=dtype)
-        model.config.quantization_config = {"quant_method": "gguf", "gguf_file": gguf_file}
-        return model
+    def convert(gguf, *args, **kwargs):
+        done.append(gguf)
+        return convert_gguf(gguf, *args, **kwargs)
 
-    def load_tokenizer(folder, gguf_file):
-        return real_tokenizer(tiny)
+    monkeypatch.setattr(resolve, "convert_gguf", convert)
+    return done
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load_tokenizer)
-    return loads
+
+def _copy(gguf: Path, to: Path) -> Path:
+    shutil.copy(gguf, to)
+    return to
 
 
 def logits(model_dir: Path) -> torch.Tensor:
@@ -71,9 +75,8 @@ def test_directory_without_config_is_rejected(tmp_path):
         resolve_model(str(tmp_path), home=tmp_path)
 
 
-def test_gguf_file_is_converted_once(fake_gguf_loader, tiny, tmp_path):
-    gguf = tmp_path / "some.gguf"
-    gguf.write_bytes(b"GGUF fake bytes")
+def test_gguf_file_is_converted_once(conversions, tiny, tiny_gguf, tmp_path):
+    gguf = _copy(tiny_gguf, tmp_path / "some.gguf")
     home = tmp_path / "home"
     out = resolve_model(str(gguf), home=home, quant="none")
     assert out.parent == home / "models" and out.name.startswith("gguf-") and out.name.endswith("-f16")
@@ -92,16 +95,15 @@ def test_gguf_file_is_converted_once(fake_gguf_loader, tiny, tmp_path):
     assert all(torch.equal(stored[k], original[k].half()) for k in stored)   # the float16 rounding, no more
     assert torch.equal(logits(out).argmax(-1), logits(tiny).argmax(-1))
     assert (out / "tokenizer.json").is_file()
-    assert resolve_model(str(gguf), home=home, quant="none") == out and len(fake_gguf_loader) == 1
+    assert resolve_model(str(gguf), home=home, quant="none") == out and len(conversions) == 1
     os.utime(gguf, ns=(0, 10**9))  # a changed file gets a new cache entry
-    assert resolve_model(str(gguf), home=home, quant="none") != out and len(fake_gguf_loader) == 2
+    assert resolve_model(str(gguf), home=home, quant="none") != out and len(conversions) == 2
 
 
-def test_gguf_is_stored_w4a16_by_default(fake_gguf_loader, tiny, tmp_path):
+def test_gguf_is_stored_w4a16_by_default(tiny_gguf, tmp_path):
     from flowedge.models.stage import StageModel, StageParts
 
-    gguf = tmp_path / "some.gguf"
-    gguf.write_bytes(b"GGUF fake bytes")
+    gguf = _copy(tiny_gguf, tmp_path / "some.gguf")
     home = tmp_path / "home"
     packed = resolve_model(str(gguf), home=home)
     assert packed.name.startswith("gguf-") and not packed.name.endswith("-f16")
@@ -118,20 +120,18 @@ def test_gguf_is_stored_w4a16_by_default(fake_gguf_loader, tiny, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.layers.buffers(), b.layers.buffers()))
 
 
-def test_a_float32_conversion_from_an_older_flowedge_is_converted_again(fake_gguf_loader, tmp_path):
-    gguf = tmp_path / "some.gguf"
-    gguf.write_bytes(b"GGUF fake bytes")
+def test_a_float32_conversion_from_an_older_flowedge_is_converted_again(conversions, tiny_gguf, tmp_path):
+    gguf = _copy(tiny_gguf, tmp_path / "some.gguf")
     home = tmp_path / "home"
     out = resolve_model(str(gguf), home=home)
     marker = json.loads((out / "flowedge.json").read_text())
     (out / "flowedge.json").write_text(json.dumps({k: marker[k] for k in ("source", "sha256")} | {"dtype": "float32"}))
-    assert resolve_model(str(gguf), home=home) == out and len(fake_gguf_loader) == 2
+    assert resolve_model(str(gguf), home=home) == out and len(conversions) == 2
     assert json.loads((out / "flowedge.json").read_text())["format"] == resolve.CONVERT_FORMAT
 
 
-def test_registry_name_pulls_and_converts(monkeypatch, fake_gguf_loader, tmp_path):
-    gguf = tmp_path / "pulled.gguf"
-    gguf.write_bytes(b"GGUF")
+def test_registry_name_pulls_and_converts(monkeypatch, conversions, tiny_gguf, tmp_path):
+    gguf = _copy(tiny_gguf, tmp_path / "pulled.gguf")
     pulls = []
     monkeypatch.setattr(registry, "pull", lambda name, home: pulls.append(name) or gguf)
     home = tmp_path / "home"
@@ -140,16 +140,16 @@ def test_registry_name_pulls_and_converts(monkeypatch, fake_gguf_loader, tmp_pat
     marker = json.loads((out / "flowedge.json").read_text())
     assert marker["sha256"] == registry.MODELS["qwen2.5-coder-0.5b"].sha256
     assert resolve_model("qwen2.5-coder-0.5b", home=home) == out
-    assert pulls == ["qwen2.5-coder-0.5b"] and len(fake_gguf_loader) == 1
+    assert pulls == ["qwen2.5-coder-0.5b"] and len(conversions) == 1
 
 
-def test_failed_conversion_leaves_no_cache_entry(fake_gguf_loader, tmp_path):
+def test_failed_conversion_leaves_no_cache_entry(tmp_path):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"BAD")
     home = tmp_path / "home"
-    with pytest.raises(ModelError, match="cannot load GGUF"):
+    with pytest.raises(ModelError, match="cannot read GGUF"):
         resolve_model(str(gguf), home=home)
-    assert list((home / "models").iterdir()) == []
+    assert not list(home.glob("models/*")) and not list(home.glob("models/.*"))
 
 
 @pytest.mark.real_model

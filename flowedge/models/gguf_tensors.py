@@ -5,11 +5,12 @@ A W4A16 checkpoint converted from a registry GGUF stores no 16-bit embedding or 
 checkpoint's flowedge.json records where they are (GGUF file + sha256, tensor name, byte offset, block
 type, shape, the 16-bit dtype) and every loader dequantises them on read with the `gguf` package's
 `dequantize` - the function transformers itself calls - then casts to the recorded dtype, which gives
-the very tensor the converter used to store (checked with torch.equal at conversion time, where a
-mismatch keeps the copy). GGUF rows are whole quantization blocks, so any row range can be
-dequantised alone: loads and byte-range reads go a few thousand rows at a time, never a float32
-copy of the whole matrix. An embedding held this way stays in the GGUF even in memory
-(`GgufEmbedding`: a lookup dequantises only the rows it is asked for, through mmap).
+the very tensor a copy would hold: the converter itself reads every tensor through this class
+(models/convert.py), and a format-2 migration checks its copies with torch.equal. GGUF rows are
+whole quantization blocks, so any row range can be dequantised alone: loads and byte-range reads go
+a few thousand rows at a time, never a float32 copy of the whole matrix. An embedding held this way
+stays in the GGUF even in memory (`GgufEmbedding`: a lookup dequantises only the rows it is asked
+for, through mmap).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class GgufTensor:
     offset: int          # absolute byte offset of its blocks in the file
     rows: int
     cols: int
-    dtype: torch.dtype   # float16, or bfloat16 where float16 overflowed
+    dtype: torch.dtype   # float16, or bfloat16 where float16 overflowed (float32 while converting)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,10 +79,20 @@ class GgufTensor:
 
     def dequantize(self, blocks: np.ndarray) -> torch.Tensor:
         """Rows of blocks -> float32 (gguf.dequantize, as transformers) -> self.dtype, [rows, cols]."""
+        return torch.from_numpy(self._float32(blocks)).to(self.dtype)
+
+    def _float32(self, blocks: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType, dequantize
 
         values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(blocks.shape[0], self.cols)
-        return torch.from_numpy(values).to(self.dtype)
+        return values if values.flags.writeable else values.copy()   # F32 blocks: a view of the mapped file
+
+    def max_abs(self) -> float:
+        """max |value| of the float32 dequantised matrix (NaN if it holds one), a chunk at a time: what
+        decides whether it fits float16."""
+        peaks = [np.abs(self._float32(self.block_rows(start, min(start + _CHUNK_ROWS, self.rows)))).max()
+                 for start in range(0, self.rows, _CHUNK_ROWS)]
+        return float(np.max(peaks)) if peaks else 0.0
 
     def rows_tensor(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) dequantised."""

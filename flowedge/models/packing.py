@@ -35,6 +35,11 @@ def is_layer_linear(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and _LAYER_LINEAR_RE.match(name) is not None
 
 
+def packs(name: str, shape: tuple[int, ...], group_size: int) -> bool:
+    """Whether a W4A16 checkpoint stores this (floating-point) tensor packed."""
+    return is_layer_linear(name, shape) and packable(shape[0], shape[1], group_size) is None
+
+
 def quant_of(names: Iterable[str]) -> str:
     """The storage format of a checkpoint, read from its tensor names."""
     return "int4" if any(n.endswith(".qweight") for n in names) else "none"
@@ -54,8 +59,7 @@ def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP
     for entry in entries:
         dtype = store_dtype(entry) if store_dtype else entry.dtype
         load = _cast(entry.load, dtype) if dtype != entry.dtype else entry.load
-        if is_layer_linear(entry.name, entry.shape) and entry.dtype.is_floating_point and \
-                packable(entry.shape[0], entry.shape[1], group_size) is None:
+        if entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
             out += _packed(entry.name, entry.shape, load, group_size)
         else:
             out.append(TensorEntry(entry.name, dtype, entry.shape, load))

@@ -1,8 +1,9 @@
 """Turn a model spec (registry name, HF directory, .gguf file) into a Hugging Face directory.
 
-GGUF files are converted once into config.json + tokenizer + one model.safetensors under
-<home>/models/, because loading GGUF through transformers takes a minute and reloading the
-converted directory takes about a second. Two storage formats (flowedge.json records which):
+GGUF files are converted once (models/convert.py, streamed tensor by tensor) into config.json +
+tokenizer + one model.safetensors under <home>/models/, because dequantising and packing a GGUF
+takes minutes and loading the converted directory about a second. Two storage formats (flowedge.json
+records which):
     models/<name>/       quant "int4": W4A16, decoder Linears packed (models/packing.py), the
                          norms and biases in float16 (the default). The embedding and lm_head of a
                          registry model are not stored: flowedge.json says where its GGUF holds them
@@ -20,26 +21,19 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
 
 from flowedge.errors import ModelError
 from flowedge.models import gguf_tensors, registry
-from flowedge.models.packing import pack_entries, storage_quant
-from flowedge.models.quant import DEFAULT_GROUP_SIZE
+from flowedge.models.convert import CONVERT_FORMAT, CONVERTED_MARKER, convert_gguf
+from flowedge.models.packing import storage_quant
 from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors
-from flowedge.progress import Progress, Ticker
 
 log = logging.getLogger(__name__)
 
-CONVERTED_MARKER = "flowedge.json"
-CONVERT_FORMAT = 3
 _FORMAT_2_LAYOUT_KEPT = "none"   # a format-2 16-bit checkpoint is laid out as format 3: still read
-STORE_DTYPE = torch.float16
-_F16_MAX = torch.finfo(torch.float16).max
 
 
 def resolve_model(spec: str, *, home: Path | None = None, quant: str = "int4") -> Path:
@@ -112,91 +106,6 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
     return True
 
 
-def _store_dtype(name: str, tensor: torch.Tensor) -> torch.dtype:
-    """float16 (finer than bfloat16 for dequantised GGUF weights); bfloat16 for a tensor beyond its range."""
-    if not tensor.is_floating_point():
-        return tensor.dtype
-    if tensor.numel() and tensor.abs().max().item() > _F16_MAX:
-        log.warning("%s exceeds the float16 range; stored as bfloat16", name)
-        return torch.bfloat16
-    return STORE_DTYPE
-
-
-def _cast(load, dtype: torch.dtype):
-    return lambda: load().to(dtype)
-
-
-def convert_gguf(
-    gguf: Path, target: Path, *, source: str, sha256: str, quant: str = "int4",
-    group_size: int = DEFAULT_GROUP_SIZE, reference_gguf: bool = False,
-) -> Path:
-    """Dequantise a GGUF into an HF directory stored as `quant` (int4: W4A16, none: float16);
-    written to a temp dir and renamed at the end. `reference_gguf` (int4, a GGUF the cache keeps):
-    the embedding and lm_head are read from the GGUF at load instead of being stored."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        start_s = time.monotonic()
-        log.info("loading GGUF %s (%.1f MB)...", gguf.name, gguf.stat().st_size / 1e6)
-        try:
-            with Ticker(f"converting {source}: reading the GGUF (about a minute per GB)"):
-                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                             dtype=torch.float32)
-                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise ModelError(f"cannot load GGUF {gguf}: {exc}") from exc
-        log.info("loaded GGUF in %.1f s; writing safetensors...", time.monotonic() - start_s)
-        model.config.save_pretrained(tmp)
-        _clean_config(tmp / "config.json", type(model).__name__)
-        tokenizer.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        refs = _gguf_refs(model, gguf) if reference_gguf and quant == "int4" else {}
-        _write_state(model, tmp / "model.safetensors", quant, group_size, f"converting {source}: writing {quant}",
-                     skip=set(refs))
-        del model
-        marker = {"format": CONVERT_FORMAT, "source": source, "sha256": sha256, "dtype": "float16",
-                  "quant": quant, "group_size": group_size if quant == "int4" else None}
-        if refs:
-            marker[gguf_tensors.MARKER_KEY] = {**gguf_tensors.file_record(gguf, sha256, target),
-                                               "tensors": {n: t.to_json() for n, t in refs.items()}}
-        (tmp / CONVERTED_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s -> %s in %.1f s", gguf.name, target, time.monotonic() - start_s)
-    return target
-
-
-def _clean_config(path: Path, architecture: str) -> None:
-    """Drop the GGUF quantization_config: the written weights are plain dequantised tensors."""
-    config = json.loads(path.read_text())
-    config.pop("quantization_config", None)
-    config["architectures"] = [architecture]
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _gguf_refs(model: torch.nn.Module, gguf: Path) -> dict[str, gguf_tensors.GgufTensor]:
-    """The 16-bit tensors the GGUF gives back bit for bit (dequantised, cast as `_store_dtype` would):
-    those need no copy in the checkpoint."""
-    state = model.state_dict()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    wanted = {n: _store_dtype(n, state[n]) for n in gguf_tensors.HF_TO_GGUF
-              if n in state and not (tied and n == "lm_head.weight")}
-    located = gguf_tensors.locate(gguf, wanted)
-    same = {n: t for n, t in located.items() if torch.equal(t.load(), state[n].to(t.dtype))}
-    for name in set(located) - set(same):
-        log.warning("%s: the GGUF's %s does not dequantise to the loaded tensor; storing a copy",
-                    name, located[name].tensor)
-    return same
-
-
 def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
     """Turn a format-2 W4A16 checkpoint of `gguf` into format 3 in place: drop the 16-bit embedding and
     lm_head copies the GGUF gives back bit for bit. False (convert again) where it does not apply."""
@@ -234,22 +143,3 @@ def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
     os.replace(tmp_marker, target / CONVERTED_MARKER)
     return True
 
-
-def _write_state(model: torch.nn.Module, path: Path, quant: str, group_size: int, what: str,
-                 skip: set[str] = frozenset()) -> None:
-    """Write every parameter once, 16-bit (decoder Linears packed for int4), except `skip` (read from
-    the GGUF); with tied embeddings lm_head.weight is left out."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = model.state_dict()
-    entries = [
-        TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t.contiguous())
-        for name, t in state.items()
-        if not (tied and name == "lm_head.weight") and name not in skip
-    ]
-    store = {e.name: _store_dtype(e.name, state[e.name]) for e in entries}
-    entries = pack_entries(entries, group_size, lambda e: store[e.name]) if quant == "int4" else \
-        [TensorEntry(e.name, store[e.name], e.shape, _cast(e.load, store[e.name])) for e in entries]
-    bar = Progress(what, sum(e.nbytes for e in entries))
-    _, size = write_safetensors(path, entries, progress=bar.advance)
-    bar.finish()
-    log.info("wrote %s (%.1f MB, %d tensors)", path.name, size / 1e6, len(entries))
