@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,28 @@ def test_the_streamed_checkpoint_is_the_one_transformers_loading_gave(tmp_path, 
 
 def type_name(arch: str) -> str:
     return {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+
+
+@pytest.mark.parametrize("quant", ["int4", "none"])
+def test_a_tensor_beyond_the_float16_range_is_stored_in_bfloat16_as_before(tmp_path, quant):
+    model = make_tiny_model(tmp_path / "m", num_layers=1, tie=False)
+    big = tmp_path / "big"
+    shutil.copytree(model, big)
+    state = load_file(str(model / "model.safetensors"))
+    state["model.norm.weight"][3] = 7e4
+    state["model.layers.0.mlp.up_proj.weight"][5, 9] = -1e5
+    write_safetensors(big / "model.safetensors",
+                      [TensorEntry(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in state.items()])
+    gguf = write_tiny_gguf(big, tmp_path / "big.gguf", qtypes=exact_qtypes)
+    new = convert_gguf(gguf, tmp_path / "new", source="big", sha256=SHA, quant=quant)
+    convert_with_transformers(gguf, tmp_path / "old", quant)
+    assert file_sha256(new / "model.safetensors") == file_sha256(tmp_path / "old" / "model.safetensors")
+    stored = load_file(str(new / "model.safetensors"))
+    assert stored["model.norm.weight"].dtype == torch.bfloat16
+    assert stored["model.layers.0.mlp.gate_proj" + (".weight" if quant == "none" else ".scales")].dtype == \
+        (torch.float16 if quant == "none" else torch.bfloat16)
+    if quant == "none":
+        assert stored["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
 
 
 def test_llama_q_and_k_rows_are_put_back_in_hugging_face_order(tmp_path):

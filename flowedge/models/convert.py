@@ -58,8 +58,9 @@ def convert_gguf(
         with Ticker(f"converting {source}: converting the tokenizer"):
             _write_tokenizer(gguf, tmp)
         _write_configs(model, tmp)
-        refs = _references(model) if reference_gguf and quant == "int4" else {}
-        entries = _entries(model, quant, group_size, skip=set(refs), what=f"converting {source}")
+        with Ticker(f"converting {source}: checking the float16 range"):
+            refs = _references(model) if reference_gguf and quant == "int4" else {}
+            entries = _entries(model, quant, group_size, skip=set(refs))
         bar = Progress(f"converting {source}: writing {quant}", sum(e.nbytes for e in entries))
         _, size = write_safetensors(tmp / "model.safetensors", entries, progress=bar.advance)
         bar.finish()
@@ -103,15 +104,14 @@ def _references(model: GgufModel) -> dict[str, gguf_tensors.GgufTensor]:
             if gguf_tensors.HF_TO_GGUF.get(s.name) == s.tensor and len(s.shape) == 2 and not s.rope_heads}
 
 
-def _entries(model: GgufModel, quant: str, group_size: int, skip: set[str], what: str) -> list[TensorEntry]:
+def _entries(model: GgufModel, quant: str, group_size: int, skip: set[str]) -> list[TensorEntry]:
     """One entry per stored tensor, loaded only when the writer reaches it. A packed Linear's 16-bit
     dtype is settled when it is loaded (its packed entries' dtypes do not depend on it); any other
     tensor's goes into the header first, so its range is read beforehand (the norms and biases:
     small; a 16-bit embedding or lm_head copy: a chunked pass)."""
     sources = [s for s in model.tensors if s.name not in skip]
     packed = {s.name for s in sources if quant == "int4" and packs(s.name, s.shape, group_size)}
-    with Ticker(f"{what}: checking the float16 range"):
-        dtypes = {s.name: store_dtype(s) for s in sources if s.name not in packed}
+    dtypes = {s.name: store_dtype(s) for s in sources if s.name not in packed}
     entries = [TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
                TensorEntry(s.name, dtypes[s.name], s.shape, lambda s=s: s.load(dtypes[s.name]))
                for s in sources]
