@@ -33,18 +33,23 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* x [M, K] fp32 -> xb [M, K] bf16 bits and xs [M, K/G] group sums of the rounded values.
- * The sum runs in 16 fixed lanes, then the lanes are added in a fixed order: per row, as in any M. */
-static void prepare_x(const float *x, int64_t M, int64_t K, int64_t G, uint16_t *xb, float *xs) {
-    int64_t ng = K / G;
+static int64_t rows_per_pass(int64_t M);
+
+/* x [M, K] fp32 -> xp: bf16 pairs (inputs 2j, 2j+1 in one u32), interleaved per pass of R rows
+ * (pass base + j * R + r), so a kernel reaches every row of its pass from one pointer; and
+ * xs [M, K/G]: group sums of the rounded values in 16 fixed lanes, then the lanes in order. */
+static void prepare_x(const float *x, int64_t M, int64_t K, int64_t G, uint32_t *xp, float *xs) {
+    int64_t ng = K / G, rb = rows_per_pass(M);
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
-        uint16_t *br = xb + m * K;
-        for (int64_t k = 0; k < K; k++) br[k] = bf16_rne(xr[k]);
+        int64_t m0 = m - m % rb, R = M - m0 < rb ? M - m0 : rb;
+        uint32_t *dst = xp + m0 * (K / 2) + (m - m0);
+        for (int64_t j = 0; j < K / 2; j++)
+            dst[j * R] = (uint32_t)bf16_rne(xr[2 * j]) | (uint32_t)bf16_rne(xr[2 * j + 1]) << 16;
         for (int64_t g = 0; g < ng; g++) {
             float lane[16] = {0};
             for (int64_t k = 0; k < G; k += 16)
-                for (int j = 0; j < 16; j++) lane[j] += bf16_to_f32(br[g * G + k + j]);
+                for (int j = 0; j < 16; j++) lane[j] += bf16_to_f32(bf16_rne(xr[g * G + k + j]));
             float s = 0.f;
             for (int j = 0; j < 16; j++) s += lane[j];
             xs[m * ng + g] = s;
@@ -57,6 +62,17 @@ static void prepare_x(const float *x, int64_t M, int64_t K, int64_t G, uint16_t 
 
 const char *w4a16_isa(void) { return "avx512bf16"; }
 
+#define MAX_T 4
+#define MAX_R 12
+#define UNROLL _Pragma("GCC unroll 16")   /* fully: keeps the [T][R] accumulators in registers */
+
+/* acc += w . broadcast(the bf16 pair at x): written out because gcc does not fold the broadcast
+ * into the instruction's memory operand (a separate vpbroadcastd per row doubled the instructions) */
+static inline __m512 dot_pair(__m512 acc, __m512bh w, const uint32_t *x) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
 static inline __m512 load_bf16x16(const uint8_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -64,58 +80,65 @@ static inline __m512 load_bf16x16(const uint8_t *p) {
 
 /* R rows x T tiles, all of K. acc/gacc live in registers (R, T are constants after inlining). */
 static inline __attribute__((always_inline)) void
-tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uint16_t *xb, const float *xs,
-            int64_t K, const float *bias, float *y, int64_t N, int64_t n0, const int R, const int T) {
+tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uint32_t *xp, const float *xs,
+            const float *bias, float *y, int64_t N, int64_t n0, const int R, const int T) {
     /* entries 0..15 = bf16(c - 8); 16..31 repeat them so bit 4 of the index does not matter */
     const __m512i table = _mm512_set_epi16(
         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
         (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100,
         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
         (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
-    __m512 acc[T][R];
+    __m512 acc[MAX_T][MAX_R];   /* fixed sizes (not [T][R], a VLA that gcc keeps in memory) */
+    UNROLL
     for (int t = 0; t < T; t++)
+        UNROLL
         for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
     const int64_t blk = 64 + 8 * G;
     for (int64_t g = 0; g < ng; g++) {
-        __m512 gacc[T][R];
+        __m512 gacc[MAX_T][MAX_R];
+        UNROLL
         for (int t = 0; t < T; t++)
+            UNROLL
             for (int r = 0; r < R; r++) gacc[t][r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < G / 8; b++) {
+            const uint32_t *xj = xp + (g * G / 2 + b * 4) * R;   /* pair j of row r at xj[j * R + r] */
+            UNROLL
             for (int t = 0; t < T; t++) {
                 const uint8_t *cp = w + t * blk_tile + g * blk + 64 + b * 64;
                 __m512i d = _mm512_loadu_si512((const void *)cp);
+                UNROLL
                 for (int p = 0; p < 4; p++) {
                     __m512i idx = p == 0 ? d : _mm512_srli_epi32(d, 4 * p);
                     __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-                    for (int r = 0; r < R; r++) {
-                        int32_t xp;
-                        memcpy(&xp, xb + r * K + g * G + b * 8 + 2 * p, 4);
-                        gacc[t][r] = _mm512_dpbf16_ps(gacc[t][r], wv, (__m512bh)_mm512_set1_epi32(xp));
-                    }
+                    UNROLL
+                    for (int r = 0; r < R; r++) gacc[t][r] = dot_pair(gacc[t][r], wv, xj + p * R + r);
                 }
             }
         }
+        UNROLL
         for (int t = 0; t < T; t++) {
             const uint8_t *sp = w + t * blk_tile + g * blk;
             __m512 s = load_bf16x16(sp), z = load_bf16x16(sp + 32);
+            UNROLL
             for (int r = 0; r < R; r++) {
                 acc[t][r] = _mm512_fmadd_ps(gacc[t][r], s, acc[t][r]);
                 acc[t][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * ng + g]), acc[t][r]);
             }
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++) {
         __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + t * TILE) : _mm512_setzero_ps();
+        UNROLL
         for (int r = 0; r < R; r++)
             _mm512_storeu_ps(y + r * N + n0 + t * TILE, _mm512_add_ps(acc[t][r], bv));
     }
 }
 
 #define KERNEL(R, T)                                                                                      \
-    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const uint16_t *xb,  \
-                               const float *xs, int64_t K, const float *bias, float *y, int64_t N,        \
-                               int64_t n0) {                                                              \
-        tile_kernel(w, bt, ng, G, xb, xs, K, bias, y, N, n0, R, T);                                       \
+    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const uint32_t *xp,  \
+                               const float *xs, const float *bias, float *y, int64_t N, int64_t n0) {     \
+        tile_kernel(w, bt, ng, G, xp, xs, bias, y, N, n0, R, T);                                          \
     }
 KERNEL(1, 1) KERNEL(1, 4)
 KERNEL(2, 1) KERNEL(2, 2)
@@ -124,11 +147,11 @@ KERNEL(4, 1) KERNEL(4, 2)
 KERNEL(5, 1) KERNEL(6, 1) KERNEL(7, 1) KERNEL(8, 1)
 KERNEL(9, 1) KERNEL(10, 1) KERNEL(11, 1) KERNEL(12, 1)
 
-typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint16_t *, const float *, int64_t,
+typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint32_t *, const float *,
                         const float *, float *, int64_t, int64_t);
 /* Rows per pass: 12 rows x (accumulator + group accumulator) fill 24 of the 32 vector registers
  * (measured 8-10% faster than 8 rows at M = 16..32: the weights are unpacked fewer times). */
-#define ROW_BLOCK 12
+#define ROW_BLOCK MAX_R
 /* [R][wide?]: the wide variant runs T tiles at once (independent dpbf16 chains for few rows) */
 static const kern_fn KERNELS[ROW_BLOCK + 1][2] = {
     {0, 0}, {kern_1_1, kern_1_4}, {kern_2_1, kern_2_2}, {kern_3_1, kern_3_2}, {kern_4_1, kern_4_2},
@@ -146,18 +169,18 @@ static int64_t rows_per_pass(int64_t M) {
 static int64_t tile_step(int64_t M) { return WIDE_T[rows_per_pass(M)]; }
 
 static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N,
-                      const uint16_t *xb, const float *xs, const float *bias, float *y) {
+                      const uint32_t *xp, const float *xs, const float *bias, float *y) {
     int64_t ng = K / G, bt = ng * (64 + 8 * G), rb = rows_per_pass(M);
     for (int64_t t = t0; t < t1;) {
         int64_t T = t1 - t >= WIDE_T[rb] ? WIDE_T[rb] : 1;
         for (int64_t m = 0; m < M; m += rb) {
             int64_t R = M - m < rb ? M - m : rb;
-            const uint16_t *xr = xb + m * K;
+            const uint32_t *xr = xp + m * (K / 2);
             if (WIDE_T[R] == T) {
-                KERNELS[R][T > 1](w + t * bt, bt, ng, G, xr, xs + m * ng, K, bias, y + m * N, N, t * TILE);
+                KERNELS[R][T > 1](w + t * bt, bt, ng, G, xr, xs + m * ng, bias, y + m * N, N, t * TILE);
             } else {
                 for (int64_t u = t; u < t + T; u++)
-                    KERNELS[R][0](w + u * bt, bt, ng, G, xr, xs + m * ng, K, bias, y + m * N, N, u * TILE);
+                    KERNELS[R][0](w + u * bt, bt, ng, G, xr, xs + m * ng, bias, y + m * N, N, u * TILE);
             }
         }
         t += T;
@@ -168,6 +191,11 @@ static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64
 
 const char *w4a16_isa(void) { return "portable"; }
 
+static int64_t rows_per_pass(int64_t M) {   /* rows one at a time over each unpacked group: x stays row-major */
+    (void)M;
+    return 1;
+}
+
 static int64_t tile_step(int64_t M) {
     (void)M;
     return 1;
@@ -176,7 +204,7 @@ static int64_t tile_step(int64_t M) {
 static const int NIBBLE_SHIFT[8] = {0, 16, 4, 20, 8, 24, 12, 28};
 
 static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N,
-                      const uint16_t *xb, const float *xs, const float *bias, float *y) {
+                      const uint32_t *xp, const float *xs, const float *bias, float *y) {
     int64_t ng = K / G, blk = 64 + 8 * G, bt = ng * blk;
     float wf[256][TILE], s[TILE], z[TILE], gacc[TILE];
     for (int64_t t = t0; t < t1; t++) {
@@ -197,11 +225,11 @@ static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64
                     for (int c = 0; c < 8; c++) wf[b * 8 + c][i] = (float)((int)((d >> NIBBLE_SHIFT[c]) & 15u) - 8);
                 }
             for (int64_t m = 0; m < M; m++) {
-                const uint16_t *xr = xb + m * K + g * G;
+                const uint32_t *xr = xp + m * (K / 2) + g * G / 2;
                 float *yr = y + m * N + t * TILE;
                 for (int i = 0; i < TILE; i++) gacc[i] = 0.f;
                 for (int64_t k = 0; k < G; k++) {
-                    float xv = bf16_to_f32(xr[k]);
+                    float xv = bf16_to_f32((uint16_t)(xr[k / 2] >> (16 * (k % 2))));
                     for (int i = 0; i < TILE; i++) gacc[i] += wf[k][i] * xv;
                 }
                 float xg = xs[m * ng + g];
@@ -219,28 +247,28 @@ static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64
 int w4a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                  float *y, int nthreads) {
     if (M <= 0 || K <= 0 || N <= 0 || N % TILE || G % 16 || G > 256 || K % G) return -1;
-    uint16_t *xb = malloc((size_t)(M * K) * sizeof(uint16_t));
+    uint32_t *xp = malloc((size_t)(M * K / 2) * sizeof(uint32_t));
     float *xs = malloc((size_t)(M * (K / G)) * sizeof(float));
-    if (!xb || !xs) {
-        free(xb);
+    if (!xp || !xs) {
+        free(xp);
         free(xs);
         return -1;
     }
-    prepare_x(x, M, K, G, xb, xs);
+    prepare_x(x, M, K, G, xp, xs);
     int64_t tiles = N / TILE, step = tile_step(M), units = (tiles + step - 1) / step;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > units) nthreads = (int)units;
     if (nthreads == 1) {
-        run_tiles(w, 0, tiles, M, K, G, N, xb, xs, bias, y);
+        run_tiles(w, 0, tiles, M, K, G, N, xp, xs, bias, y);
     } else {   /* threads split N only, in whole steps of tiles; K is never split */
 #pragma omp parallel num_threads(nthreads)
         {
             int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
             int64_t a = units * i / n * step, b = units * (i + 1) / n * step;
-            run_tiles(w, a, b < tiles ? b : tiles, M, K, G, N, xb, xs, bias, y);
+            run_tiles(w, a, b < tiles ? b : tiles, M, K, G, N, xp, xs, bias, y);
         }
     }
-    free(xb);
+    free(xp);
     free(xs);
     return 0;
 }
