@@ -101,6 +101,10 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uin
             UNROLL
             for (int r = 0; r < R; r++) gacc[t][r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < G / 8; b++) {
+            if (R == 1) {   /* one row streams weights from DRAM: fetch ~1 KB ahead (+12-19% cold, 1536 x 1536/8960) */
+                UNROLL
+                for (int t = 0; t < T; t++) _mm_prefetch((const char *)(w + t * blk_tile + g * blk + b * 64 + 1024), _MM_HINT_T0);
+            }
             const uint32_t *xj = xp + (g * G / 2 + b * 4) * R;   /* pair j of row r at xj[j * R + r] */
             UNROLL
             for (int t = 0; t < T; t++) {
