@@ -208,39 +208,83 @@ static int64_t tile_step(int64_t M) {
     return 1;
 }
 
-static const int NIBBLE_SHIFT[8] = {0, 16, 4, 20, 8, 24, 12, 28};
+/* A tile's 16 outputs as two 8-lane vectors: gcc maps the type onto the target (one AVX2 or two NEON
+ * registers) and computes each lane on its own, no reassociation: every row sees the same operations. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define HALF 8
+#define PASS 4   /* rows per pass over an unpacked group (8 accumulators in registers) */
+
+static inline v8f load_v8f(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_v8f(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f bf16x8(const uint8_t *p) {   /* 8 bf16 -> fp32 */
+    uint16_t h[HALF];
+    v8u u;
+    memcpy(h, p, sizeof h);
+    for (int i = 0; i < HALF; i++) u[i] = (uint32_t)h[i] << 16;
+    return (v8f)u;
+}
+
+/* wf[k][half] = (code - 8) of the group's input k for the tile's outputs 8 * half .. 8 * half + 7 */
+static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2]) {
+    static const int shift[8] = {0, 16, 4, 20, 8, 24, 12, 28};   /* c0..c7 in a dword (see the layout) */
+    for (int64_t b = 0; b < G / 8; b++)
+        for (int h = 0; h < 2; h++) {
+            v8u d;
+            memcpy(&d, p + 64 + b * 64 + h * 32, sizeof d);
+            for (int c = 0; c < 8; c++)
+                wf[b * 8 + c][h] = __builtin_convertvector((v8i)((d >> shift[c]) & 15u) - 8, v8f);
+        }
+}
+
+/* rows m0 .. m0 + R - 1 of one group of one tile; R is a constant after inlining */
+static inline __attribute__((always_inline)) void
+group_rows(v8f (*wf)[2], int64_t G, const uint32_t *xr, int64_t xstride, const float *xg, int64_t ng,
+           v8f s0, v8f s1, v8f z0, v8f z1, float *yr, int64_t N, const int R) {
+    v8f a0[PASS], a1[PASS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = (v8f){0};
+    for (int64_t j = 0; j < G / 2; j++)
+        for (int e = 0; e < 2; e++) {
+            v8f w0 = wf[2 * j + e][0], w1 = wf[2 * j + e][1];
+            for (int r = 0; r < R; r++) {
+                float xv = bf16_to_f32((uint16_t)(xr[r * xstride + j] >> (16 * e)));
+                a0[r] = a0[r] + w0 * xv;
+                a1[r] = a1[r] + w1 * xv;
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        float *o = yr + r * N;
+        store_v8f(o, (load_v8f(o) + a0[r] * s0) + z0 * xg[r * ng]);
+        store_v8f(o + HALF, (load_v8f(o + HALF) + a1[r] * s1) + z1 * xg[r * ng]);
+    }
+}
 
 static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N,
                       const uint32_t *xp, const float *xs, const float *bias, float *y) {
     int64_t ng = K / G, blk = 64 + 8 * G, bt = ng * blk;
-    float wf[256][TILE], s[TILE], z[TILE], gacc[TILE];
+    v8f wf[256][2];
     for (int64_t t = t0; t < t1; t++) {
         for (int64_t m = 0; m < M; m++) memset(y + m * N + t * TILE, 0, TILE * sizeof(float));
         for (int64_t g = 0; g < ng; g++) {
             const uint8_t *p = w + t * bt + g * blk;
-            for (int i = 0; i < TILE; i++) {
-                uint16_t sh, zh;
-                memcpy(&sh, p + 2 * i, 2);
-                memcpy(&zh, p + 32 + 2 * i, 2);
-                s[i] = bf16_to_f32(sh);
-                z[i] = bf16_to_f32(zh);
-            }
-            for (int64_t b = 0; b < G / 8; b++)
-                for (int i = 0; i < TILE; i++) {
-                    uint32_t d;
-                    memcpy(&d, p + 64 + b * 64 + 4 * i, 4);
-                    for (int c = 0; c < 8; c++) wf[b * 8 + c][i] = (float)((int)((d >> NIBBLE_SHIFT[c]) & 15u) - 8);
-                }
-            for (int64_t m = 0; m < M; m++) {
+            v8f s0 = bf16x8(p), s1 = bf16x8(p + 16), z0 = bf16x8(p + 32), z1 = bf16x8(p + 48);
+            unpack_group(p, G, wf);
+            for (int64_t m = 0; m < M; m += PASS) {
                 const uint32_t *xr = xp + m * (K / 2) + g * G / 2;
                 float *yr = y + m * N + t * TILE;
-                for (int i = 0; i < TILE; i++) gacc[i] = 0.f;
-                for (int64_t k = 0; k < G; k++) {
-                    float xv = bf16_to_f32((uint16_t)(xr[k / 2] >> (16 * (k % 2))));
-                    for (int i = 0; i < TILE; i++) gacc[i] += wf[k][i] * xv;
+                switch (M - m < PASS ? M - m : PASS) {
+                case 1: group_rows(wf, G, xr, K / 2, xs + m * ng + g, ng, s0, s1, z0, z1, yr, N, 1); break;
+                case 2: group_rows(wf, G, xr, K / 2, xs + m * ng + g, ng, s0, s1, z0, z1, yr, N, 2); break;
+                case 3: group_rows(wf, G, xr, K / 2, xs + m * ng + g, ng, s0, s1, z0, z1, yr, N, 3); break;
+                default: group_rows(wf, G, xr, K / 2, xs + m * ng + g, ng, s0, s1, z0, z1, yr, N, 4);
                 }
-                float xg = xs[m * ng + g];
-                for (int i = 0; i < TILE; i++) yr[i] = (yr[i] + gacc[i] * s[i]) + z[i] * xg;
             }
         }
         if (bias)
