@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -40,6 +41,12 @@ def _stop(*procs: subprocess.Popen) -> None:
             p.wait(20)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_pair, tmp_path):
@@ -95,6 +102,22 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         assert "found in the cache" in text and "fetching shard" not in text and "fetching the lm_head" not in text
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30, strategy="flowspec")["token_ids"] == reference
+
+        # A damaged cache repairs itself (issue 28): a cached shard, then a cached head file, with bytes
+        # flipped (same size) fail their checksum once, are deleted and fetched again; before, the stage
+        # refused every assignment until someone deleted the cache by hand.
+        for n, (victim, sha) in enumerate([(cached, spec.sha256), (cached.parent / head_spec.file, head_spec.sha256)]):
+            stages[-1].kill()
+            stages[-1].wait(20)
+            _flip_a_byte(victim)
+            log_path = tmp_path / f"stage-repair-{n}.log"
+            stages.append(spawn_join(addr, *keys, log_path=log_path, env=stage_env))
+            wait_ready(addr, 90, alive=lambda: head.poll() is None and stages[-1].poll() is None)
+            text = log_path.read_text()
+            assert "failed its checksum" in text and "fetching it again (1 of 2)" in text, text[-2000:]
+            assert file_sha256(victim) == sha
+        with Client(addr, timeout_s=30) as c:
+            assert c.generate(PROMPT, max_new_tokens=30)["token_ids"] == reference
     except BaseException:
         print(logs(tmp_path))
         raise
@@ -170,3 +193,49 @@ def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path)
     assert down.returncode == 0 and "stopped the cluster" in down.stdout, down.stderr
     gone = flowedge_cli("status", "--head", f"127.0.0.1:{port}", env=env)
     assert gone.returncode == 1 and gone.stderr.startswith("error: cannot reach a flowedge head")
+
+
+def test_a_damaged_cache_file_is_deleted_for_a_fresh_fetch_a_bounded_number_of_times(tmp_path):
+    import hashlib
+
+    from flowedge.daemon import shard_fetch
+    from flowedge.errors import ChecksumError
+    from flowedge.transport import protocol as proto
+
+    data, head = os.urandom(1000), os.urandom(300)
+    sha, head_sha = hashlib.sha256(data).hexdigest(), hashlib.sha256(head).hexdigest()
+    manifest = json.dumps({"format": 1, "model": "m", "num_layers": 1, "hidden_size": 4, "dtype": "float32",
+                           "tied": True, "head": {"file": "head.safetensors", "sha256": head_sha, "bytes": 300},
+                           "stages": [{"index": 0, "layers": [0, 1], "file": "stage-0.safetensors", "sha256": sha,
+                                       "bytes": 1000}]})
+    assign = proto.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=1000, next_addr="",
+                          model="m", side_files={"manifest.json": manifest, "config.json": "{}"},
+                          head_sha256=head_sha, head_bytes=300)
+    home = tmp_path / "home"
+
+    def fetched() -> Path:
+        asked: list[proto.ShardRequest] = []
+        entry = shard_fetch.fetch(assign, home, asked.append, lambda timeout: proto.ShardChunk.of(
+            asked[-1].offset, data[asked[-1].offset:asked[-1].offset + asked[-1].length], len(data)))
+        if not (entry / "head.safetensors").is_file():
+            (entry / "head.safetensors").write_bytes(head)
+        return entry
+
+    repair = shard_fetch.CacheRepair(home, limit=2)
+    entry = fetched()
+    assert shard_fetch.damaged_files(entry, assign) == []
+    _flip_a_byte(entry / "head.safetensors")                 # the head file alone: only it goes
+    repair.repair(entry, assign, ChecksumError("head.safetensors is corrupt"))
+    assert not (entry / "head.safetensors").exists() and (entry / "stage-0.safetensors").is_file()
+    for _ in range(2):                                        # the shard: the whole entry goes, twice
+        entry = fetched()
+        _flip_a_byte(entry / "stage-0.safetensors")
+        repair.repair(entry, assign, ChecksumError("stage-0.safetensors is corrupt"))
+        assert not entry.exists() and shard_fetch.cached_dir(home, sha) is None
+    entry = fetched()
+    _flip_a_byte(entry / "stage-0.safetensors")
+    with pytest.raises(ChecksumError, match="fetched again 2 times and still damaged: check this device's storage"):
+        repair.repair(entry, assign, ChecksumError("stage-0.safetensors is corrupt"))
+    assert entry.is_dir()                                     # the third time the error stands
+    with pytest.raises(ChecksumError, match="the head's copy is damaged"):   # same host: not the stage's files
+        repair.repair(tmp_path / "head-split", assign, ChecksumError("stage-0.safetensors is corrupt"))

@@ -4,7 +4,9 @@ Cache layout on a stage: `$FLOWEDGE_HOME/stage-cache/<sha256 of the stage file>/
 files (config.json, manifest.json, tokenizer files) and the stage's safetensors file. It is written
 under a temporary name and renamed into place only after the whole file hashed to the expected
 sha256, so an interrupted fetch never leaves a half-written entry and a restart re-fetches nothing
-that was complete.
+that was complete. An entry damaged later (bit rot, a disk that filled up, a copy by hand) fails its
+checksum when the stage loads it, at every assignment; `CacheRepair` then deletes the damaged file so
+the next fetch replaces it, a bounded number of times (then the error stands, shown in `status`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,7 +22,7 @@ from typing import Callable
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
 from flowedge.models.shard_refs import RefFile, resolve_file
-from flowedge.models.shards import MANIFEST, FileSpec, Manifest, StageSpec
+from flowedge.models.shards import MANIFEST, FileSpec, Manifest, StageSpec, verify_file
 from flowedge.progress import Progress
 from flowedge.transport import protocol as proto
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = proto.SHARD_CHUNK_BYTES
 SIDE_FILES = ("config.json", "generation_config.json", MANIFEST)   # what a stage needs besides weights
 IN_FLIGHT = 4            # chunk requests outstanding at once (keeps a high-latency link busy)
+REPAIRS = 2              # times one damaged cached file is deleted and fetched again before its error stands
 
 
 @dataclass(frozen=True)
@@ -184,3 +187,47 @@ def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: 
     if digest.hexdigest() != sha256:
         raise ChecksumError(f"fetched shard hashes to {digest.hexdigest()[:16]}…, "
                             f"head announced {sha256[:16]}…")
+
+
+def damaged_files(entry: Path, assign: proto.Assign) -> list[str]:
+    """sha256s of the assigned files in a cache entry that are missing or fail their size or checksum."""
+    manifest = Manifest.load(entry)
+    specs = [s for s in manifest.stages if s.sha256 == assign.shard_sha256]
+    specs += [manifest.head] if assign.head_sha256 else []
+    bad = []
+    for spec in specs:
+        try:
+            verify_file(entry / spec.file, spec)
+        except (ChecksumError, OSError):
+            bad.append(spec.sha256)
+    return bad
+
+
+class CacheRepair:
+    """Deletes a cached file that failed its checksum so the next fetch replaces it; `limit` times per
+    file, after which the error stands: a device whose storage keeps corrupting what it writes stops
+    fetching, and the head shows the error next to the stage in `status`."""
+
+    def __init__(self, home: Path, limit: int = REPAIRS) -> None:
+        self.home, self.limit = home, limit
+        self.repaired: Counter[str] = Counter()   # sha256 -> times deleted for a fresh fetch
+
+    def repair(self, entry: Path, assign: proto.Assign, err: ChecksumError) -> None:
+        """`err` came from loading `entry`: delete what in it is damaged, or raise ChecksumError when
+        there is nothing this stage may repair (the head's own files, or repaired `limit` times)."""
+        if entry.parent != cache_root(self.home):
+            raise ChecksumError(f"{err} (in the head's split {entry}: the head's copy is damaged)")
+        bad = damaged_files(entry, assign)
+        if not bad:
+            raise err
+        if any(self.repaired[sha] >= self.limit for sha in bad):
+            raise ChecksumError(f"{err}; deleted and fetched again {self.limit} times and still damaged: "
+                                f"check this device's storage")
+        for sha in bad:
+            self.repaired[sha] += 1
+            log.warning("cached file %s… in %s failed its checksum (%s): deleted, fetching it again (%d of %d)",
+                        sha[:12], entry, err, self.repaired[sha], self.limit)
+        if assign.shard_sha256 in bad:
+            shutil.rmtree(entry)   # the whole entry: shard, side files and head file come again
+        else:
+            (entry / Manifest.load(entry).head.file).unlink(missing_ok=True)

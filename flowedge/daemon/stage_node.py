@@ -33,7 +33,7 @@ from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
-from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.errors import ChecksumError, FlowedgeError, ProtocolError
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.transport import protocol as proto
@@ -57,6 +57,7 @@ class StageNode:
         self.stop = stop or threading.Event()
         self.node_id = config.name
         self.home = flowedge_home()
+        self.repair = shard_fetch.CacheRepair(self.home)   # damaged cache files: deleted, fetched again
         self.head_host, self.head_port = split_addr(config.head)
         self.ctx = zmq.Context()
         self.security = Security.start(self.ctx, config.keys_path, config.insecure)
@@ -167,13 +168,9 @@ class StageNode:
                 assign.quant != self.assign.quant or assign.head_sha256 != self.assign.head_sha256:
             self.worker = None
             self.phase = f"getting layers [{assign.layer_start}, {assign.layer_end}) of {assign.model}"
-            model_dir = self._shard_dir(assign)
             with_head = bool(assign.head_sha256)   # last stage: also the final norm + lm_head
-            if with_head:
-                self._head_file(assign, model_dir)
             t0 = time.monotonic()
-            model = self._load_beating(model_dir, StageParts(assign.layer_start, assign.layer_end, head=with_head),
-                                       assign.quant)
+            model = self._load(assign, StageParts(assign.layer_start, assign.layer_end, head=with_head))
             self.worker = StageWorker(assign.stage_index, model, 0, can_choose=with_head)
             log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,
                      assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
@@ -192,6 +189,18 @@ class StageNode:
         self.phase = f"serving stage {assign.stage_index}, layers [{assign.layer_start}, {assign.layer_end})"
         self.notifier.ready(self._sd_status())
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
+
+    def _load(self, assign: proto.Assign, parts: StageParts) -> StageModel:
+        """Find or fetch the assigned files and load them (the load checks their sha256); a cached file
+        that fails the check is deleted and fetched again (shard_fetch.CacheRepair, bounded)."""
+        while True:
+            model_dir = self._shard_dir(assign)
+            if parts.head:
+                self._head_file(assign, model_dir)
+            try:
+                return self._load_beating(model_dir, parts, assign.quant)
+            except ChecksumError as err:
+                self.repair.repair(model_dir, assign, err)
 
     def _load_beating(self, model_dir: Path, parts: StageParts, quant: str) -> StageModel:
         """Load in a worker thread while this one keeps heartbeating: repacking a W4A16 shard takes tens
