@@ -30,8 +30,9 @@ def _tensors(head_dim: int = HIDDEN // HEADS) -> dict[str, tuple[int, ...]]:
 
 
 def _write(path: Path, arch: str = "qwen2", meta: dict | None = None,
-           tensors: dict[str, tuple[int, ...]] | None = None, tokens: dict | None = None) -> Path:
-    """A GGUF of F32 tensors numbered 0, 1, 2, ... in file order (tensor i is filled with i)."""
+           tensors: dict[str, tuple[int, ...]] | None = None, tokens: dict | None = None,
+           dtypes: dict[str, type] | None = None) -> Path:
+    """A GGUF of F32 tensors (or `dtypes`) numbered 0, 1, 2, ... in file order (tensor i is filled with i)."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -40,7 +41,7 @@ def _write(path: Path, arch: str = "qwen2", meta: dict | None = None,
     for key, value in (tokens or {}).items():
         writer.add_uint32(f"tokenizer.ggml.{key}", value)
     for i, (name, shape) in enumerate((_tensors() if tensors is None else tensors).items()):
-        writer.add_tensor(name, np.full(shape, i, dtype=np.float32))
+        writer.add_tensor(name, np.full(shape, i, dtype=(dtypes or {}).get(name, np.float32)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -84,6 +85,13 @@ def test_a_missing_metadata_key_or_tensor_is_a_clear_error(tmp_path):
     tensors = {k: v for k, v in _tensors().items() if k != "blk.0.attn_q.bias"}
     with pytest.raises(ModelError, match="lacks 1 tensors .*blk.0.attn_q.bias"):
         read_gguf(_write(tmp_path / "b.gguf", tensors=tensors))
+
+
+def test_a_block_type_gguf_cannot_dequantise_is_a_clear_error(tmp_path):
+    model = read_gguf(_write(tmp_path / "m.gguf", dtypes={"blk.0.ffn_norm.weight": np.int8}))
+    norm = next(s for s in model.tensors if s.tensor == "blk.0.ffn_norm.weight")
+    with pytest.raises(ModelError, match="blk.0.ffn_norm.weight is stored as I8, which gguf cannot dequantise"):
+        norm.load()
 
 
 def test_tensors_flowedge_does_not_use_are_ignored_with_a_log_line(tmp_path, caplog):

@@ -43,7 +43,7 @@ ARCHS = {a.name: a for a in (
 
 # Hugging Face module -> gguf MODEL_TENSOR name, in the order a transformers model lists its state
 # (the order the checkpoint is written in).
-_LAYER_MODULES = (
+LAYER_MODULES = (
     ("self_attn.q_proj", "ATTN_Q"), ("self_attn.k_proj", "ATTN_K"), ("self_attn.v_proj", "ATTN_V"),
     ("self_attn.o_proj", "ATTN_OUT"), ("mlp.gate_proj", "FFN_GATE"), ("mlp.up_proj", "FFN_UP"),
     ("mlp.down_proj", "FFN_DOWN"), ("input_layernorm", "ATTN_NORM"), ("post_attention_layernorm", "FFN_NORM"),
@@ -107,7 +107,7 @@ def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path) -> GgufModel:
-    """Index a GGUF (metadata and tensor table only; the file stays mapped, not read); a clear
+    """Index a GGUF (its metadata and tensor table; no tensor data is read); a clear
     ModelError for a file that is not a readable GGUF, is cut short, or holds an architecture or a
     tensor set flowedge cannot run."""
     from gguf import GGUFReader
@@ -174,38 +174,38 @@ def _config(arch: Arch, meta: dict[str, Any], table: dict[str, tuple], path: Pat
     return config | {"hidden_act": "silu", "dtype": "float32", "use_cache": True}
 
 
-def _hf_names(arch: Arch, layers: int, tied: bool) -> list[tuple[str, str, bool]]:
-    """(Hugging Face name, GGUF name, required) for every tensor of the model, checkpoint order."""
+def _hf_names(arch: Arch, layers: int, tied: bool) -> list[tuple[str, str]]:
+    """(Hugging Face name, GGUF name) of every tensor of the model, in checkpoint order."""
     from gguf import MODEL_TENSOR, TENSOR_NAMES
 
     def gguf(kind: str, bid: int | None = None) -> str:
         return TENSOR_NAMES[MODEL_TENSOR[kind]].format(bid=bid)
 
-    out = [("model.embed_tokens.weight", gguf("TOKEN_EMBD") + ".weight", True)]
+    out = [("model.embed_tokens.weight", gguf("TOKEN_EMBD") + ".weight")]
     for i in range(layers):
-        for module, kind in _LAYER_MODULES:
-            out.append((f"model.layers.{i}.{module}.weight", f"{gguf(kind, i)}.weight", True))
+        for module, kind in LAYER_MODULES:
+            out.append((f"model.layers.{i}.{module}.weight", f"{gguf(kind, i)}.weight"))
             if arch.qkv_bias and kind in ("ATTN_Q", "ATTN_K", "ATTN_V"):
-                out.append((f"model.layers.{i}.{module}.bias", f"{gguf(kind, i)}.bias", True))
-    out.append(("model.norm.weight", gguf("OUTPUT_NORM") + ".weight", True))
+                out.append((f"model.layers.{i}.{module}.bias", f"{gguf(kind, i)}.bias"))
+    out.append(("model.norm.weight", gguf("OUTPUT_NORM") + ".weight"))
     if not tied:
-        out.append(("lm_head.weight", gguf("OUTPUT") + ".weight", True))
+        out.append(("lm_head.weight", gguf("OUTPUT") + ".weight"))
     return out
 
 
 def _sources(arch: Arch, config: dict[str, Any], table: dict[str, tuple], path: Path) -> tuple[GgufSource, ...]:
     names = _hf_names(arch, config["num_hidden_layers"], config["tie_word_embeddings"])
-    missing = [g for _, g, required in names if required and g not in table]
+    missing = [g for _, g in names if g not in table]
     if missing:
         raise ModelError(f"GGUF {path.name} lacks {len(missing)} tensors of its {arch.name} model "
                          f"(first: {', '.join(missing[:3])})")
-    ignored = sorted(set(table) - {g for _, g, _ in names})
+    ignored = sorted(set(table) - {g for _, g in names})
     if ignored:
         log.info("%s: ignoring %d GGUF tensors flowedge does not use (%s)", path.name, len(ignored),
                  ", ".join(ignored[:4]))
     permuted = {"q_proj.weight": config["num_attention_heads"], "k_proj.weight": config["num_key_value_heads"]}
     out = []
-    for hf, gg, _ in names:
+    for hf, gg in names:
         qtype, offset, _, shape = table[gg]
         heads = permuted.get(".".join(hf.split(".")[-2:]), 0) if arch.rope_permuted else 0
         out.append(GgufSource(hf, gg, path.resolve(), qtype, offset, shape, heads))

@@ -84,7 +84,11 @@ class GgufTensor:
     def _float32(self, blocks: np.ndarray) -> np.ndarray:
         from gguf import GGMLQuantizationType, dequantize
 
-        values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(blocks.shape[0], self.cols)
+        try:
+            values = dequantize(blocks, GGMLQuantizationType(self.qtype)).reshape(blocks.shape[0], self.cols)
+        except NotImplementedError:
+            raise ModelError(f"{self.path.name}: {self.tensor} is stored as "
+                             f"{GGMLQuantizationType(self.qtype).name}, which gguf cannot dequantise") from None
         return values if values.flags.writeable else values.copy()   # F32 blocks: a view of the mapped file
 
     def max_abs(self) -> float:

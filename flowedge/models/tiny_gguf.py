@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flowedge.errors import ConfigError
-from flowedge.models.gguf_model import _LAYER_MODULES
+from flowedge.models.gguf_model import LAYER_MODULES
 
 # Which GGML type a tensor is stored as: a function of its GGUF name.
 QtypePolicy = Callable[[str], str]
@@ -119,7 +119,7 @@ def _gguf_name(hf_name: str) -> str:
     if stem in top:
         return f"{TENSOR_NAMES[MODEL_TENSOR[top[stem]]]}.{kind}"
     _, _, layer, module = stem.split(".", 3)
-    tensor = dict(_LAYER_MODULES).get(module)
+    tensor = dict(LAYER_MODULES).get(module)
     if tensor is None:
         raise ConfigError(f"no GGUF name for {hf_name}")
     return f"{TENSOR_NAMES[MODEL_TENSOR[tensor]].format(bid=int(layer))}.{kind}"
