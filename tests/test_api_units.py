@@ -240,3 +240,151 @@ def test_a_client_trickling_its_headers_is_cut_off_and_others_are_served(live_ap
         body.sendall(b'{"prompt": "a"}')
         body.settimeout(5)
         assert body.recv(4096).startswith(b"HTTP/1.1 503")   # answered (the head is not there)
+
+
+def test_admission_closes_the_oldest_waiting_connection_of_an_address_then_of_all():
+    from flowedge.api.admission import Admission
+
+    a = Admission(per_address=2, total=3)
+    assert a.waits("x1", "10.0.0.1") == [] and a.waits("x2", "10.0.0.1") == []
+    assert a.waits("x3", "10.0.0.1") == ["x1"]          # a third from one address: its oldest goes
+    assert a.waits("y1", "10.0.0.2") == []
+    assert a.waits("y2", "10.0.0.2") == ["x2"]          # a fourth in all: the oldest of all goes
+    a.done("x3")                                         # its head arrived: it no longer counts
+    assert a.count() == 2 and a.count("10.0.0.2") == 2
+    assert a.waits("y1", "10.0.0.2") == []              # a keep-alive connection waiting again is the newest
+    assert list(a.waiting) == ["y2", "y1"] and a.evicted == 2
+
+
+def _rest_of_answer(sock, start: bytes) -> bytes:
+    """`start` and whatever else the server sends until it closes (the answers here close)."""
+    sock.settimeout(5)
+    data = start
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def _connect_from(port: int, source: str):
+    import socket
+
+    s = socket.socket()
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _server_closed(sock) -> bool:
+    sock.settimeout(0.5)
+    try:
+        return sock.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def crowded_api():
+    """A server with room for 8 connections, 3 per address without a complete head, head deadline 8 s."""
+    import threading
+    import time
+
+    from flowedge.api.server import build_server
+
+    settings = ApiSettings(head="127.0.0.1:9", header_timeout_s=8.0, status_timeout_s=0.3, request_timeout_s=0.5,
+                           insecure=True, max_connections=8, max_connections_per_address=3)
+    server = build_server(settings, "127.0.0.1", 0, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield server.servers[0].sockets[0].getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def _health_from(port: int, source: str):
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=5) as c:
+        return c.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_one_address_trickling_headers_cannot_lock_others_out(crowded_api):
+    """Issue 28: ~130 header-trickling connections from one address left /health 2 answers out of 44.
+    12 here against a cap of 8: only that address's 3 newest stay, and another address is served."""
+    slow = []
+    try:
+        for _ in range(12):
+            slow.append(_connect_from(crowded_api, "127.0.0.1"))
+            slow[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        r = _health_from(crowded_api, "127.0.0.2")
+        assert r.status_code == 503 and r.json() == {"status": "head unreachable"}, r.text   # the app answered
+        open_ = [s for s in slow if not _server_closed(s)]
+        assert len(open_) == 3 and open_ == slow[-3:]
+        r = _health_from(crowded_api, "127.0.0.1")     # the same address still gets in (its oldest waits go)
+        assert r.json() == {"status": "head unreachable"}, r.text
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_many_addresses_trickling_headers_cannot_fill_the_server(crowded_api):
+    """3 waiting connections from each of 5 addresses (15) against a cap of 8: the oldest of all are
+    closed past three quarters of the cap, and a complete request still gets in."""
+    slow = []
+    try:
+        for k in range(3, 8):
+            for _ in range(3):
+                slow.append(_connect_from(crowded_api, f"127.0.0.{k}"))
+                slow[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        r = _health_from(crowded_api, "127.0.0.2")
+        assert r.status_code == 503 and r.json() == {"status": "head unreachable"}, r.text
+        assert sum(not _server_closed(s) for s in slow) <= 6
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_body_trickled_a_byte_at_a_time_meets_one_deadline_for_the_whole_body(live_api):
+    """Issue 28: the read timeout was per piece, so a byte every 0.5 s (read timeout 3 s) held the
+    connection for ever. Now the whole body has 3 s: answered 400, not before and not much after."""
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", live_api)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n")
+        t0 = time.monotonic()
+        s.settimeout(0.5)
+        answer = b""
+        while not answer and time.monotonic() - t0 < 8:
+            try:
+                s.sendall(b" ")
+                answer = s.recv(4096)
+            except TimeoutError:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        took = time.monotonic() - t0
+        answer = _rest_of_answer(s, answer)
+    assert answer.startswith(b"HTTP/1.1 400") and b"incomplete after 3 s" in answer, (answer[:300], took)
+    assert 2.5 < took < 5.0, took
+
+
+def test_a_head_over_16_kib_is_refused_however_it_arrives(live_api):
+    """Issue 28: a 60 KiB head sent at once passed h11, whose cap only bounds an incomplete head."""
+    import socket
+
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        b"X-Filler-%d: %s\r\n" % (i, b"y" * 1000) for i in range(60)) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", live_api)) as s:
+        s.sendall(head)
+        answer = _rest_of_answer(s, b"")
+    assert answer.startswith(b"HTTP/1.1 431") and b"request head over 16384 bytes" in answer, answer[:300]

@@ -1,9 +1,12 @@
-"""Bearer API keys, and the request-body guard in front of every route.
+"""Bearer API keys, and the request guard in front of every route.
 
-The guard reads the whole body before the app sees it: a Content-Length that is not a number, is
-larger than the limit, or promises bytes that never come is answered 400/413 at once or after
-`read_timeout_s`, never left hanging. The body is then replayed to the app; later `receive` calls
-go to the server, so a client that disconnects mid-stream is still noticed.
+A request head over MAX_HEAD_BYTES is answered 431 however it arrived (h11 bounds only a head still
+incomplete: one that came in a single read passed whole). The guard reads the whole body before the
+app sees it: a Content-Length that is not a number, is larger than the limit, or promises bytes that
+never come is answered 400/413 at once or once `read_timeout_s` has passed since the body was first
+awaited — one deadline for the whole body, so a byte every few seconds does not hold the connection
+for ever. The body is then replayed to the app; later `receive` calls go to the server, so a client
+that disconnects mid-stream is still noticed.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import asyncio
 import hmac
 import json
 
-from flowedge.api.settings import ApiSettings
+from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings
 
 OPEN_PATHS = ("/health",)   # for load balancers and systemd checks: tells only whether it serves
 
@@ -40,6 +43,12 @@ def key_ok(header: str | None, api_keys: tuple[str, ...]) -> bool:
     return any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in api_keys)
 
 
+def head_bytes(scope) -> int:
+    """The request head's size as sent: request line, header lines and the blank line."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 13
+    return line + sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + 2
+
+
 class RequestGuard:
     """ASGI middleware: API keys, then the body (see the module docstring)."""
 
@@ -49,6 +58,9 @@ class RequestGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if head_bytes(scope) > MAX_HEAD_BYTES:
+            self.on_refused(431)
+            return await send_json(send, 431, error_body(f"request head over {MAX_HEAD_BYTES} bytes"))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if scope["path"] not in OPEN_PATHS and not key_ok(headers.get("authorization"), self.settings.api_keys):
             self.on_refused(401)
@@ -90,9 +102,11 @@ class RequestGuard:
     async def _read_body(self, receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.read_timeout_s   # for the whole body, not each piece
         while True:
             try:
-                message = await asyncio.wait_for(receive(), self.settings.read_timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise ValueError(f"request body incomplete after {self.settings.read_timeout_s:g} s "
                                  f"(fewer bytes than its Content-Length?)") from None

@@ -12,6 +12,10 @@ waits for a request's head (h11's `their_state` is IDLE and bytes have arrived, 
 just opened) a timer runs, armed once and not reset by further bytes; if the head is not complete when
 it fires, the connection is closed. Once the head is parsed the timer is off, so a long streamed answer
 is never cut. Passed to uvicorn as its `http` protocol class (a documented `Config` option).
+
+The same waits feed the server's `Admission` (admission.py): a connection waiting for its head is
+counted for its client address, and the connections it names (the oldest waiting ones, of an address
+or of all, past the limits) are closed.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from flowedge.api.admission import Admission
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,6 +35,7 @@ HEADER_TIMEOUT_S = 10.0
 
 class HeaderDeadlineH11(H11Protocol):
     header_timeout_s: float = HEADER_TIMEOUT_S
+    admission: Admission | None = None   # shared by the server's connections
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -42,6 +48,8 @@ class HeaderDeadlineH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self.admission is not None:
+            self.admission.done(self)
         super().connection_lost(exc)
 
     def _waiting_for_head(self) -> bool:
@@ -53,11 +61,26 @@ class HeaderDeadlineH11(H11Protocol):
             self._stop_head_timer()
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
+            self._admit()
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+            if self.admission is not None:
+                self.admission.done(self)
+
+    def _admit(self) -> None:
+        """Count this wait for a head; close the waiting connections the admission gives up."""
+        if self.admission is None:
+            return
+        for other in self.admission.waits(self, self.client[0] if self.client else "?"):
+            if self.admission.evicted % 100 == 1:   # once, then every 100th: a flood must not flood the log
+                log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
+                            "from one address or in all); the latest from %s", self.admission.evicted,
+                            other.client[0] if other.client else "?")
+            other._stop_head_timer()
+            other.transport.close()
 
     def _head_overdue(self) -> None:
         self._head_timer = None
@@ -68,8 +91,10 @@ class HeaderDeadlineH11(H11Protocol):
             self.transport.close()
 
 
-def header_deadline_protocol(timeout_s: float) -> type[HeaderDeadlineH11]:
-    """uvicorn's h11 protocol class with a `timeout_s` deadline for each request head."""
+def header_deadline_protocol(timeout_s: float, admission: Admission | None = None) -> type[HeaderDeadlineH11]:
+    """uvicorn's h11 protocol class with a `timeout_s` deadline for each request head (and, given one,
+    an admission shared by every connection of the server)."""
     if not timeout_s > 0:
         raise ConfigError(f"the header timeout must be > 0 s, got {timeout_s}")
-    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": float(timeout_s)})
+    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": float(timeout_s),
+                                                             "admission": admission})

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import uvicorn
 
+from flowedge.api.admission import Admission
 from flowedge.api.app import create_app
 from flowedge.api.header_deadline import header_deadline_protocol
-from flowedge.api.settings import ApiSettings, check_exposure
+from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings, check_exposure
 
 
 KEEP_ALIVE_S = 5
-MAX_HEAD_BYTES = 16 * 1024   # request line + headers (h11's default, stated here on purpose)
 
 
 def build_server(settings: ApiSettings, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
     """A uvicorn server for the API (refuses a non-loopback address without API keys). Slow clients are
-    bounded in time by the header deadline (h11 with `header_timeout_s`) and the guard's body timeout, in
-    size by `h11_max_incomplete_event_size` and the body limit, in number by `limit_concurrency`."""
+    bounded in time by the header deadline (h11 with `header_timeout_s`) and the guard's body deadline, in
+    size by `h11_max_incomplete_event_size`, the guard's head cap and the body limit, in number by
+    `limit_concurrency` and the admission (connections without a complete head: per address and up to
+    three quarters of the cap, the oldest closed first)."""
     check_exposure(host, settings.api_keys)
+    admission = Admission(settings.max_connections_per_address,
+                          max(1, settings.max_connections - settings.max_connections // 4))
     config = uvicorn.Config(create_app(settings), host=host, port=port, log_level=log_level,
-                            http=header_deadline_protocol(settings.header_timeout_s),
+                            http=header_deadline_protocol(settings.header_timeout_s, admission),
                             timeout_keep_alive=KEEP_ALIVE_S, proxy_headers=False, server_header=False,
                             lifespan="on", h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             limit_concurrency=settings.max_connections)

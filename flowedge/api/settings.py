@@ -9,6 +9,7 @@ from pathlib import Path
 from flowedge.errors import ConfigError
 
 API_KEYS_ENV = "FLOWEDGE_API_KEYS"   # comma-separated
+MAX_HEAD_BYTES = 16 * 1024   # a request's line + headers (h11's default, stated here on purpose)
 MIN_KEY_CHARS = 16
 
 
@@ -21,6 +22,8 @@ class ApiSettings:
     read_timeout_s: float = 10.0           # longest wait for the next piece of a request body
     header_timeout_s: float = 10.0         # longest wait for a whole request head (api/header_deadline.py)
     max_connections: int = 128             # open connections + running requests; 503 beyond (uvicorn)
+    max_connections_per_address: int = 16  # connections of one client address without a complete request head
+                                           # (past it, its oldest such one is closed: api/admission.py)
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0       # longest silence from the head during one answer
     status_timeout_s: float = 3.0          # /health and /metrics asking the head

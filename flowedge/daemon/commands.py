@@ -303,17 +303,20 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
 @click.option("--api-key-file", default=None, type=click.Path(dir_okay=False),
               help="A file of API keys, one a line.")
 @click.option("--read-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds to wait for the rest of a request body.")
+              help="Seconds a client has to send a whole request body (one deadline, not per piece).")
 @click.option("--request-timeout", default=300.0, show_default=True, type=float,
               help="Seconds of silence from the head before an answer fails.")
 @click.option("--header-timeout", default=10.0, show_default=True, type=float,
               help="Seconds a client has to send a whole request head (request line + headers).")
 @click.option("--max-connections", default=128, show_default=True, type=int,
               help="Open connections + running requests; beyond it new ones get 503.")
+@click.option("--max-connections-per-address", default=16, show_default=True, type=int,
+              help="Connections one client address may hold without a complete request head; past it its "
+                   "oldest such connection is closed (three quarters of --max-connections in all).")
 @KEYS_OPTION
 @INSECURE_OPTION
 def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
-         keys_dir, insecure) -> None:
+         max_connections_per_address, keys_dir, insecure) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) in front of a head."""
     from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
@@ -323,7 +326,7 @@ def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, he
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
                            api_keys=load_api_keys(api_keys, api_key_file), read_timeout_s=read_timeout,
                            request_timeout_s=request_timeout, header_timeout_s=header_timeout,
-                           max_connections=max_connections)
+                           max_connections=max_connections, max_connections_per_address=max_connections_per_address)
     from flowedge.api.server import build_server
 
     server = build_server(settings, host, port)
