@@ -1,7 +1,8 @@
-"""One KV cache class for a layer range: grows by doubling, compacts by index, never re-concatenates.
+"""One KV cache class for a layer range: preallocated, compacts by index in place, never re-concatenates.
 
-Hugging Face attention layers only call `update(k, v, layer_idx)` on the cache object they are given,
-so this class is all the cache a stage needs. Entries are kept in *cache order*; positions were already
+The decoder's attention (models/decoder.py) calls `update(k, v, layer_idx)` and reads the returned views,
+so this class is all the cache a stage needs. Sized once for the context a request may reach, a steady
+decode step allocates nothing; a request that outgrows it doubles it (logged by nobody: it is rare). Entries are kept in *cache order*; positions were already
 applied (rotary) when the keys were written, so reordering or dropping entries is safe as long as the
 attention mask is built over the same order.
 """
@@ -73,37 +74,3 @@ class KVCache:
         k = self._k[self._first]
         per_entry = k.shape[1] * k.shape[3] * k.element_size() * 2
         return per_entry * self.length * len(self.layer_ids)
-
-
-class PackedKV:
-    """Several requests' caches in one batched forward (SpecPipe-DB's dynamic batching).
-
-    The forward's rows are the requests' new tokens packed in order; `masks[i]` is request i's additive
-    attention mask [1, 1, n_i, its cache length + n_i] (0 where allowed), so `sizes[i]` = n_i. `update`
-    appends each request's slice of the new K/V to that request's own cache and keeps views of every
-    request's full K/V (`columns`) for the layer; the attention (models/attention.py) then runs each
-    request over its own columns with its own mask. Nothing is concatenated or copied beyond the cache
-    appends a forward alone makes, and every request's rows come out bit-identical to its forward alone
-    wherever the Linear layers are row-invariant (W4A16: see docs/bench/README.md)."""
-
-    def __init__(self, caches: list, masks: list[torch.Tensor]) -> None:
-        if len(caches) != len(masks):
-            raise ValueError(f"{len(caches)} caches for {len(masks)} masks")
-        self.sizes = [int(m.shape[-2]) for m in masks]
-        for cache, n, mask in zip(caches, self.sizes, masks):
-            if mask.shape[-1] != cache.length + n:
-                raise ValueError(f"mask {tuple(mask.shape)} does not match {n} rows after {cache.length} cached")
-        self.caches, self.masks = caches, masks
-        self.columns: list[tuple[torch.Tensor, torch.Tensor]] = []   # per request, of layer `layer`
-        self.layer: int | None = None                                  # the last layer updated
-
-    @property
-    def length(self) -> int:
-        return sum(c.length for c in self.caches)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [1, H_kv, sum(sizes), D]; each request's views [1, H_kv, length_i + size_i, D] -> `columns`
-        self.columns = [cache.update(part_k, part_v, layer_idx) for cache, part_k, part_v
-                        in zip(self.caches, k.split(self.sizes, dim=2), v.split(self.sizes, dim=2))]
-        self.layer = layer_idx
-        return k, v   # unused: the packed attention reads `columns`

@@ -1,9 +1,9 @@
 """A contiguous layer range of a decoder-only LM, run with a tree mask, absolute positions and a KV cache.
 
 One class serves every role: a pipeline stage (layers only), node 0's base-model parts (embedding,
-final norm, lm_head), the draft model and the single-process model (everything). Layers are the real
-Hugging Face decoder blocks built on the meta device and filled from safetensors by name, so a stage
-process only ever reads and holds its own tensors.
+final norm, lm_head), the draft model and the single-process model (everything). Layers are flowedge's own
+decoder blocks (models/decoder.py) built on the meta device and filled from safetensors by name, so a
+stage process only ever reads and holds its own tensors, and never imports transformers.
 """
 from __future__ import annotations
 
@@ -19,23 +19,18 @@ from torch import nn
 
 from flowedge.errors import ModelError
 from flowedge.models import packing
+from flowedge.models.config import ModelConfig
+from flowedge.models.decoder import DecoderLayer, RequestRows, RMSNorm, run_layers
 from flowedge.models.gguf_tensors import GgufEmbedding, GgufTensor, read_tensor
-from flowedge.models.attention import ATTN_IMPLEMENTATION
-from flowedge.models.kv_cache import KVCache, PackedKV
+from flowedge.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
 _LAYER_PREFIX = "model.layers."
 
 
-def load_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ModelError(f"{model_dir} has no config.json (not a model or shard directory)")
-    config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = ATTN_IMPLEMENTATION   # SDPA, split per request in a batched forward
-    return config
+def load_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.load(model_dir)
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:
@@ -81,8 +76,8 @@ class StageParts:
 
 
 class StageModel(nn.Module):
-    def __init__(self, config, parts: StageParts, layers: nn.ModuleList, embed: nn.Module | None,
-                 norm: nn.Module | None, lm_head: nn.Module | None, rotary: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, parts: StageParts, layers: nn.ModuleList, embed: nn.Module | None,
+                 norm: nn.Module | None, lm_head: nn.Module | None) -> None:
         super().__init__()
         self.config = config
         self.parts = parts
@@ -90,7 +85,6 @@ class StageModel(nn.Module):
         self.embed_tokens = embed
         self.norm = norm
         self.lm_head = lm_head
-        self.rotary = rotary
         self.compute_dtype = torch.float32
 
     # ---- construction -------------------------------------------------------------------------
@@ -104,12 +98,9 @@ class StageModel(nn.Module):
         models/packing.py) as int4, anything else as `dtype`. none | int4 | nf4 | auto quantize the
         decoder layers' Linears of a 16-bit checkpoint while loading, one layer at a time, so no
         full-precision copy of the stage is ever held; a packed checkpoint loads only as int4/auto.
-        Norms, biases and activations are `dtype`. The lm_head stays unquantized unless
-        `quant_lm_head` (a draft model: its logits only steer proposals, so 4-bit costs no correctness);
-        the embedding then stays at its stored 16 bits (a lookup), else it is `dtype` and shared by a
-        tied lm_head."""
-        from transformers import AutoModelForCausalLM
-
+        Norms, biases and activations are `dtype`. With int4 layers the lm_head is int4 too (packed a
+        few thousand rows at a time, never held in float32) and the embedding stays at its stored 16
+        bits (a lookup); `quant_lm_head` also quantizes it for nf4 (a draft model)."""
         t0 = time.monotonic()
         model_dir = Path(model_dir)
         config = load_config(model_dir)
@@ -121,30 +112,23 @@ class StageModel(nn.Module):
         index = _tensor_index(model_dir)
         backend = _backend(quant, packing.quant_of(index), model_dir)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        inner = skeleton.model
-        layers = nn.ModuleList(inner.layers[parts.start:parts.end])
+            layers = nn.ModuleList(DecoderLayer(config, i) for i in range(parts.start, parts.end))
         by_layer: dict[int, list[str]] = {}
         for n in index:
             if n.startswith(_LAYER_PREFIX):
                 by_layer.setdefault(int(n[len(_LAYER_PREFIX):].split(".", 1)[0]), []).append(n)
-        for i, layer in enumerate(layers):
-            _load_layer(layer, parts.start + i, index, by_layer.get(parts.start + i, []), dtype, backend)
+        for layer in layers:
+            _load_layer(layer, layer.index, index, by_layer.get(layer.index, []), dtype, backend)
+        head_backend = backend if backend == "int4" or quant_lm_head else "none"
         embed = norm = lm_head = None
         if parts.embed or parts.head:
-            embed = inner.embed_tokens
-            keep_16 = "lm_head.weight" in index or (quant_lm_head and backend in ("int4", "nf4"))
-            if "lm_head.weight" in index and isinstance(index["model.embed_tokens.weight"], GgufTensor):
-                embed = GgufEmbedding(index["model.embed_tokens.weight"])   # a lookup, rows from the GGUF
-            else:
-                _load_into(embed, {"weight": _read_one(index, "model.embed_tokens.weight",
-                                                       None if keep_16 else dtype)}, "embedding")
+            embed = _load_embedding(config, index, dtype, keep_16="lm_head.weight" in index or head_backend != "none")
         if parts.head:
-            norm = inner.norm
+            with torch.device("meta"):
+                norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             _load_into(norm, {"weight": _read_one(index, "model.norm.weight", dtype)}, "final norm")
-            lm_head = _load_lm_head(skeleton.lm_head, embed, index, dtype, backend if quant_lm_head else "none")
-        rotary = type(inner.rotary_emb)(config=config)
-        model = cls(config, parts, layers, embed, norm, lm_head, rotary).eval()
+            lm_head = _load_lm_head(config, embed, index, dtype, head_backend)
+        model = cls(config, parts, layers, embed, norm, lm_head).eval()
         model.compute_dtype = dtype
         _trim_heap()
         log.info("loaded %s layers [%d, %d)%s%s (%s) in %.1f s", model_dir.name, parts.start, parts.end,
@@ -155,8 +139,7 @@ class StageModel(nn.Module):
     # ---- state --------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return KVCache(range(self.parts.start, self.parts.end), c.num_key_value_heads, head_dim,
+        return KVCache(range(self.parts.start, self.parts.end), c.num_key_value_heads, c.head_dim,
                        self.dtype, capacity)
 
     @property
@@ -176,9 +159,7 @@ class StageModel(nn.Module):
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                        cache: KVCache) -> torch.Tensor:
         # hidden: [n, H]; positions: [n] absolute; mask: [n, cache.length + n] float (0 / -inf) -> [n, H]
-        if hidden.shape[0] == 0 or not len(self.layers):
-            return hidden
-        return self._run_layers(hidden, positions, mask.to(hidden.dtype)[None, None], cache)
+        return self.forward_packed(hidden, positions, [mask], [cache])
 
     @torch.inference_mode()
     def forward_packed(self, hidden: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
@@ -187,28 +168,20 @@ class StageModel(nn.Module):
         [sum n_i], masks[i] request i's [n_i, caches[i].length + n_i] float mask -> [sum n_i, H].
 
         The Linear layers run over all rows at once; each request attends over its own cache with its
-        own mask (models/attention.py), so with row-invariant Linears (W4A16) each request's rows are
-        bit-identical to its `forward_layers` alone. One request alone runs `forward_layers` itself."""
-        if len(caches) == 1:
-            return self.forward_layers(hidden, positions, masks[0], caches[0])
-        if self.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ModelError("forward_packed needs the per-request attention (load the model with StageModel.load)")
-        packed = PackedKV(caches, [m.to(hidden.dtype)[None, None] for m in masks])
-        if sum(packed.sizes) != hidden.shape[0]:
-            raise ModelError(f"{hidden.shape[0]} rows for masks of {sum(packed.sizes)}")
+        own mask, and every kernel is row-invariant, so each request's rows are bit-identical to its
+        forward alone."""
+        requests, start = [], 0
+        for mask, cache in zip(masks, caches, strict=True):
+            n = int(mask.shape[0])
+            if mask.dim() != 2 or mask.shape[1] != cache.length + n:
+                raise ModelError(f"mask {tuple(mask.shape)} does not match {n} rows after {cache.length} cached")
+            requests.append(RequestRows(start, n, cache, mask))
+            start += n
+        if start != hidden.shape[0]:
+            raise ModelError(f"{hidden.shape[0]} rows for masks of {start}")
         if hidden.shape[0] == 0 or not len(self.layers):
             return hidden
-        return self._run_layers(hidden, positions, None, packed, packed=packed)
-
-    def _run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                    cache, **attention_kwargs) -> torch.Tensor:
-        h = hidden.unsqueeze(0)
-        pos = positions.unsqueeze(0)
-        pe = self.rotary(h, position_ids=pos)
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                      position_embeddings=pe, **attention_kwargs)
-        return h.squeeze(0)
+        return run_layers(self.layers, self.config, hidden, positions, [r for r in requests if r.n])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,31 +245,52 @@ def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: 
         raise ModelError(f"layer {absolute}: no tensors stored for {', '.join(meta[:4])}")
 
 
-def _load_lm_head(lm_head: nn.Module, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
+def _load_embedding(config: ModelConfig, index: dict[str, Path], dtype: torch.dtype, keep_16: bool) -> nn.Module:
+    """The token embedding: a lookup into the GGUF where the checkpoint leaves it there, else the stored
+    matrix (16-bit when `keep_16`, the lm_head not sharing it at `dtype`)."""
+    source = index["model.embed_tokens.weight"]
+    if keep_16 and isinstance(source, GgufTensor):
+        return GgufEmbedding(source)   # a lookup, rows from the GGUF
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+    _load_into(embed, {"weight": _read_one(index, "model.embed_tokens.weight", None if keep_16 else dtype)},
+               "embedding")
+    return embed
+
+
+def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
                   backend: str) -> nn.Module:
     """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
-    straight from the 16-bit stored matrix, a few thousand rows at a time (no float32 copy)."""
-    from flowedge.models.quant import DEFAULT_GROUP_SIZE, Int4Linear, pack_int4, packable, quantize_module
+    a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix)."""
+    from flowedge.models.quant import DEFAULT_GROUP_SIZE, Int4Linear, packable, quantize_module
 
-    own = "lm_head.weight" in index
-    if backend == "int4":
-        weight = _read_one(index, "lm_head.weight", None) if own else embed.weight.detach()
-        if packable(weight.shape[0], weight.shape[1], DEFAULT_GROUP_SIZE) is None:
-            return Int4Linear.from_packed(pack_int4(weight, DEFAULT_GROUP_SIZE), None)
-        backend = "none"
-    if own:
-        _load_into(lm_head, {"weight": _read_one(index, "lm_head.weight", dtype)}, "lm_head")
-    elif backend == "nf4":
+    name = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
+    if backend == "int4" and packable(config.vocab_size, config.hidden_size, DEFAULT_GROUP_SIZE) is None:
+        return Int4Linear.from_packed(_pack_rows(index[name], name), None)
+    with torch.device("meta"):
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    if name == "lm_head.weight":
+        _load_into(lm_head, {"weight": _read_one(index, name, dtype)}, "lm_head")
+    elif backend == "nf4" or embed.weight.dtype != dtype:
         lm_head.weight = nn.Parameter(embed.weight.detach().to(dtype), requires_grad=False)
     else:   # tied embeddings: share the embedding matrix, no second copy
-        lm_head.weight = embed.weight if embed.weight.dtype == dtype else \
-            nn.Parameter(embed.weight.detach().to(dtype), requires_grad=False)
-        return lm_head
+        lm_head.weight = embed.weight
     if backend == "nf4":
         holder = nn.ModuleDict({"lm_head": lm_head})
         quantize_module(holder, backend, compute_dtype=dtype, skip_names=())
         return holder["lm_head"]
     return lm_head
+
+
+def _pack_rows(source: Path | GgufTensor, name: str):
+    """W4A16 codes of a [V, H] matrix, packed ROW_CHUNK rows at a time (rows quantize independently)."""
+    from flowedge.models.quant import DEFAULT_GROUP_SIZE, ROW_CHUNK, PackedInt4, pack_int4
+
+    if not isinstance(source, GgufTensor):
+        return pack_int4(read_tensor(source, name, None), DEFAULT_GROUP_SIZE)
+    parts = [pack_int4(source.rows_tensor(a, min(a + ROW_CHUNK, source.rows)), DEFAULT_GROUP_SIZE)
+             for a in range(0, source.rows, ROW_CHUNK)]
+    return PackedInt4(*(torch.cat(ts) for ts in zip(*((p.qweight, p.scales, p.zeros) for p in parts))))
 
 
 def _load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str, strict: bool = True) -> None:

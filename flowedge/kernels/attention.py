@@ -1,0 +1,71 @@
+"""Row-invariant attention (kernels/attention.c) called through ctypes, with a torch fallback.
+
+`attend(q, k, v, mask)` gives every query row the same result whatever rows share the call: that is
+what keeps T=0 speculation token-identical to `ar` (see attention.c). Where no C compiler is at hand
+the torch fallback runs the same maths with torch's matmuls (correct, not row-invariant) and says so
+once in the log.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+
+import torch
+
+from flowedge.kernels.build import load_library
+
+log = logging.getLogger(__name__)
+
+_SIGNATURE = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+_lib = None
+_lib_tried = False
+
+
+def _native():
+    global _lib, _lib_tried
+    if not _lib_tried:
+        _lib_tried = True
+        _lib = load_library("attention", _bind)
+    return _lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.flowedge_attend_f32.argtypes = _SIGNATURE
+    lib.flowedge_attend_f32.restype = ctypes.c_int
+
+
+def available() -> bool:
+    return _native() is not None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [n, Hq, D]; k, v [Hkv, L, D] (views into a cache: the L axis may be a prefix of a longer
+    buffer, rows of D contiguous); mask [n, L] additive (0 allowed, <= -1e30 masked) -> [n, Hq, D]."""
+    n, hq, d = q.shape
+    hkv, length = k.shape[0], k.shape[1]
+    lib = _native() if q.dtype == torch.float32 else None
+    if lib is None or not _cache_view_ok(k, v, d):
+        return _attend_torch(q, k, v, mask)
+    q = q.contiguous()
+    mask = mask.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    rc = lib.flowedge_attend_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                                 n, hq, hkv, d, length, k.stride(0), 1.0 / math.sqrt(d), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"native attention failed ({rc}) for q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out
+
+
+def _cache_view_ok(k: torch.Tensor, v: torch.Tensor, d: int) -> bool:
+    return (k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride(2) == 1
+            and k.stride(1) == d and k.shape == v.shape)
+
+
+def _attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // k.shape[0]
+    qh = q.transpose(0, 1)                                        # [Hq, n, D]
+    kh = k.repeat_interleave(group, 0).to(q.dtype)                # [Hq, L, D]
+    vh = v.repeat_interleave(group, 0).to(q.dtype)
+    scores = qh @ kh.transpose(1, 2) / math.sqrt(q.shape[-1]) + mask.to(q.dtype)
+    return (torch.softmax(scores.float(), -1).to(q.dtype) @ vh).transpose(0, 1)

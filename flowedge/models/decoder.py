@@ -1,0 +1,137 @@
+"""flowedge's own decoder block for the Qwen2 and Llama families, gpt-fast style.
+
+Short tensor functions (RMSNorm, RoPE, SwiGLU) and one `DecoderLayer` whose submodule names are the
+Hugging Face ones (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`...), so checkpoints, shards and
+the W4A16 packed tensors load into it by name. Attention runs over each request's own KV cache with that
+request's tree mask and absolute positions (kernels/attention.py: row-invariant), so a batched forward of
+several requests gives every request the rows it would get alone.
+
+Numerics follow transformers' eager Qwen2/Llama code (float32 RMSNorm, float32 rotary tables), which
+stays the oracle in the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowedge.kernels.attention import attend
+from flowedge.models.config import ModelConfig
+
+
+# ---------------------------------------------------------------- tensor functions
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [n, H] -> [n, H]; computed in float32, cast back, then scaled (as transformers does)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """cos/sin tables for one forward's absolute positions: [n, D] each."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> "Rotary":
+        # positions: [n] absolute -> tables [n, D]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return cls(emb.cos().to(dtype), emb.sin().to(dtype))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, heads, D] -> [n, heads, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos[:, None] + rotated * self.sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+# ---------------------------------------------------------------- blocks
+
+@dataclass(slots=True)
+class RequestRows:
+    """One request's share of a forward: its rows [start, start + n), its KV cache and its additive mask
+    [n, cache.length + n] (0 where allowed)."""
+    start: int
+    n: int
+    cache: object
+    mask: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, requests: list[RequestRows], layer: int) -> torch.Tensor:
+        # x: [n, H] (normed) -> [n, H]
+        n = x.shape[0]
+        q = rotary.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
+        k = rotary.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        outs = []
+        for r in requests:
+            rows = slice(r.start, r.start + r.n)
+            keys, values = r.cache.update(k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], layer)
+            outs.append(attend(q[rows], keys[0], values[0], r.mask))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn = Attention(config)
+        self.mlp = FeedForward(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rotary: Rotary, requests: list[RequestRows]) -> torch.Tensor:
+        # h: [n, H] -> [n, H]
+        h = h + self.self_attn(self.input_layernorm(h), rotary, requests, self.index)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_layers(layers: nn.ModuleList, config: ModelConfig, hidden: torch.Tensor, positions: torch.Tensor,
+               requests: list[RequestRows]) -> torch.Tensor:
+    """hidden [n, H] through every layer; positions [n] absolute; requests partition the rows."""
+    rotary = Rotary.at(positions, config.head_dim, config.rope_theta, hidden.dtype)
+    h = hidden
+    for layer in layers:
+        h = layer(h, rotary, requests)
+    return h
