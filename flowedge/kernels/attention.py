@@ -13,7 +13,9 @@ import math
 
 import torch
 
-from flowedge.kernels.build import load_library
+from pathlib import Path
+
+from flowedge.kernels import build
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +28,12 @@ def _native():
     global _lib, _lib_tried
     if not _lib_tried:
         _lib_tried = True
-        _lib = load_library("attention", _bind)
+        built = build.load(Path(__file__).with_name("attention.c"))
+        if built is not None:
+            built.lib.flowedge_attend_f32.argtypes = _SIGNATURE
+            built.lib.flowedge_attend_f32.restype = ctypes.c_int
+            _lib = built.lib
     return _lib
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    lib.flowedge_attend_f32.argtypes = _SIGNATURE
-    lib.flowedge_attend_f32.restype = ctypes.c_int
 
 
 def available() -> bool:

@@ -56,11 +56,14 @@ class ModelConfig:
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-            kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-            if kind not in ("default", None):
-                raise ModelError(f"{name}: rope scaling {kind!r} is not supported (only plain RoPE)")
-            theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+            theta = None
+            for rope in (raw.get("rope_parameters"), raw.get("rope_scaling")):
+                if not isinstance(rope, dict):
+                    continue
+                kind = rope.get("rope_type", rope.get("type", "default"))
+                if kind not in ("default", None):
+                    raise ModelError(f"{name}: rope scaling {kind!r} is not supported (only plain RoPE)")
+                theta = theta or rope.get("rope_theta")
             return cls(
                 model_type=model_type, hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
                 num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,

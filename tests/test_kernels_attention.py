@@ -1,0 +1,72 @@
+"""The native attention kernel: row-invariant, thread-invariant, and the same maths as torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowedge.kernels import attention
+
+MIN = torch.finfo(torch.float32).min
+
+
+def _case(rows: int = 40, length: int = 300, cap: int = 384, hkv: int = 2, hq: int = 6, d: int = 64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    kbuf, vbuf = torch.randn(hkv, cap, d, generator=gen), torch.randn(hkv, cap, d, generator=gen)
+    q = torch.randn(rows, hq, d, generator=gen) * 2
+    mask = torch.zeros(rows, length)
+    mask[:, length - 50:] = MIN                     # a tree: late columns hidden from most rows
+    mask[::3, length - 50:] = 0
+    return q, kbuf[:, :length], vbuf[:, :length], mask   # k, v: views into a longer cache buffer
+
+
+@pytest.fixture(autouse=True)
+def _native_only():
+    if not attention.available():
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+
+
+def test_matches_torch_attention():
+    q, k, v, mask = _case()
+    got = attention.attend(q, k, v, mask)
+    want = attention._attend_torch(q, k, v, mask)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_is_the_same_whatever_rows_share_the_call(threads):
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, mask = _case()
+        full = attention.attend(q, k, v, mask)
+        for n in range(1, 33):
+            assert torch.equal(attention.attend(q[:n], k, v, mask[:n]), full[:n]), n
+        for i in (0, 7, 39):
+            assert torch.equal(attention.attend(q[i:i + 1], k, v, mask[i:i + 1]), full[i:i + 1]), i
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_thread_count_does_not_change_results():
+    q, k, v, mask = _case()
+    one = attention.attend(q, k, v, mask)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(attention.attend(q, k, v, mask), one)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_a_row_that_sees_nothing_is_zeros_not_nan():
+    q, k, v, mask = _case(rows=2)
+    mask[1] = MIN
+    out = attention.attend(q, k, v, mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all()
+
+
+def test_torch_fallback_when_switched_off(monkeypatch):
+    q, k, v, mask = _case(rows=3)
+    monkeypatch.setattr(attention, "_lib", None)
+    monkeypatch.setattr(attention, "_lib_tried", True)
+    got = attention.attend(q, k, v, mask)
+    assert torch.allclose(got, attention._attend_torch(q, k, v, mask))
