@@ -253,7 +253,7 @@ def test_a_packed_forward_refuses_a_mask_that_does_not_fit_its_cache(tiny_pair):
 
     model = StageModel.load(tiny_pair[0], quant="int4")
     caches = [model.new_cache(), model.new_cache()]
-    with pytest.raises(ValueError, match="does not match 2 rows after 0 cached"):
+    with pytest.raises(ModelError, match="does not match 2 rows after 0 cached"):
         model.forward_packed(torch.zeros(4, model.config.hidden_size), torch.arange(4),
                              [torch.zeros(2, 2), torch.zeros(2, 3)], caches)
     with pytest.raises(ModelError, match="5 rows for masks of 4"):
