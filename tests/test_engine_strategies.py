@@ -183,3 +183,16 @@ def test_flowspec_with_fresh_capped_expansions_matches_greedy(tiny_pair, referen
         for st in stages:
             for version, prefix_len in st.history:
                 assert prefix_len == head.prefix_at_version[version]
+
+
+@pytest.mark.parametrize("strategy", ["tree", "flowspec", "auto", "pipedec", "naive-pp"])
+def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy):
+    """The case that used to break (issue 24): tiny pair, W4A16, prompt "x", 200 tokens. With row-invariant
+    kernels a verified row equals the row `ar` computes alone, so no near-tie can flip."""
+    from flowedge.runner import GenerateRequest, run_generate
+
+    base, draft = (str(p) for p in tiny_pair)
+    ask = dict(prompt="x", model=base, draft=draft, max_new_tokens=200, quant="int4", nodes=3, profile="x86-cpu")
+    ar = run_generate(GenerateRequest(strategy="ar", **ask))
+    assert ar["new_tokens"] > 86        # past the token where the old kernels diverged
+    assert run_generate(GenerateRequest(strategy=strategy, **ask))["token_ids"] == ar["token_ids"]
