@@ -178,7 +178,7 @@ def test_auto_lm_head_placement_follows_the_last_stage_profile() -> None:
 
 
 def test_a_batched_forward_is_charged_attention_over_each_request_s_own_cache() -> None:
-    """Each request of a batched stage forward attends over its own cache only (models/attention.py): the
+    """Each request of a batched stage forward attends over its own cache only (models/decoder.py): the
     rows' attention is charged over their own request's entries, while every request's K/V is still read."""
     dev = load_device("x86-cpu")   # compute-bound: attention FLOPs show
     shape = shape_of_layers(QWEN_1P5B, 0, 14)
