@@ -95,3 +95,93 @@ def test_config_names_a_missing_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     with pytest.raises(ModelError, match="lacks"):
         ModelConfig.load(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory):
+    """A tiny W4A16 checkpoint wide enough for the native kernel's tiles."""
+    from flowedge.models.shards import split_model
+
+    root = tmp_path_factory.mktemp("w4a16")
+    base = make_tiny_model(root / "base", hidden=128, heads=4, kv_heads=2, intermediate=256)
+    split_model(base, 1, root / "packed", quant="int4")
+    return root / "packed"
+
+
+def _native_or_skip(model):
+    from flowedge.models.quant import Int4Linear
+
+    if not all(m.native for m in model.modules() if isinstance(m, Int4Linear)):
+        pytest.skip("the native W4A16 kernel cannot be built here")
+
+
+def _context(model, n_past: int = 20):
+    cache = model.new_cache()
+    ids = torch.arange(7, 7 + n_past)
+    model.forward_layers(model.embed(ids), torch.arange(n_past), bool_to_float_mask(causal_mask(n_past, 0)), cache)
+    return cache
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_w4a16_rows_are_the_same_whatever_rows_share_the_forward(w4a16, threads):
+    """Issue 24's exactness rule: a row's logits never depend on how many rows share the forward."""
+    torch.set_num_threads(threads)
+    try:
+        model = StageModel.load(w4a16)
+        _native_or_skip(model)
+        cache = _context(model)
+        tokens = torch.arange(30, 62)
+        allowed = torch.ones(32, 20 + 32, dtype=torch.bool)
+        allowed[:, 20:] = torch.eye(32, dtype=torch.bool)        # 32 siblings: each sees the past and itself
+        hidden = model.embed(tokens)
+        positions = torch.full((32,), 20)
+        for n in range(1, 33):
+            past = cache.length
+            mask = bool_to_float_mask(allowed[:n, : past + n])
+            rows = model.logits(model.forward_layers(hidden[:n], positions[:n], mask, cache))
+            cache.truncate(past)
+            for i in {0, n // 2, n - 1}:
+                alone_mask = bool_to_float_mask(torch.cat([allowed[i, :past], torch.tensor([True])])[None])
+                alone = model.logits(model.forward_layers(hidden[i:i + 1], positions[i:i + 1], alone_mask, cache))
+                cache.truncate(past)
+                assert torch.equal(rows[i], alone[0]), (n, i)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_w4a16_requests_batched_equal_each_alone(w4a16):
+    model = StageModel.load(w4a16)
+    _native_or_skip(model)
+    caches = [_context(model, 20), _context(model, 9)]
+    hidden, sizes = model.embed(torch.arange(40, 52)), [5, 7]
+    masks = [bool_to_float_mask(causal_mask(n, c.length)) for n, c in zip(sizes, caches)]
+    positions = torch.cat([torch.arange(c.length, c.length + n) for n, c in zip(sizes, caches)])
+    alone = [model.forward_layers(h, p, m, _context(model, c.length)) for h, p, m, c in
+             zip(hidden.split(sizes), positions.split(sizes), masks, caches)]
+    together = model.forward_packed(hidden, positions, masks, caches)
+    assert torch.equal(together, torch.cat(alone))
+
+
+def test_fused_projections_give_the_same_bits(w4a16, monkeypatch):
+    from flowedge.models import decoder
+
+    fused = StageModel.load(w4a16)
+    _native_or_skip(fused)
+    assert fused.layers[0].self_attn.qkv is not None and fused.layers[0].mlp.gate_up is not None
+    monkeypatch.setattr(decoder.DecoderLayer, "fuse", lambda self: None)
+    plain = StageModel.load(w4a16)
+    ids = torch.arange(3, 30)
+    mask = bool_to_float_mask(causal_mask(27, 0))
+    outs = [m.logits(m.forward_layers(m.embed(ids), torch.arange(27), mask, m.new_cache())) for m in (fused, plain)]
+    assert torch.equal(*outs)
+
+
+def test_w4a16_lm_head_is_4_bit(w4a16):
+    from flowedge.models.quant import Int4Linear
+
+    from flowedge.models.stage import VocabSlice
+
+    model = StageModel.load(w4a16)
+    head = model.lm_head.inner if isinstance(model.lm_head, VocabSlice) else model.lm_head
+    assert isinstance(head, Int4Linear) and head.out_features % 16 == 0
+    assert model.logits(torch.zeros(2, model.config.hidden_size)).shape == (2, model.config.vocab_size)

@@ -19,6 +19,7 @@ from torch import nn
 
 from flowedge.kernels.attention import attend
 from flowedge.models.config import ModelConfig
+from flowedge.models.quant import fuse_native
 
 
 # ---------------------------------------------------------------- tensor functions
@@ -82,13 +83,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.qkv: nn.Module | None = None     # q, k and v in one call, once loaded (see `fuse`)
+
+    def fuse(self) -> None:
+        """Stack q/k/v into one native W4A16 call when all three are native (same bits, fewer calls)."""
+        self.qkv = fuse_native([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv is not None:
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.kv_heads * self.head_dim
+        return self.qkv(x).split([self.heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, requests: list[RequestRows], layer: int) -> torch.Tensor:
         # x: [n, H] (normed) -> [n, H]
         n = x.shape[0]
-        q = rotary.apply(self.q_proj(x).view(n, self.heads, self.head_dim))
-        k = rotary.apply(self.k_proj(x).view(n, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = rotary.apply(q.reshape(n, self.heads, self.head_dim))
+        k = rotary.apply(k.reshape(n, self.kv_heads, self.head_dim))
+        v = v.reshape(n, self.kv_heads, self.head_dim)
         outs = []
         for r in requests:
             rows = slice(r.start, r.start + r.n)
@@ -107,9 +122,18 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: nn.Module | None = None   # gate and up in one call, once loaded (see `fuse`)
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_native([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -120,6 +144,11 @@ class DecoderLayer(nn.Module):
         self.mlp = FeedForward(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fuse(self) -> None:
+        """After loading: one call for q/k/v and one for gate/up where the kernels allow it."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
     def forward(self, h: torch.Tensor, rotary: Rotary, requests: list[RequestRows]) -> torch.Tensor:
         # h: [n, H] -> [n, H]

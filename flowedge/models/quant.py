@@ -371,3 +371,23 @@ def draft_backend(device: str = "cpu") -> str:
 
 def _skipped_name(name: str, skip_names: Iterable[str]) -> bool:
     return any(part in skip_names for part in name.split("."))
+
+
+def fuse_native(linears: list[nn.Module]) -> Int4Linear | None:
+    """One native Int4Linear computing several that read the same input (q/k/v, gate/up), or None.
+
+    The native tiles of a weight are independent 16-output blocks, so stacking them along N is the fused
+    weight; every output column is computed exactly as in its own layer (same bits), in one call."""
+    if len(linears) < 2 or not all(isinstance(m, Int4Linear) and m.native for m in linears):
+        return None
+    first = linears[0]
+    if any(m.in_features != first.in_features or m.group_size != first.group_size for m in linears):
+        return None
+    biases = [m.bias for m in linears]
+    if any(b is not None for b in biases):
+        biases = [torch.zeros(m.out_features) if b is None else b.float() for m, b in zip(linears, biases)]
+        bias = torch.cat(biases)
+    else:
+        bias = None
+    return Int4Linear(torch.cat([m.packed for m in linears]), None, bias, first.in_features,
+                      sum(m.out_features for m in linears), first.group_size, native=True)

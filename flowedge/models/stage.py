@@ -119,6 +119,7 @@ class StageModel(nn.Module):
                 by_layer.setdefault(int(n[len(_LAYER_PREFIX):].split(".", 1)[0]), []).append(n)
         for layer in layers:
             _load_layer(layer, layer.index, index, by_layer.get(layer.index, []), dtype, backend)
+            layer.fuse()
         head_backend = backend if backend == "int4" or quant_lm_head else "none"
         embed = norm = lm_head = None
         if parts.embed or parts.head:
@@ -262,11 +263,13 @@ def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path],
                   backend: str) -> nn.Module:
     """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
     a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix)."""
-    from flowedge.models.quant import DEFAULT_GROUP_SIZE, Int4Linear, packable, quantize_module
+    from flowedge.models.quant import DEFAULT_GROUP_SIZE, INT4_CPU_N_MULTIPLE, Int4Linear, packable, quantize_module
 
     name = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
-    if backend == "int4" and packable(config.vocab_size, config.hidden_size, DEFAULT_GROUP_SIZE) is None:
-        return Int4Linear.from_packed(_pack_rows(index[name], name), None)
+    padded = -(-config.vocab_size // INT4_CPU_N_MULTIPLE) * INT4_CPU_N_MULTIPLE
+    if backend == "int4" and packable(padded, config.hidden_size, DEFAULT_GROUP_SIZE) is None:
+        head = Int4Linear.from_packed(_pack_rows(index[name], name, padded), None)
+        return head if padded == config.vocab_size else VocabSlice(head, config.vocab_size)
     with torch.device("meta"):
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     if name == "lm_head.weight":
@@ -282,15 +285,31 @@ def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path],
     return lm_head
 
 
-def _pack_rows(source: Path | GgufTensor, name: str):
-    """W4A16 codes of a [V, H] matrix, packed ROW_CHUNK rows at a time (rows quantize independently)."""
+def _pack_rows(source: Path | GgufTensor, name: str, rows: int):
+    """W4A16 codes of a [V, H] matrix, packed ROW_CHUNK rows at a time (rows quantize independently),
+    zero rows appended up to `rows` (the kernels take whole tiles of outputs)."""
     from flowedge.models.quant import DEFAULT_GROUP_SIZE, ROW_CHUNK, PackedInt4, pack_int4
 
-    if not isinstance(source, GgufTensor):
-        return pack_int4(read_tensor(source, name, None), DEFAULT_GROUP_SIZE)
-    parts = [pack_int4(source.rows_tensor(a, min(a + ROW_CHUNK, source.rows)), DEFAULT_GROUP_SIZE)
-             for a in range(0, source.rows, ROW_CHUNK)]
+    if isinstance(source, GgufTensor):
+        chunks = (source.rows_tensor(a, min(a + ROW_CHUNK, source.rows)) for a in range(0, source.rows, ROW_CHUNK))
+    else:
+        chunks = iter(read_tensor(source, name, None).split(ROW_CHUNK))
+    parts = [pack_int4(chunk, DEFAULT_GROUP_SIZE) for chunk in chunks]
+    held = sum(p.qweight.shape[0] for p in parts)
+    if rows > held:
+        parts.append(pack_int4(torch.zeros(rows - held, parts[0].in_features), DEFAULT_GROUP_SIZE))
     return PackedInt4(*(torch.cat(ts) for ts in zip(*((p.qweight, p.scales, p.zeros) for p in parts))))
+
+
+class VocabSlice(nn.Module):
+    """An lm_head computed over a vocabulary padded to whole kernel tiles, cut back to the real one."""
+
+    def __init__(self, inner: nn.Module, vocab: int) -> None:
+        super().__init__()
+        self.inner, self.vocab = inner, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)[..., : self.vocab]
 
 
 def _load_into(module: nn.Module, state: dict[str, torch.Tensor], what: str, strict: bool = True) -> None:
