@@ -185,3 +185,37 @@ def test_w4a16_lm_head_is_4_bit(w4a16):
     head = model.lm_head.inner if isinstance(model.lm_head, VocabSlice) else model.lm_head
     assert isinstance(head, Int4Linear) and head.out_features % 16 == 0
     assert model.logits(torch.zeros(2, model.config.hidden_size)).shape == (2, model.config.vocab_size)
+
+
+def _with_w4_weights(model):
+    """transformers' float32 model computing with the very 4-bit weights W4A16 stores (dequantised): an
+    oracle for the int4 path that shares none of its code (kernel, layout, decoder)."""
+    from flowedge.models.quant import pack_int4
+
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                pad = torch.zeros((-m.weight.shape[0]) % 16, m.weight.shape[1])   # whole kernel tiles
+                w = pack_int4(torch.cat([m.weight, pad]), 32).dequantize()[: m.weight.shape[0]]
+                m.weight = torch.nn.Parameter(w)                                    # unties the lm_head
+    return model
+
+
+def test_w4a16_agrees_with_transformers_on_the_same_4_bit_weights(tiny_pair):
+    """Issue 24's independent check on the tiny pair: teacher-forced top-1 agreement of the W4A16 model with
+    transformers' float32 model on the same 4-bit weights (only the bf16 rounding of activations differs:
+    96.7% measured; a wrong kernel or layout lands near 1/V). Against the unquantized float32 tiny model the
+    agreement is 42%: random weights drawn at std 0.3 are far from int4-friendly, so that figure is reported
+    for the real pair only (tools/w4a16_agreement.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from flowedge.bench.agreement import stage_logits, top1_agreement, transformers_logits
+
+    base = tiny_pair[0]
+    oracle = _with_w4_weights(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
+    w4 = StageModel.load(base, quant="int4")
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 258, (64,), generator=gen).tolist() for _ in range(8)]
+    result = top1_agreement(transformers_logits(oracle), stage_logits(w4), sequences)
+    assert result.positions == 8 * 64
+    assert result.rate >= 0.95, result.rate
