@@ -118,7 +118,7 @@ def generate_ar_staged(model: StageModel, prompt_ids: list[int], max_new_tokens:
     check_context(len(prompt_ids), max_new_tokens, model.config.max_position_embeddings)
     gen, stops = make_generator(params), stop_ids(model.config)
     t0 = time.monotonic()
-    cache = model.new_cache()
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens)   # static: sized once
     ids, out = torch.tensor(prompt_ids), []
     first_s: float | None = None
     while len(out) < max_new_tokens:
@@ -146,7 +146,7 @@ def generate_tree(base: StageModel, drafter: Drafter, prompt_ids: list[int], max
     gen, stops = make_generator(params), stop_ids(base.config)
     t0 = time.monotonic()
     drafter.reset()
-    cache = base.new_cache()
+    cache = base.new_cache(len(prompt_ids) + max_new_tokens + total)   # static: prompt, answer, one tree
     n = len(prompt_ids)
     h = base.forward_layers(base.embed(torch.tensor(prompt_ids)), torch.arange(n),
                             bool_to_float_mask(causal_mask(n, 0)), cache)
