@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--float-head", action="store_true",
+                    help="also measure the W4A16 layers with the lm_head left in float32 (what the head costs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -54,15 +56,27 @@ def main() -> None:
     t0 = time.monotonic()
     fp32 = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     logging.info("float32 oracle loaded in %.0f s", time.monotonic() - t0)
-    rows = []
-    for p, seq, first in zip(prompts, sequences, firsts):
-        a = top1_agreement(transformers_logits(fp32), stage_logits(w4), [seq[:-1]], first=first)
-        rows.append({"prompt": p.prompt_id, "positions": a.positions, "agreed": a.agreed, "rate": round(a.rate, 4)})
-        print(json.dumps(rows[-1]), flush=True)
-    total = sum(r["positions"] for r in rows)
-    agreed = sum(r["agreed"] for r in rows)
-    print(json.dumps({"model": args.model, "prompts": len(rows), "positions": total, "agreed": agreed,
-                      "rate": round(agreed / total, 4)}))
+    variants = {"w4a16": w4}
+    if args.float_head:
+        variants["w4a16-float-head"] = _with_float_head(StageModel.load(base_dir), fp32)
+    for label, model in variants.items():
+        rows = []
+        for p, seq, first in zip(prompts, sequences, firsts):
+            a = top1_agreement(transformers_logits(fp32), stage_logits(model), [seq[:-1]], first=first)
+            rows.append({"variant": label, "prompt": p.prompt_id, "positions": a.positions, "agreed": a.agreed,
+                         "rate": round(a.rate, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+        total = sum(r["positions"] for r in rows)
+        agreed = sum(r["agreed"] for r in rows)
+        print(json.dumps({"variant": label, "model": args.model, "prompts": len(rows), "positions": total,
+                          "agreed": agreed, "rate": round(agreed / total, 4)}), flush=True)
+
+
+def _with_float_head(model: StageModel, fp32) -> StageModel:
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    head.weight = fp32.lm_head.weight
+    model.lm_head = head
+    return model
 
 
 if __name__ == "__main__":
