@@ -90,3 +90,49 @@ def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, t
             assert client.generate(PROMPTS[2], max_new_tokens=24, strategy="ar-pp")["token_ids"] == references[2]
     finally:
         cluster.stop()
+
+
+DEFAULT_PROMPTS = PROMPTS + ["List three uses of a Raspberry Pi at home."]
+
+
+def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded):
+    """Issue 24: `flowedge up` with the *default* settings (float16 wire, `auto`), 4 prompts x 64 tokens, one at a
+    time and 3 at once: every answer equals plain greedy decoding of the same W4A16 model in one process. Rows are
+    row-invariant through every kernel, so neither the strategy nor the load changes a token."""
+    import threading
+
+    from daemon_helpers import free_port_pair, logs, start_cluster
+
+    from flowedge.daemon.client import Client
+    from flowedge.daemon.local_cluster import LocalClusterSpec
+    from flowedge.engine.local import generate_ar_staged
+    from flowedge.models.stage import StageModel
+    from flowedge.runner import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(real_pair[0])
+    model = StageModel.load(real_pair[0])
+    refs = [generate_ar_staged(model, encode_prompt(tok, p, chat=True), 64, SamplingParams()).token_ids
+            for p in DEFAULT_PROMPTS]
+    del model
+    spec = LocalClusterSpec(nodes=3, port=free_port_pair(), stage_timeout_s=120.0, max_concurrent=3)
+    assert (spec.wire_dtype, spec.strategy) == ("float16", "auto")   # the defaults
+    cluster = start_cluster(spec)
+    try:
+        with Client(spec.addr, timeout_s=600) as client:       # one at a time, the default strategy
+            alone = [client.generate(p, max_new_tokens=64)["token_ids"] for p in DEFAULT_PROMPTS]
+        assert alone == refs, logs(cluster.run_dir)
+        for strategy in ("auto", "flowspec"):                  # 3 running at once (the 4th queued behind them)
+            together: dict[int, list[int]] = {}
+
+            def ask(i: int) -> None:
+                with Client(spec.addr, timeout_s=600) as client:
+                    together[i] = client.generate(DEFAULT_PROMPTS[i], max_new_tokens=64, strategy=strategy)["token_ids"]
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(DEFAULT_PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=900)
+            assert [together.get(i) for i in range(len(DEFAULT_PROMPTS))] == refs, (strategy, logs(cluster.run_dir))
+    finally:
+        cluster.stop()
