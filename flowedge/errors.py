@@ -18,8 +18,26 @@ class ChecksumError(ModelError):
     """A file's sha256 differs from the one recorded for it."""
 
 
-class ContextOverflow(FlowedgeError):
-    """Prompt plus requested tokens do not fit the model's context window."""
+class RequestFailed(FlowedgeError):
+    """The head answered a request with an error (bad input, cluster not ready, a stage died...)."""
+
+
+class ContextOverflow(RequestFailed):
+    """Prompt plus requested tokens do not fit the model's context window.
+
+    Its message starts with PREFIX, which is how a client tells it apart in the head's one-line
+    error reply (the wire carries text, not classes)."""
+
+    PREFIX = "context overflow: "
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
+
+
+def refusal(message: str) -> RequestFailed:
+    """The typed error for a head's error reply."""
+    return ContextOverflow(message) if message.startswith(ContextOverflow.PREFIX) else RequestFailed(message)
 
 
 class BackendUnavailable(FlowedgeError):

@@ -26,6 +26,7 @@ from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"
+NAME = "base"   # the served model's id is the tiny base model's path; it answers to its last part too
 PROMPT = "zzzz"
 MAX_NEW = 30
 LONG_PROMPT = "1 2 3 4"   # the tiny model does not stop by itself on this one
@@ -88,12 +89,12 @@ def test_health_is_503_until_the_cluster_is_ready(stack):
 def test_openai_client_models_and_chat(stack, oai, reference):
     assert [m.id for m in oai.models.list().data] == [stack["model"]]
     msgs = [{"role": "user", "content": PROMPT}]
-    whole = oai.chat.completions.create(model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0)
+    whole = oai.chat.completions.create(model=NAME, messages=msgs, max_tokens=MAX_NEW, temperature=0)
     want = reference["chat"]
     assert whole.choices[0].message.content == want["text"]
     assert whole.choices[0].finish_reason == ("length" if want["new_tokens"] == MAX_NEW else "stop")
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (want["prompt_tokens"], want["new_tokens"])
-    chunks = list(oai.chat.completions.create(model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0,
+    chunks = list(oai.chat.completions.create(model=NAME, messages=msgs, max_tokens=MAX_NEW, temperature=0,
                                               stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
@@ -103,9 +104,9 @@ def test_openai_client_models_and_chat(stack, oai, reference):
 
 def test_openai_client_completions_are_raw(oai, reference):
     want = reference["raw"]
-    whole = oai.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
+    whole = oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
     assert whole.choices[0].text == want["text"] and whole.usage.prompt_tokens == want["prompt_tokens"]
-    pieces = [c.choices[0].text for c in oai.completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW,
+    pieces = [c.choices[0].text for c in oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_NEW,
                                                                  temperature=0, stream=True) if c.choices]
     assert "".join(pieces) == want["text"]
 
@@ -116,12 +117,12 @@ def test_system_prompt_and_turns_go_through_the_chat_template(oai, tiny_pair):
     turns = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "abc"},
              {"role": "assistant", "content": "def"}, {"role": "user", "content": PROMPT}]
     ids = chat_ids(AutoTokenizer.from_pretrained(tiny_pair[0]), turns)
-    chat = oai.chat.completions.create(model="m", messages=turns, max_tokens=MAX_NEW, temperature=0)
+    chat = oai.chat.completions.create(model=NAME, messages=turns, max_tokens=MAX_NEW, temperature=0)
     assert chat.usage.prompt_tokens == len(ids)
     # the same ids sent as a token prompt give the same answer: the head built exactly these ids
-    same = oai.completions.create(model="m", prompt=ids, max_tokens=MAX_NEW, temperature=0)
+    same = oai.completions.create(model=NAME, prompt=ids, max_tokens=MAX_NEW, temperature=0)
     assert same.choices[0].text == chat.choices[0].message.content
-    one = oai.chat.completions.create(model="m", messages=turns[-1:], max_tokens=MAX_NEW, temperature=0)
+    one = oai.chat.completions.create(model=NAME, messages=turns[-1:], max_tokens=MAX_NEW, temperature=0)
     assert one.usage.prompt_tokens < len(ids)
 
 
@@ -129,21 +130,23 @@ def test_stop_sequences_cut_the_answer(stack, oai, reference):
     text = reference["chat"]["text"]
     stop = text[8:11]
     cut = text[:text.find(stop)]
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
+    r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
                                     temperature=0, stop=[stop])
     assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < reference["chat"]["new_tokens"]
-    streamed = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
+    streamed = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=MAX_NEW, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
     assert _stages_hold_nothing(stack)   # the stopped request's KV is gone from every stage
 
 
 def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
-    with pytest.raises(openai.BadRequestError, match="context"):
-        oai.completions.create(model="m", prompt="x", max_tokens=5000, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="context") as info:
+        oai.completions.create(model=NAME, prompt="x", max_tokens=5000, temperature=0)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert "`max_tokens`" in info.value.message and "--max-new-tokens" not in info.value.message
     with pytest.raises(openai.BadRequestError):
-        oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=7)
+        oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=7)
     r = httpx.post(stack["url"] + "/v1/chat/completions", content=b'{"messages": [', headers=_auth())
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     bad = openai.OpenAI(base_url=stack["url"] + "/v1", api_key="not-the-key-not-the-key", max_retries=0)
@@ -159,7 +162,7 @@ def test_out_of_vocabulary_ids_are_400_and_the_empty_prompt_is_refused_everywher
     """Issue 28's wrong codes: an id past the embedding was a 500 IndexError; the empty prompt, refused
     over HTTP, was answered through the Client and the CLI."""
     with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):
-        oai.completions.create(model="m", prompt=[1_000_000], max_tokens=4, temperature=0)
+        oai.completions.create(model=NAME, prompt=[1_000_000], max_tokens=4, temperature=0)
     addr = stack["cluster"].spec.addr
     with Client(addr, timeout_s=30) as c:
         with pytest.raises(RequestFailed, match="not in the model's vocabulary"):
@@ -177,7 +180,7 @@ def test_out_of_vocabulary_ids_are_400_and_the_empty_prompt_is_refused_everywher
     out = flowedge_cli("prompt", "", "--head", addr, "--max-new-tokens", "4")
     assert out.returncode == 1 and "error: the prompt is empty" in out.stderr, (out.returncode, out.stderr[-500:])
     with pytest.raises(openai.BadRequestError, match="the prompt is empty"):
-        oai.completions.create(model="m", prompt="", max_tokens=4)
+        oai.completions.create(model=NAME, prompt="", max_tokens=4)
 
 
 def _raw_request(port: int, head: bytes, body: bytes) -> tuple[bytes, float]:
@@ -203,7 +206,7 @@ def test_a_bad_content_length_is_answered_not_hung(stack):
 
 
 def test_metrics_parse_and_count(stack, oai):
-    oai.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=0)
+    oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0)
     text = httpx.get(stack["url"] + "/metrics", headers=_auth()).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -243,7 +246,7 @@ def _stages_hold_nothing(stack, timeout_s: float = 5.0) -> bool:
 
 def test_a_client_that_disconnects_mid_stream_is_cancelled_at_the_head(stack, oai, reference):
     before = _served(stack)["cancelled"]
-    body = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
+    body = {"model": NAME, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body, headers=_auth(),
                       timeout=30) as r:
@@ -256,7 +259,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled_at_the_head(stack, oa
     assert _stages_hold_nothing(stack), logs(stack["cluster"].run_dir)   # KV freed on every stage
     assert wait_for_text(stack["cluster"].run_dir / "head.log", "cancelled", 5)   # the head logs the cancel
     # the head serves the next request at once, and correctly
-    r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
+    r = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_NEW,
                                     temperature=0)
     assert r.choices[0].message.content == reference["chat"]["text"]
 
@@ -312,7 +315,7 @@ def test_status_watch_redraws_in_place(stack):
 
 def test_a_client_that_leaves_a_whole_answer_is_cancelled_too(stack):
     before = _served(stack)["cancelled"]
-    body = {"model": "m", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
+    body = {"model": NAME, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 1500,
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack["url"] + "/v1/chat/completions", json=body, headers=_auth(), timeout=1.0)
@@ -329,8 +332,64 @@ def test_concurrent_http_requests_are_served_side_by_side(stack, reference):
         client = openai.AsyncOpenAI(base_url=stack["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": PROMPT}]
         replies = await asyncio.gather(*[client.chat.completions.create(
-            model="m", messages=msgs, max_tokens=MAX_NEW, temperature=0) for _ in range(3)])
+            model=NAME, messages=msgs, max_tokens=MAX_NEW, temperature=0) for _ in range(3)])
         await client.close()
         return [r.choices[0].message.content for r in replies]
 
     assert asyncio.run(run()) == [reference["chat"]["text"]] * 3
+
+
+UNSUPPORTED = [dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+               dict(tool_choice="none"), dict(response_format={"type": "json_object"}), dict(logprobs=True),
+               dict(logprobs=True, top_logprobs=2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+               dict(n=2), dict(logit_bias={"3": 5})]
+
+
+@pytest.mark.parametrize("extra", UNSUPPORTED, ids=lambda e: "-".join(e))
+def test_the_openai_client_gets_400_naming_each_unsupported_field(oai, extra):
+    """Before: 200, the field silently ignored."""
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2, **extra)
+    assert info.value.param in extra and f"`{info.value.param}`" in info.value.message, info.value.body
+
+
+def test_an_unknown_model_is_404_and_the_served_names_work(stack, oai):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert info.value.code == "model_not_found" and NAME in info.value.message
+    served = oai.models.list().data[0].id
+    assert served == stack["model"]
+    for name in (NAME, served):
+        r = oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert r.model == served and r.usage.completion_tokens == 2
+
+
+def test_context_overflow_reaches_both_clients_typed(stack):
+    from flowedge import ContextOverflow, RequestFailed as Exported
+
+    addr = stack["cluster"].spec.addr
+    with Client(addr, timeout_s=30) as c, pytest.raises(ContextOverflow, match="context of"):
+        c.generate(PROMPT, max_new_tokens=100_000)
+
+    async def run() -> None:
+        async with AsyncClient(addr, timeout_s=30) as c:
+            await c.generate(PROMPT, max_new_tokens=100_000)
+
+    with pytest.raises(Exported):
+        asyncio.run(run())
+
+
+def test_one_async_client_carries_concurrent_requests(stack, reference):
+    """Before: one request at a time per AsyncClient (a second `await` read the first one's replies)."""
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with AsyncClient(stack["cluster"].spec.addr, timeout_s=60) as c:
+            answers = await asyncio.gather(*[c.generate(PROMPT, max_new_tokens=MAX_NEW) for _ in range(3)],
+                                           c.status())
+            streamed = [p async for p in c.stream(PROMPT, max_new_tokens=MAX_NEW)]
+            return answers, streamed
+
+    answers, streamed = asyncio.run(run())
+    texts = [a["text"] for a in answers[:3]]
+    assert texts == [reference["chat"]["text"]] * 3 and "".join(streamed) == reference["chat"]["text"]
+    assert isinstance(answers[3], list) and answers[3][0].get("ready")
+    assert _stages_hold_nothing(stack)

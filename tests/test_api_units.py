@@ -388,3 +388,77 @@ def test_a_head_over_16_kib_is_refused_however_it_arrives(live_api):
         s.sendall(head)
         answer = _rest_of_answer(s, b"")
     assert answer.startswith(b"HTTP/1.1 431") and b"request head over 16384 bytes" in answer, answer[:300]
+
+
+UNSUPPORTED_BODIES = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("response_format", {"type": "json_object"}),
+    ("logprobs", True),
+    ("top_logprobs", 3),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0),
+    ("logit_bias", {"42": 10}),
+    ("n", 2),
+]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED_BODIES)
+def test_unsupported_fields_are_400_naming_the_field(api, field, value):
+    """Before: answered 200 as if the field were not there."""
+    r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field and f"`{field}`" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0), ("frequency_penalty", 0.0), ("logprobs", False),
+                                         ("tools", []), ("logit_bias", {}), ("n", 1)])
+def test_unsupported_fields_at_their_off_value_pass_validation(api, field, value):
+    r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
+    assert r.status_code == 503, r.text   # validated, then the missing head
+
+
+def test_every_error_path_has_the_openai_shape(api):
+    """Before: FastAPI's {"detail": ...} for 404 and 405, and `"param": "14"` (a byte offset) for bad JSON."""
+    for r, status in ((api.get("/v2/nothing"), 404), (api.get("/v1/chat/completions"), 405),
+                      (api.delete("/v1/models"), 405)):
+        assert r.status_code == status and set(r.json()) == {"error"}, r.text
+        assert r.json()["error"]["message"] and "type" in r.json()["error"]
+    r = api.post("/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and "not valid JSON" in err["message"], err
+
+
+def test_an_unknown_model_is_404_listing_the_served_ones(api):
+    api.app.state.routes._model = "/models/tiny-base"   # as if the head had said so
+    r = api.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "model_not_found" and err["param"] == "model", err
+    assert "gpt-4o" in err["message"] and "tiny-base" in err["message"]
+    for name in ("tiny-base", "/models/tiny-base", ""):
+        r = api.post("/v1/completions", json={"model": name, "prompt": "x"})
+        assert r.status_code == 503, (name, r.text)   # accepted, then the missing head
+
+
+def test_client_errors_are_exported_and_typed():
+    import flowedge
+    from flowedge.daemon.client import Answer
+    from flowedge.transport import protocol as proto
+
+    assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)
+    assert issubclass(flowedge.RequestFailed, flowedge.FlowedgeError)
+    with pytest.raises(flowedge.ContextOverflow, match="context of 64"):
+        from flowedge.engine.local import check_context
+        check_context(60, 10, 64)
+    try:
+        check_context(60, 10, 64)
+    except flowedge.ContextOverflow as err:
+        wire = str(err)
+    assert "--max-new-tokens" not in wire
+    with pytest.raises(flowedge.ContextOverflow):
+        Answer().take(proto.ErrorReply(request_id=1, message=wire), 1)
+    with pytest.raises(flowedge.RequestFailed) as info:
+        Answer().take(proto.ErrorReply(request_id=1, message="cluster not ready"), 1)
+    assert not isinstance(info.value, flowedge.ContextOverflow)

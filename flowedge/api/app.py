@@ -24,14 +24,15 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.client import RequestFailed
-from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.daemon.client import prompt_request
+from flowedge.errors import ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,19 @@ UNAVAILABLE = ("cluster not ready", "request aborted")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, outcome: str) -> None:
+    def __init__(self, status: int, message: str, kind: str, outcome: str, code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.outcome = status, kind, outcome
+        self.status, self.kind, self.outcome, self.code, self.param = status, kind, outcome, code, param
 
 
 def classify(err: Exception) -> ApiError:
     """A flowedge error as the HTTP answer it deserves: the client's mistake 400, the cluster's 503."""
     text = str(err)
+    if isinstance(err, ContextOverflow):
+        text = text.removeprefix(ContextOverflow.PREFIX)
+        return ApiError(400, f"{text}: lower `max_tokens` or shorten the prompt", "invalid_request_error",
+                        "client_error", code="context_length_exceeded", param="max_tokens")
     if isinstance(err, ProtocolError):
         return ApiError(400, text, "invalid_request_error", "client_error")
     if isinstance(err, RequestFailed):
@@ -82,6 +88,16 @@ def sse(obj: dict | str) -> bytes:
     return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"
 
 
+def served_names(model_id: str) -> list[str]:
+    """The names the served model answers to: its id (often a path) and the id's last part."""
+    short = model_id.rstrip("/").rsplit("/", 1)[-1]
+    return [model_id] if short == model_id else [short, model_id]
+
+
+def answers_to(model_id: str, asked: str) -> bool:
+    return asked in served_names(model_id)
+
+
 def unavailable(head: str) -> ApiError:
     return ApiError(503, f"the head at {head} does not answer", "service_unavailable", "unavailable")
 
@@ -93,6 +109,7 @@ class Routes:
         self.settings = settings
         self.metrics = ApiMetrics()
         self.ctx = zmq.asyncio.Context()
+        self._model: str | None = None
 
     def client(self, timeout_s: float | None = None) -> AsyncClient:
         s = self.settings
@@ -113,17 +130,35 @@ class Routes:
 
     # ---- error handlers -----------------------------------------------------------------------
     async def bad_body(self, request: Request, err: RequestValidationError) -> JSONResponse:
+        """The first problem with a body, OpenAI's way: the message, and the field it is about."""
         first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid request body")
         self.metrics.requests.labels(request.url.path, "client_error").inc()
-        return JSONResponse(error_body(message, param=where or None), status_code=400)
+        if first.get("type") == "json_invalid":   # its loc is a byte offset, not a field
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'invalid')}"
+            return JSONResponse(error_body(message, code="invalid_json"), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = first.get("msg", "invalid request body")
+        if first.get("type") != "unsupported" and where:
+            message = f"{where}: {message}"
+        code = "unsupported_parameter" if first.get("type") == "unsupported" else None
+        return JSONResponse(error_body(message, param=where or None, code=code), status_code=400)
+
+    async def http_error(self, request: Request, err: HTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape, not FastAPI's {"detail": ...}."""
+        self.metrics.requests.labels("-", "client_error").inc()
+        if err.status_code == 404:
+            message, code = f"no route {request.url.path} (the API is under /v1)", "unknown_url"
+        elif err.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(err.detail), None
+        return JSONResponse(error_body(message, code=code), status_code=err.status_code, headers=err.headers)
 
     async def api_error(self, request: Request, err: ApiError) -> JSONResponse:
         self.metrics.requests.labels(request.url.path, err.outcome).inc()
         if err.outcome in ("unavailable", "failed"):
             self.metrics.failures.labels(err.outcome).inc()
-        return JSONResponse(error_body(str(err), err.kind), status_code=err.status)
+        return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status)
 
     # ---- cluster --------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -158,11 +193,30 @@ class Routes:
             raise ApiError(400, "echo is not supported", "invalid_request_error", "client_error")
         return await self.answer(request, body, chat=False)
 
+    async def served_model(self, asked: str) -> str:
+        """The served model's id; 404 model_not_found for a name it does not answer to. The id is
+        cached (one head serves one model), asked again when a name does not match it."""
+        if self._model is None or (asked and not answers_to(self._model, asked)):
+            nodes = await self.head_status()
+            if nodes:
+                self._model = str(nodes[0].get("model", ""))
+            elif self._model is None:
+                raise ApiError(503, f"cannot reach a flowedge head at {self.settings.head}",
+                               "service_unavailable", "unavailable")
+        if asked and not answers_to(self._model, asked):
+            raise ApiError(404, f"the model `{asked}` does not exist here; this server serves "
+                                f"{', '.join(served_names(self._model))}", "invalid_request_error",
+                           "client_error", code="model_not_found", param="model")
+        return self._model
+
     async def answer(self, request: Request, body: ChatRequest | CompletionRequest, chat: bool) -> Response:
         kwargs = body.client_kwargs(self.settings.default_max_tokens)
-        if not body.model:
-            nodes = await self.head_status()
-            body.model = str(nodes[0].get("model", "")) if nodes else ""
+        try:
+            # a request that cannot be sent is the client's mistake, whatever model it names
+            prompt_request(0, kwargs.get("prompt"), **{k: v for k, v in kwargs.items() if k != "prompt"})
+        except (FlowedgeError, ProtocolError) as err:
+            raise classify(err) from None
+        body.model = await self.served_model(body.model)
         reply = Reply(chat, body.model)
         c = self.client()
         self.metrics.in_flight.inc()
@@ -254,6 +308,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(RequestGuard, settings=settings, on_refused=routes.refused)
     app.add_exception_handler(RequestValidationError, routes.bad_body)
     app.add_exception_handler(ApiError, routes.api_error)
+    app.add_exception_handler(HTTPException, routes.http_error)
     for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
                           ("/v1/status", routes.status), ("/v1/models", routes.models)):
         app.add_api_route(path, handler, methods=["GET"])

@@ -1,8 +1,10 @@
 """OpenAI request bodies (validated by pydantic) and the answers built from a flowedge result.
 
 Only what flowedge can honour is accepted: one choice (`n` = 1), text content (a list of text parts
-is joined), sampling by temperature/top_p/seed, stop strings. Fields OpenAI clients may send that do
-not change the answer (`user`, `stream_options` without usage, ...) are ignored. `strategy` (an
+is joined), sampling by temperature/top_p/seed, stop strings. A field that would change the answer
+and that flowedge cannot honour (`tools`, `response_format`, `logprobs`, non-zero penalties, ...) is
+refused, naming it, rather than silently ignored; fields that do not change the answer (`user`,
+`stream_options` without usage, ...) are ignored. `strategy` (an
 extension, e.g. `extra_body={"strategy": "ar-pp"}`) picks the head's strategy.
 
 Types are strict, as JSON has them: `"stream": "yes"` is not a bool, `true` is not a token id or a
@@ -12,12 +14,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOPS = 16
 STRICT = ConfigDict(strict=True)
+# Fields an OpenAI client may send that flowedge cannot honour, each refused when it asks for something
+# (a value other than its "off" one: None, False, 0, an empty list or map).
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+               "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+               "suffix", "audio", "modalities", "prediction")
+
+
+def unsupported(field: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported", f"`{field}` is not supported by flowedge; leave it out")
 
 
 class TextPart(BaseModel):
@@ -61,8 +73,20 @@ class Sampling(BaseModel):
     @classmethod
     def _one_choice(cls, v):
         if v != 1:
-            raise ValueError("flowedge answers with one choice: n must be 1")
+            raise PydanticCustomError("unsupported", "flowedge answers with one choice: `n` must be 1")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data):
+        """The first unsupported field that asks for something, as an error located at that field."""
+        if isinstance(data, dict):
+            for field in UNSUPPORTED:
+                value = data.get(field)
+                if value not in (None, False, 0, [], {}) and not (field == "best_of" and value == 1):
+                    raise ValidationError.from_exception_data(cls.__name__, [
+                        {"type": unsupported(field), "loc": (field,), "input": value}])
+        return data
 
     @field_validator("stop")
     @classmethod

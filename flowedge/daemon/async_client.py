@@ -6,13 +6,15 @@
             print(piece, end="", flush=True)
         print(client.last_result["wall_tokens_per_s"])
 
-Each AsyncClient is one DEALER socket; one request at a time per client (open one per concurrent
-request: they are cheap, and several can share a `zmq.asyncio.Context`). A stream that is abandoned
-(the task cancelled, the generator closed, the client closed or its next request started) sends
-`Cancel`, so the head stops the request and frees its KV cache.
+Each AsyncClient is one DEALER socket that carries any number of requests at once (several tasks may
+`await` on one client): one reader task hands each reply to its request by request id. A stream
+that is abandoned (the task cancelled, the generator closed, the client closed) sends `Cancel`, so
+the head stops the request and frees its KV cache.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -32,7 +34,7 @@ HELLO_TIMEOUT_S = 10.0
 
 
 class AsyncClient:
-    """A connection to a head for asyncio code. Not safe for two requests at once."""
+    """A connection to a head for asyncio code; several requests may be in flight on it at once."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
@@ -52,8 +54,12 @@ class AsyncClient:
         self.sock.connect(tcp(host, port))
         self._ids = itertools.count(1)
         self._welcomed = False
-        self._open: int | None = None      # the request id of a stream not yet finished
-        self.last_result: dict | None = None
+        self._control_lock: asyncio.Lock | None = None   # HELLO and status: replies without a request id
+        self._control: asyncio.Queue | None = None
+        self._open: dict[int, asyncio.Queue] = {}        # request id -> its replies, for unfinished requests
+        self._reader: asyncio.Task | None = None
+        self._last_heard = time.monotonic()
+        self.last_result: dict | None = None             # the totals of the request that finished last
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -62,85 +68,118 @@ class AsyncClient:
         self.close()
 
     def close(self) -> None:
-        """Cancel an abandoned stream's request at the head, then close the socket."""
-        self._cancel_open()
+        """Cancel every unfinished request at the head, then close the socket."""
+        for rid in list(self._open):
+            send_cancel(self.sock, rid)
+        self._open.clear()
+        if self._reader is not None:
+            with contextlib.suppress(RuntimeError):   # its event loop already closed
+                self._reader.cancel()
         self.sock.close(0)
         if self._own_ctx:
             self.ctx.term()
 
-    def _cancel_open(self) -> None:
-        if self._open is not None:
-            send_cancel(self.sock, self._open)
-        self._open = None
+    # ---- the socket's one reader ------------------------------------------------------------------
+    def _start_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._control_lock = self._control_lock or asyncio.Lock()
+            self._control = self._control or asyncio.Queue()
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        """Every message from the head to whoever waits for it; heartbeats answered while requests are open."""
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                frames = await self.sock.recv_multipart(copy=False)
+                self._last_heard = time.monotonic()
+                try:
+                    msg = proto.decode(frames)
+                except ProtocolError as err:
+                    msg = err
+                if isinstance(msg, proto.Heartbeat):
+                    if self._open:
+                        await self._send(proto.Heartbeat(node_id=f"client-{os.getpid()}", load=0.0, rss_bytes=0))
+                    continue
+                queue = self._open.get(getattr(msg, "request_id", None))
+                (queue or self._control).put_nowait(msg)
 
     async def _send(self, msg: proto.Message) -> None:
         await self.sock.send_multipart(msg.to_frames(), copy=False)
 
-    async def _recv(self, timeout_s: float | None = None) -> proto.Message:
-        """The next answer; while a request is open the head heartbeats this client, which answers each
-        heartbeat and gives up after `head_timeout_s` without a word (as `Client` does)."""
+    async def _next(self, queue: asyncio.Queue, timeout_s: float | None = None,
+                    open_request: bool = False) -> proto.Message:
+        """The next message for one waiter. A request in progress gives up after `head_timeout_s`
+        without a word from the head (it heartbeats while it holds a request), any wait after `timeout_s`."""
         start = time.monotonic()
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         while True:
-            wait_s = limit_s - (time.monotonic() - start)
-            if self._open is not None:
-                wait_s = min(wait_s, self.head_timeout_s)
-            if wait_s <= 0 or not await self.sock.poll(int(wait_s * 1000), zmq.POLLIN):
-                raise FlowedgeError(f"the head at {self.addr} went silent for {time.monotonic() - start:.1f} s")
-            msg = proto.decode(await self.sock.recv_multipart(copy=False))
-            if not isinstance(msg, proto.Heartbeat):
-                return msg
-            if self._open is not None:
-                await self._send(proto.Heartbeat(node_id=f"client-{os.getpid()}", load=0.0, rss_bytes=0))
+            now = time.monotonic()
+            wait_s = limit_s - (now - start)
+            if open_request:
+                wait_s = min(wait_s, self.head_timeout_s - (now - max(self._last_heard, start)))
+            if wait_s <= 0:
+                raise FlowedgeError(f"the head at {self.addr} went silent for {now - start:.1f} s")
+            try:
+                msg = await asyncio.wait_for(queue.get(), wait_s)
+            except TimeoutError:
+                continue   # heard meanwhile (another request's reply, a heartbeat)? the loop decides
+            if isinstance(msg, ProtocolError):
+                raise msg
+            return msg
 
     async def _hello(self) -> None:
-        if self._welcomed:
-            return
-        await self._send(proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
-                                     free_memory_bytes=0, capabilities={"heartbeat": True}))
-        try:
-            reply = await self._recv(min(self.timeout_s, HELLO_TIMEOUT_S))
-        except (FlowedgeError, ProtocolError) as err:
-            raise FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}") from None
-        if isinstance(reply, proto.Refuse):
-            raise FlowedgeError(f"the head at {self.addr} refused this client: {reply.reason}")
-        if not isinstance(reply, proto.Welcome):
-            raise FlowedgeError(f"the head at {self.addr} answered HELLO with {reply.TYPE}")
-        self._welcomed = True
+        self._start_reader()
+        async with self._control_lock:
+            if self._welcomed:
+                return
+            await self._send(proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
+                                         free_memory_bytes=0, capabilities={"heartbeat": True}))
+            try:
+                reply = await self._next(self._control, min(self.timeout_s, HELLO_TIMEOUT_S))
+            except (FlowedgeError, ProtocolError) as err:
+                raise FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}") from None
+            if isinstance(reply, proto.Refuse):
+                raise FlowedgeError(f"the head at {self.addr} refused this client: {reply.reason}")
+            if not isinstance(reply, proto.Welcome):
+                raise FlowedgeError(f"the head at {self.addr} answered HELLO with {reply.TYPE}")
+            self._welcomed = True
 
-    async def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:
+    # ---- requests ---------------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:
         """Text pieces as the head accepts tokens (same arguments as `Client.stream`); afterwards
         `last_result` holds the totals. Leaving early or being cancelled cancels the request."""
-        self._cancel_open()   # a stream abandoned without being closed
+        return self._pieces(Answer(), prompt, **kwargs)
+
+    async def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:
+        """The whole answer at once (the keys of `Client.generate`); safe to run several at once."""
+        answer = Answer()
+        async for _ in self._pieces(answer, prompt, **kwargs):
+            pass
+        return dict(answer.result or {})
+
+    async def _pieces(self, answer: Answer, prompt: str | list[int] | None, **kwargs) -> AsyncIterator[str]:
         request = prompt_request(next(self._ids), prompt, **kwargs)   # a bad one is refused before the head
         rid = request.request_id
         await self._hello()
-        await self._send(request)
-        self._open = rid
-        answer = Answer()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._open[rid] = queue
         try:
+            await self._send(request)
             while not answer.done:
-                piece = answer.take(await self._recv(), rid)
+                piece = answer.take(await self._next(queue, open_request=True), rid)
                 if piece:
                     yield piece
         finally:
-            if answer.done:
-                self._open = None
-            else:
-                self._cancel_open()
+            if self._open.pop(rid, None) is not None and not answer.done:
+                send_cancel(self.sock, rid)
         self.last_result = answer.result
-
-    async def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:
-        """The whole answer at once (the keys of `Client.generate`)."""
-        async for _ in self.stream(prompt, **kwargs):
-            pass
-        return dict(self.last_result or {})
 
     async def status(self) -> list[dict]:
         """One map per node, as `flowedge status --json`."""
         await self._hello()
-        await self._send(proto.StatusRequest())
-        while True:
-            msg = await self._recv()
-            if isinstance(msg, proto.StatusReply):
-                return msg.nodes
+        async with self._control_lock:
+            await self._send(proto.StatusRequest())
+            while True:
+                msg = await self._next(self._control)
+                if isinstance(msg, proto.StatusReply):
+                    return msg.nodes

@@ -20,7 +20,7 @@ from pathlib import Path
 import zmq
 
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.errors import FlowedgeError, ProtocolError, RequestFailed, refusal
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
 from flowedge.transport.security import Security
@@ -28,8 +28,7 @@ from flowedge.transport.security import Security
 log = logging.getLogger(__name__)
 
 
-class RequestFailed(FlowedgeError):
-    """The head answered a request with an error (bad input, cluster not ready, a stage died...)."""
+__all__ = ["Client", "RequestFailed", "Answer", "prompt_request", "send_cancel", "wait_ready"]
 
 
 class Client:
@@ -212,12 +211,13 @@ class Answer:
         self.result: dict | None = None
 
     def take(self, msg: proto.Message, rid: int) -> str:
-        """The text piece `msg` adds ("" if none); RequestFailed for the head's error reply."""
+        """The text piece `msg` adds ("" if none); RequestFailed (ContextOverflow where it applies) for
+        the head's error reply."""
         if getattr(msg, "request_id", rid) != rid:
             return ""   # a late reply to an earlier, abandoned request
         if isinstance(msg, proto.ErrorReply):
             self.done = True
-            raise RequestFailed(msg.message)
+            raise refusal(msg.message)
         if not isinstance(msg, proto.TokenChunk):
             return ""
         self.tokens += msg.token_ids

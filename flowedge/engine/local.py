@@ -46,8 +46,9 @@ def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
         raise ContextOverflow("the prompt is empty after tokenization")
     if prompt_len + max_new_tokens > context:
         raise ContextOverflow(
-            f"prompt is {prompt_len} tokens; with --max-new-tokens {max_new_tokens} it needs "
-            f"{prompt_len + max_new_tokens} positions but the model's context is {context}")
+            f"the prompt is {prompt_len} tokens and {max_new_tokens} new tokens were asked for: "
+            f"{prompt_len + max_new_tokens} positions, beyond the model's context of {context} "
+            f"(at most {max(context - prompt_len, 0)} new tokens fit)")
 
 
 def stop_ids(config) -> set[int]:
