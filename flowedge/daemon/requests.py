@@ -341,9 +341,9 @@ class RequestBook:
         self.by_engine[req.engine_id] = req
         req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
         left = req.msg.max_new_tokens - len(req.emitted)
-        log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go%s", req.engine_id,
-                 len(p.prompt_ids), len(req.emitted), p.strategy, left,
-                 f" (replay {req.replays} of request {req.key})" if req.replays else "")
+        log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go (head request %d%s)",
+                 req.engine_id, len(p.prompt_ids), len(req.emitted), p.strategy, left, req.key,
+                 f", replay {req.replays}" if req.replays else "")   # the key: FIFO is checked from this line
         ids, params = p.prompt_ids + req.emitted, replay_params(p.params, len(req.emitted))
         self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params))
 
