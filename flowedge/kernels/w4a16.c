@@ -311,11 +311,12 @@ int w4a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t
     if (nthreads > units) nthreads = (int)units;
     if (nthreads == 1) {
         run_tiles(w, 0, tiles, M, K, G, N, xp, xs, bias, y);
-    } else {   /* threads split N only, in whole steps of tiles; K is never split */
-#pragma omp parallel num_threads(nthreads)
-        {
-            int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-            int64_t a = units * i / n * step, b = units * (i + 1) / n * step;
+    } else {   /* threads split N only, in whole steps of tiles (K is never split), taking chunks as they
+                * finish: on a shared CPU a preempted thread does not hold the others up */
+        int64_t per = (units + 4 * nthreads - 1) / (4 * nthreads), chunks = (units + per - 1) / per;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t a = c * per * step, b = (c + 1) * per * step;
             run_tiles(w, a, b < tiles ? b : tiles, M, K, G, N, xp, xs, bias, y);
         }
     }
