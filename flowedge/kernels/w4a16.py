@@ -2,13 +2,15 @@
 
 Why our own kernel: torch's `_weight_int4pack_mm_for_cpu` rounds a row differently depending on how many
 rows share the call (so T=0 speculation drifts from `ar`), and costs 3.6x for 8 rows what one row costs.
-Here each 16-output weight tile is unpacked once per block of up to 8 rows and reused for every row.
+Here each 16-output weight tile is unpacked once per pass of up to 12 rows and reused for every row
+(figures: docs/bench/w4a16-kernel.md, `tools/bench_w4a16.py`).
 
-Numerics (the same for every row whatever M, its row block or the thread count; threads split N only):
+Numerics (the same for every row whatever M, its row pass or the thread count; threads take whole
+16-output tiles, never a part of K):
   1. x is rounded to bfloat16 (round to nearest even), the "A16".
   2. Per output n and group g of G inputs: S = sum over the group of (code - 8) * bf16(x) in fp32.
-     AVX512-BF16 build: `vdpbf16ps` over the input pairs (2k, 2k+1) in k order, one accumulator.
-     Portable build: a plain fp32 sum in k order, no fused multiply-add (`-ffp-contract=off`).
+     AVX512-BF16 build: one `vdpbf16ps` accumulator over the input pairs (2k, 2k+1) in k order.
+     Portable build: a plain fp32 sum in k order, multiply then add (`-ffp-contract=off`: no FMA).
   3. X_g = sum of the group's bf16(x) in fp32: 16 strided lanes, then the lanes in order.
   4. y[n] = sum over g in order of: y = fma(S, scale, y); y = fma(zero, X_g, y) (portable: separate
      multiply and add), then y += bias[n]. scale and zero are the stored bfloat16 values, exactly.
@@ -18,6 +20,10 @@ Prepared layout (about 5 bits a weight at G=32, like the stored one): uint8 [N/1
 of 16 outputs and group: 16 scales, 16 zeros (bf16), then G/8 blocks of 16 dwords; dword i holds output
 i's codes for k = 8b..8b+7 as nibbles c0 c2 c4 c6 c1 c3 c5 c7 (low to high), so a 4p-bit shift of the
 dword leaves (c_2p, c_2p+1) in the low bits of its two 16-bit halves, ready for a 16-entry table lookup.
+Tiles are independent: concatenating two prepared weights along dim 0 is the weight of both outputs.
+
+Threads: the C code runs OpenMP in the libgomp torch already loaded (same soname), so it shares torch's
+thread pool instead of spinning a second one; `threads` defaults to `torch.get_num_threads()`.
 """
 from __future__ import annotations
 
