@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 FLOWEDGE := $(VENV)/bin/flowedge
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup browser demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -16,13 +16,19 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# Chromium for the dashboard's browser test (tests/test_api_dashboard.py skips it, saying why, without one)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; }; } || \
+		echo "no chromium (not root or no apt-get): the dashboard's browser test will be skipped"
+
 demo: setup
 	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup browser
 	$(PY) -m pytest -q -p no:cacheprovider -m "not real_model"
 
 bench: setup

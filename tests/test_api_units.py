@@ -158,7 +158,10 @@ def test_status_view_renders_rates_from_two_replies():
 
     text = render(reply(300), reply(100), 4.0)
     assert "tokens/s 50.00" in text and "queue 2" in text and "accepted length 2.25" in text
-    assert "cancelled 1" in text and "12.5" in text and "[0, 14)" in text
+    assert "cancelled 1" in text and "12.5" in text and "[0, 14)" in text and "running now" not in text
+    streaming = reply(300)
+    streaming[0]["requests"] = {"active": [{"mean_accept_len": 1.5}, {"mean_accept_len": 2.5}]}
+    assert "running now: accepted length 2.00" in render(streaming, reply(100), 4.0)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

@@ -124,7 +124,31 @@ def test_a_request_runs_to_done_and_streams_every_token_once():
     for t in (11, 12, 13):
         b.on_segment(engine_id, t, 0.2)
     assert port.tokens(b"c") == [11, 12, 13] and port.done(b"c") and b.pending() == 0
-    assert b.served["requests"] == 1
+    assert b.served["requests"] == 1 and b.served["tokens"] == 3
+
+
+def test_status_counts_tokens_while_the_answer_streams():
+    """tokens/s in `status --watch` and the dashboard comes from `served` while the answer runs
+    (before: tokens were counted only when an answer ended, so a long answer showed 0 tokens/s)."""
+    b, port = book(recovery_s=10.0)
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(max_new=5), 0.0, True, [])
+    b.submit(b"d", prompt(rid=2), 0.0, True, [])
+    b.tick(1.0, True)
+    engine_id = port.engine_.starts[0][0]
+    b.on_segment(engine_id, 21, 1.5)
+    b.on_segment(engine_id, 22, 1.5)
+    assert b.served["tokens"] == 2 and b.served["requests"] == 0
+    live = b.live(3.0)
+    assert (live["queued"], live["running"], live["paused"]) == (1, 1, 0)
+    assert live["active"] == [{"id": live["active"][0]["id"], "state": "running", "tokens": 2, "elapsed_s": 2.0,
+                               "mean_accept_len": None}]
+    b.stage_lost("stage 2 (s2) disconnected", 3.5)
+    assert (b.live(4.0)["running"], b.live(4.0)["paused"]) == (0, 1)
+    b.tick(5.0, True)   # resumed: the replay's tokens are counted once, as they are sent
+    for t in (23, 24, 25):
+        b.on_segment(port.engine_.starts[-1][0], t, 5.5)
+    assert b.served["tokens"] == 5 and b.served["requests"] == 1
 
 
 def test_an_engine_sees_how_many_requests_are_running():

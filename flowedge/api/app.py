@@ -6,6 +6,8 @@
     POST /v1/chat/completions   OpenAI chat completions (messages through the chat template), stream or not
     POST /v1/completions        OpenAI text completions (the prompt as is, no template), stream or not
     GET  /v1/status             the head's status (`flowedge status --json`)
+    GET  /v1/status/stream      the same every half second, as server-sent events (the dashboard's feed)
+    GET  /                      the live dashboard (flowedge/api/dashboard.py, static files in api/static/)
 
 Each generation request opens its own AsyncClient on one shared zmq.asyncio context, so nothing
 blocks the event loop and the head sees one client per HTTP request. A stream whose HTTP client
@@ -26,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from flowedge.api import dashboard
 from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
@@ -177,6 +180,9 @@ class Routes:
             raise unavailable(self.settings.head)
         return JSONResponse({"nodes": nodes})
 
+    async def status_stream(self) -> Response:
+        return EventStream(dashboard.status_events(self.head_status), headers={"cache-control": "no-cache"})
+
     async def models(self) -> JSONResponse:
         nodes = await self.head_status()
         if not nodes:
@@ -310,10 +316,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_exception_handler(ApiError, routes.api_error)
     app.add_exception_handler(HTTPException, routes.http_error)
     for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
-                          ("/v1/status", routes.status), ("/v1/models", routes.models)):
+                          ("/v1/status", routes.status), (dashboard.STREAM_PATH, routes.status_stream),
+                          ("/v1/models", routes.models)):
         app.add_api_route(path, handler, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    dashboard.mount(app)
     return app
 
 

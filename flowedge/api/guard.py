@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 
+from flowedge.api.dashboard import is_open
 from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings
 
 OPEN_PATHS = ("/health",)   # for load balancers and systemd checks: tells only whether it serves
@@ -62,7 +63,7 @@ class RequestGuard:
             self.on_refused(431)
             return await send_json(send, 431, error_body(f"request head over {MAX_HEAD_BYTES} bytes"))
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in OPEN_PATHS and not key_ok(headers.get("authorization"), self.settings.api_keys):
+        if scope["path"] not in OPEN_PATHS and not is_open(scope["path"]) and not key_ok(headers.get("authorization"), self.settings.api_keys):
             self.on_refused(401)
             return await send_json(send, 401, error_body(
                 "missing or wrong API key: send `Authorization: Bearer KEY`", code="invalid_api_key"),

@@ -280,6 +280,7 @@ class HeadNode:
             "ready": self.members.cluster_ready(), "plan_ready": self.engines.plan is not None,
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
+            "requests": self.requests.live(time.monotonic()),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),

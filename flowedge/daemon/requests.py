@@ -300,6 +300,18 @@ class RequestBook:
     def pending(self) -> int:
         return len(self.queue) + len(self.running)
 
+    def live(self, now: float) -> dict:
+        """The requests as they are now, for status: counts by state, and per running request its tokens
+        so far and its mean accepted length so far (acceptance that moves while the answer streams)."""
+        rows = []
+        for req in self.running.values():
+            accepts = getattr(getattr(req.engine, "stats", None), "accept_lens", None) or []
+            rows.append({"id": req.key, "state": req.state.value, "tokens": len(req.emitted),
+                         "elapsed_s": round(now - req.started_s, 3) if req.started_s else 0.0,
+                         "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None})
+        return {"queued": len(self.queue), "running": self._running_count(),
+                "paused": sum(1 for r in self.running.values() if r.state is State.PAUSED), "active": rows}
+
     def _all(self) -> list[Request]:
         return list(self.running.values()) + list(self.queue)
 
@@ -403,6 +415,7 @@ class RequestBook:
                 self.out.to_stages(a)
             elif isinstance(a, Emit):
                 req.emitted += a.tokens
+                self.served["tokens"] += len(a.tokens)   # as they stream, so status shows live tokens/s
                 req.text(a.tokens)
                 self.out.to_client(req.owner, proto.TokenChunk(
                     request_id=req.request_id, token_ids=list(a.tokens), text=req.stop.feed(req.take_pieces()),
@@ -429,7 +442,6 @@ class RequestBook:
         self._forget(req)
         req.state = State.DONE
         self.served["requests"] += 1
-        self.served["tokens"] += len(req.emitted)
         self.last_stats = stats
         self.last_auto = stats.get("auto") or self.last_auto
         log.info("request %d done: %d tokens in %.2f s%s", req.key, len(req.emitted), stats.get("wall_s", 0.0),

@@ -42,10 +42,13 @@ def summary(nodes: list[dict], before: list[dict] | None, interval_s: float) -> 
         rate = f"{max(0, made) / interval_s:.2f}"
     last = head.get("last_request") or {}
     accept = last.get("mean_accept_len")
+    live = [r["mean_accept_len"] for r in (head.get("requests") or {}).get("active", [])
+            if r.get("mean_accept_len") is not None]
+    now = f"   running now: accepted length {sum(live) / len(live):.2f}" if live else ""
     return (f"queue {head.get('queue', 0)}   tokens/s {rate}   served {served.get('requests', 0)} "
             f"(failed {served.get('failed', 0)}, cancelled {served.get('cancelled', 0)})   last answer: "
             f"{last.get('tokens_per_s', '-')} tok/s, accepted length {accept if accept is not None else '-'}, "
-            f"{last.get('strategy', '-')}")
+            f"{last.get('strategy', '-')}{now}")
 
 
 def auto_line(nodes: list[dict]) -> list[str]:
