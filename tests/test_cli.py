@@ -83,3 +83,85 @@ def test_corrupt_shard_is_refused(tiny_pair, tmp_path):
     stage.write_bytes(bytes(data))
     line = one_error_line(flowedge("generate", "hi", "--model", str(out), "--max-new-tokens", "2"))
     assert "corrupt" in line and "stage-0" in line
+
+
+def _timed(*args: str, home) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    t0 = time.monotonic()
+    proc = flowedge(*args, home=home)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("args,says", [
+    (("up", "--strategy", "nope", "--detach"), "strategy must be one of auto, flowspec"),
+    (("up", "--model", "nosuch-model", "--detach"), "qwen2.5-coder-1.5b"),
+    (("up", "--draft", "/nowhere/x.gguf", "--detach"), "draft '/nowhere/x.gguf' is not a known model"),
+    (("prompt", "hi", "--head", "http://127.0.0.1:7100"), "HOST:PORT (e.g. 127.0.0.1:7100)"),
+    (("status", "--head", "tcp:/127.0.0.1"), "is not HOST:PORT"),
+    (("http", "--head", "http://127.0.0.1:7100"), "not a http:// URL"),
+    (("http", "--listen", "https://0.0.0.0:8080"), "TLS proxy"),
+    (("join", "https://10.0.0.1:5555", "--insecure"), "HOST:PORT"),
+])
+def test_start_up_and_address_mistakes_are_one_line_at_once(tmp_path, args, says):
+    """Before: `up --strategy nope` was "ready" and every prompt failed; `up --model nosuch-model` took
+    ~36 s to say "a cluster process exited"; an http:// head was a 32-line ZMQError traceback, or a
+    server answering 500."""
+    proc, seconds = _timed(*args, home=tmp_path)
+    line = one_error_line(proc)
+    assert says in line and seconds < 3.0 + 2.0, (line, seconds)   # + the interpreter's start on a busy CI
+
+
+def test_an_unreachable_head_is_reported_within_3_s(tmp_path):
+    proc, seconds = _timed("prompt", "hi", "--head", "127.0.0.1:9", "--insecure", home=tmp_path)
+    assert "cannot reach a flowedge head at 127.0.0.1:9" in one_error_line(proc)
+    assert seconds < 3.0 + 1.5, seconds   # before: 10.7 s
+
+
+def test_a_busy_port_and_down_without_a_cluster_name_the_command_that_works(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = one_error_line(flowedge("up", "--port", str(port), "--detach", home=tmp_path))
+    assert f"port {port} on 127.0.0.1 is taken" in line and "flowedge up --port PORT" in line
+    assert "`flowedge up --detach` records one" in one_error_line(flowedge("down", home=tmp_path))
+
+
+def test_down_finds_the_one_recorded_cluster_and_asks_when_there_are_several(tmp_path, monkeypatch):
+    from flowedge.daemon import local_cluster
+
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
+    for port in (7100, 7200):
+        (tmp_path / "run" / f"up-{port}").mkdir(parents=True)
+        (tmp_path / "run" / f"up-{port}" / local_cluster.STATE_FILE).write_text(
+            json.dumps({"addr": f"127.0.0.1:{port}", "pids": [], "insecure": True}))
+    with pytest.raises(local_cluster.ConfigError, match="ports 7100, 7200: `flowedge down --port PORT`"):
+        local_cluster.down(grace_s=0.1)
+    assert "127.0.0.1:7100" in local_cluster.down(7100, grace_s=0.1)
+    assert "127.0.0.1:7200" in local_cluster.down(grace_s=0.1)   # the only one left, found without --port
+
+
+def test_a_node_that_dies_is_reported_with_its_own_error_line(tmp_path):
+    from flowedge.daemon.local_cluster import LocalCluster, LocalClusterSpec
+
+    (tmp_path / "head.log").write_text("INFO loading\nerror: model shard broken: bad magic\n")
+    (tmp_path / "stage-1.log").write_text("INFO ok\n")
+    procs = [subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"]),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])]
+    try:
+        procs[0].wait(10)
+        cluster = LocalCluster(LocalClusterSpec(nodes=2, model="qwen2.5-coder-1.5b"), tmp_path, procs)
+        assert not cluster.alive() and cluster.failure() == "head: model shard broken: bad magic"
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+
+
+def test_strategy_names_match_the_engine():
+    from flowedge.engine.config import STRATEGY_NAMES
+    from flowedge.engine.strategies import STRATEGIES
+
+    assert sorted(STRATEGY_NAMES) == sorted(STRATEGIES)

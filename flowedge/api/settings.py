@@ -68,6 +68,13 @@ def check_exposure(host: str, api_keys: tuple[str, ...]) -> None:
 
 
 def split_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT, or http://HOST:PORT (the address clients will use); https:// is refused (no TLS here:
+    put a TLS proxy in front)."""
+    scheme, sep, rest = listen.partition("://")
+    if sep and scheme != "http":
+        raise ConfigError(f"--listen {listen!r}: flowedge http serves plain http:// (put a TLS proxy in front "
+                          f"for https); give HOST:PORT, e.g. {rest.rstrip('/') or '127.0.0.1:8080'}")
+    listen = rest.rstrip("/") if sep else listen
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"--listen wants HOST:PORT, got {listen!r}")

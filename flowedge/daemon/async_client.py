@@ -24,13 +24,11 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from flowedge.daemon.client import Answer, prompt_request, send_cancel
+from flowedge.daemon.client import HELLO_TIMEOUT_S, Answer, prompt_request, send_cancel
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
 from flowedge.errors import FlowedgeError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.security import load_keys, secure_client, warn_insecure
-
-HELLO_TIMEOUT_S = 10.0
 
 
 class AsyncClient:

@@ -27,6 +27,11 @@ from flowedge.transport.security import Security
 
 log = logging.getLogger(__name__)
 
+# A head answers HELLO from its event loop at once; silence this long means no head there. Short, so
+# a wrong or dead address is reported in seconds (waiting for a head that is still starting is
+# `wait_ready`'s job, which tries again).
+HELLO_TIMEOUT_S = 2.0
+
 
 __all__ = ["Client", "RequestFailed", "Answer", "prompt_request", "send_cancel", "wait_ready"]
 
@@ -76,7 +81,7 @@ class Client:
             hello = proto.Hello(node_id=f"client-{os.getpid()}", role="client", device="client",
                                 free_memory_bytes=0, capabilities={"heartbeat": True})
             try:
-                hello_exchange(self.sock, hello, min(self.timeout_ms, 10_000))
+                hello_exchange(self.sock, hello, min(self.timeout_ms, int(HELLO_TIMEOUT_S * 1000)))
             except ProtocolError as err:
                 raise FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}") from None
             self._welcomed = True
@@ -238,7 +243,7 @@ class Answer:
 
 
 def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,
-               progress=None, alive=lambda: True) -> list[dict]:
+               progress=None, alive=lambda: True, why=lambda: "") -> list[dict]:
     """Poll a head's status until every stage is ready; FlowedgeError on timeout or if `alive()` fails.
 
     Each try uses a fresh connection, so replies queued behind a head that is still loading its
@@ -247,8 +252,8 @@ def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = F
     last = ""
     while time.monotonic() < deadline:
         if not alive():
-            raise FlowedgeError("a cluster process exited before the cluster became ready (see its log)")
-        client = Client(addr, keys_dir=keys_dir, insecure=insecure, timeout_s=5.0)  # bad keys raise here
+            raise FlowedgeError(why() or "a cluster process exited before the cluster became ready (see its log)")
+        client = Client(addr, keys_dir=keys_dir, insecure=insecure, timeout_s=1.0)  # bad keys raise here
         try:
             nodes = client.status()
         except FlowedgeError:

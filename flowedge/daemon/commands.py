@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import click
 
-from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config
+from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config, split_addr
 from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
 
@@ -168,12 +168,14 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
     try:
         t0 = time.monotonic()
         with _showing_progress(cluster) as shown:
-            wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive,
+            wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive, why=cluster.failure,
                        progress=lambda line: shown.note(f"  {line}"))
-        click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT` or "
-                   f"`flowedge status`", err=True)
+        at = "" if port == DEFAULT_PORT else f" --head {spec.addr}"
+        click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT{at}` or "
+                   f"`flowedge status{at}`", err=True)
         if detach:
-            click.echo("detached; stop it with `flowedge down`", err=True)
+            down_cmd = "flowedge down" + ("" if port == DEFAULT_PORT else f" --port {port}")
+            click.echo(f"detached; stop it with `{down_cmd}`", err=True)
             return
         if prompt is not None:
             with Client(spec.addr, insecure=insecure) as client:
@@ -203,7 +205,8 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
 
 
 @click.command()
-@click.option("--port", default=DEFAULT_PORT, show_default=True)
+@click.option("--port", default=None, type=int,
+              help="The port given to `flowedge up` (default: the one detached cluster there is).")
 def down(port) -> None:
     """Stop a cluster started with `flowedge up --detach`."""
     from flowedge.daemon import local_cluster
@@ -323,6 +326,7 @@ def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, he
 
     _daemon_logging()
     host, port = split_listen(listen)
+    split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
                            api_keys=load_api_keys(api_keys, api_key_file), read_timeout_s=read_timeout,
                            request_timeout_s=request_timeout, header_timeout_s=header_timeout,

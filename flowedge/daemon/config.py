@@ -11,9 +11,10 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from flowedge.engine.config import DRAFT_QUANTS, LM_HEAD_PLACES
+from flowedge.engine.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
 from flowedge.errors import ConfigError
-from flowedge.models.registry import flowedge_home  # noqa: F401  (the one $FLOWEDGE_HOME resolver)
+from flowedge.models.registry import MODELS, flowedge_home  # (the one $FLOWEDGE_HOME resolver)
+from flowedge.sim.profiles import list_devices
 
 DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 # the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit
@@ -103,6 +104,14 @@ class NodeConfig:
         for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):
             if not getattr(self, name) * 1000 >= 2 * self.heartbeat_ms:
                 raise ConfigError(f"{name} must be at least two heartbeats ({2 * self.heartbeat_ms} ms)")
+        if self.strategy not in STRATEGY_NAMES:
+            raise ConfigError(f"strategy must be one of {', '.join(STRATEGY_NAMES)}; got {self.strategy!r}")
+        if self.device not in list_devices() and not Path(self.device).suffix == ".toml":
+            raise ConfigError(f"device must be a profile ({', '.join(list_devices())}) or a .toml file; "
+                              f"got {self.device!r}")
+        if self.role == "head":
+            check_model("model", self.model)
+            check_model("draft", self.draft)
         split_addr(self.head)
         self.data_ports()
 
@@ -129,12 +138,29 @@ class NodeConfig:
         return Path(self.keys_dir).expanduser() if self.keys_dir else flowedge_home() / "keys"
 
 
+def check_model(key: str, spec: str) -> None:
+    """A model the head can resolve without asking anyone: a known name, a Hugging Face directory or a
+    .gguf file (what models/resolve.py takes), so a typo fails at once, not after the processes start."""
+    path = Path(spec).expanduser()
+    if spec in MODELS or (path.is_dir() and (path / "config.json").is_file()) or \
+            (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    raise ConfigError(f"{key} {spec!r} is not a known model ({', '.join(sorted(MODELS))}), a Hugging Face "
+                      f"directory with config.json, or a .gguf file")
+
+
 def split_addr(addr: str) -> tuple[str, int]:
-    """'host:port' (or 'tcp://host:port', or ':port') -> (host, port)."""
-    rest = addr.removeprefix("tcp://")
+    """'host:port' (or 'tcp://host:port', or ':port') -> (host, port); a URL of another scheme is refused
+    in one line (the head speaks ZMQ, not HTTP: `http://` is most often the HTTP API's address)."""
+    scheme, sep, rest = addr.partition("://")
+    if sep and scheme != "tcp":
+        example = rest.rstrip("/") or f"127.0.0.1:{DEFAULT_PORT}"
+        raise ConfigError(f"address {addr!r}: a head is addressed as HOST:PORT (e.g. {example}), "
+                          f"not a {scheme}:// URL")
+    rest = rest if sep else addr
     host, sep, port = rest.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65535:
-        raise ConfigError(f"address {addr!r} is not HOST:PORT")
+        raise ConfigError(f"address {addr!r} is not HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
     return host or "127.0.0.1", int(port)
 
 

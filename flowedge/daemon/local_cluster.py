@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,11 @@ class LocalClusterSpec:
     def __post_init__(self) -> None:
         if self.nodes < 2:
             raise ConfigError(f"a cluster needs at least 2 nodes (head + 1 stage), got {self.nodes}")
+        # the head's own checks (strategy, model, device, quant...) here, before any process starts
+        NodeConfig(role="head", head=self.addr, model=self.model, draft=self.draft, strategy=self.strategy,
+                   stages=self.nodes - 1, layers=list(self.layers), wire_dtype=self.wire_dtype, quant=self.quant,
+                   draft_quant=self.draft_quant, tree_size=self.tree_size, lm_head_at=self.lm_head_at,
+                   device=self.device)
         lo, hi = NodeConfig(data_port=self.data_port).data_ports()
         if lo and hi - lo + 1 < self.nodes - 1:
             raise ConfigError(f"--data-port {self.data_port}: {self.nodes - 1} stages need as many ports")
@@ -84,6 +90,21 @@ class LocalCluster:
     def dead(self) -> list[str]:
         return [f"{n} (exit {p.returncode}, log {self.run_dir / (n + '.log')})"
                 for n, p in zip(node_names(len(self.procs)), self.procs) if p.poll() is not None]
+
+    def failure(self) -> str:
+        """Why the first node that exited did: the last `error:` line of its log (the CLI's one line),
+        else its exit status and log."""
+        for name, p in zip(node_names(len(self.procs)), self.procs):
+            if p.poll() is None:
+                continue
+            logfile = self.run_dir / f"{name}.log"
+            lines = logfile.read_text(errors="replace").splitlines() if logfile.is_file() else []
+            errors = [line for line in lines if line.startswith("error: ")]
+            if errors:
+                return f"{name}: {errors[-1].removeprefix('error: ')}"
+            tail = next((line for line in reversed(lines) if line.strip()), "")
+            return f"{name} exited with status {p.returncode}: {tail[-300:]} (log {logfile})"
+        return ""
 
     def restart(self, k: int, detach: bool = False) -> subprocess.Popen:
         """Start node k (0 = the head) again with its first command line (same node id, same slot)."""
@@ -120,7 +141,9 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     run_dir = home / "run" / f"up-{spec.port}"
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / STATE_FILE).is_file() and _any_alive(json.loads((run_dir / STATE_FILE).read_text())["pids"]):
-        raise ConfigError(f"a local cluster already runs on port {spec.port}; `flowedge down` first")
+        raise ConfigError(f"a local cluster already runs on port {spec.port}; `{down_command(spec.port)}` first")
+    for port in (spec.port, spec.port + 1):   # the head's two ports, checked before any process starts
+        check_free(port)
     if not spec.insecure and not security.key_paths(home / "keys").secret.is_file():
         security.init_keys(home / "keys")
         log.info("created cluster keys in %s", home / "keys")
@@ -158,11 +181,38 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     return cluster
 
 
-def down(port: int = DEFAULT_PORT, grace_s: float = 10.0) -> str:
-    """Stop a detached local cluster; returns a one-line report."""
+def down_command(port: int) -> str:
+    return "flowedge down" + ("" if port == DEFAULT_PORT else f" --port {port}")
+
+
+def check_free(port: int) -> None:
+    """ConfigError in one line if something listens on 127.0.0.1:`port` already."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise ConfigError(f"port {port} on 127.0.0.1 is taken ({err.strerror}); pick another with "
+                              f"`flowedge up --port PORT` (the head uses PORT and PORT+1)") from None
+
+
+def recorded_ports() -> list[int]:
+    """The ports of the local clusters `up --detach` recorded under $FLOWEDGE_HOME/run."""
+    found = (flowedge_home() / "run").glob(f"up-*/{STATE_FILE}")
+    return sorted(int(p.parent.name.removeprefix("up-")) for p in found if p.parent.name[3:].isdigit())
+
+
+def down(port: int | None = None, grace_s: float = 10.0) -> str:
+    """Stop a detached local cluster (the only one recorded when `port` is None); returns a one-line report."""
+    if port is None:
+        ports = recorded_ports()
+        if len(ports) > 1:
+            raise ConfigError(f"local clusters run on ports {', '.join(map(str, ports))}: "
+                              f"`flowedge down --port PORT` stops one")
+        port = ports[0] if ports else DEFAULT_PORT
     state_file = flowedge_home() / "run" / f"up-{port}" / STATE_FILE
     if not state_file.is_file():
-        raise ConfigError(f"no local cluster recorded on port {port} ({state_file} missing)")
+        raise ConfigError(f"no detached local cluster recorded on port {port} ({state_file} missing; "
+                          f"`flowedge up --detach` records one)")
     state = json.loads(state_file.read_text())
     _request_shutdown(state["addr"], state.get("insecure", False), "flowedge down")
     left = _reap(state["pids"], grace_s)

@@ -118,6 +118,8 @@ class StageNode:
                             capabilities={"data_addr": self.data_addr, "want_stage": self.config.stage,
                                           "cached_shards": shard_fetch.cached_shas(self.home)})
         self.phase = f"joining the head at {self.config.head}"
+        log.info("waiting for the head at %s to answer (HELLO every %.0f s; start it with `flowedge serve` "
+                 "or `flowedge up`)", self.config.head, HELLO_TIMEOUT_MS / 1000)
         while not self.stop.is_set():
             self.notifier.tick(self._sd_status)
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries

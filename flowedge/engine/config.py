@@ -8,6 +8,9 @@ from flowedge.errors import ConfigError
 
 LM_HEAD_PLACES = ("auto", "head", "last-stage")
 COMPUTE_BOUND_RATIO = 2.0   # see SpecConfig.lm_head_for
+# the cluster strategies' names, here (no torch) so a config is checked before anything loads;
+# engine/strategies/__init__.py's STRATEGIES must have exactly these (tested)
+STRATEGY_NAMES = ("auto", "flowspec", "flowspec-nosbd", "pipespec", "pipedec", "pruned-pp", "naive-pp", "ar-pp")
 DRAFT_QUANTS = ("auto", "int4", "nf4", "none")   # node 0's draft model: engine/drafter.load_draft_model
 MAX_SEGMENT_NODES = 4096    # most rows one segment may carry: stages drop larger ones (transport/validate.py)
 
