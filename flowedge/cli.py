@@ -17,14 +17,28 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 
+# the extra (setup.cfg) that brings each optional package: a lean install names what to add
+EXTRA_OF = {**dict.fromkeys(("torch", "transformers", "gguf", "safetensors", "psutil"), "node"),
+            **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "starlette", "pydantic"), "http"),
+            "bitsandbytes": "nf4", "matplotlib": "bench"}
+
+
 class _Root(click.Group):
-    """Turn every FlowedgeError into one line on stderr and exit status 1."""
+    """Turn every FlowedgeError into one line on stderr and exit status 1; so is a package that a lean
+    install left out (the line names the extra that brings it)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except FlowedgeError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").split(".")[0]
+            if top not in EXTRA_OF:
+                raise
+            click.echo(f"error: `flowedge {ctx.invoked_subcommand}` needs {top}, which this install lacks: "
+                       f"pip install 'flowedge[{EXTRA_OF[top]}]'", err=True)
             sys.exit(1)
 
 

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NO_TORCH = """
 import sys
-from flowedge import Client
+from flowedge import AsyncClient, Client, ContextOverflow, RequestFailed
+from flowedge.daemon import async_client
 from flowedge.transport import protocol as p
 client = Client("127.0.0.1:1", insecure=True)
 frames = p.PromptRequest(request_id=1, text="hi", max_new_tokens=4).to_frames()
@@ -31,6 +32,46 @@ def test_client_and_text_protocol_do_not_import_torch():
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+def _setup_cfg() -> dict[str, list[str]]:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = lambda text: [x.split("#")[0].strip() for x in text.splitlines() if x.split("#")[0].strip()]
+    reqs = {"install": lines(cfg["options"]["install_requires"])}
+    reqs.update({k: lines(v) for k, v in cfg["options.extras_require"].items()})
+    return reqs
+
+
+def _name(req: str) -> str:
+    return req.split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip().lower()
+
+
+def test_the_base_install_is_the_client_and_the_test_extra_has_every_other_one():
+    """Before: `pip install flowedge` pulled torch, bitsandbytes, matplotlib and the HTTP stack (1.4 GB)
+    for a gateway that only needs the client; accelerate was required and never imported."""
+    reqs = _setup_cfg()
+    assert sorted(map(_name, reqs["install"])) == ["click", "msgpack", "numpy", "pyzmq"]
+    for extra, want in (("node", "torch"), ("http", "fastapi"), ("nf4", "bitsandbytes"), ("bench", "matplotlib")):
+        assert want in map(_name, reqs[extra]), extra
+    test = set(map(_name, reqs["test"]))
+    for extra in ("node", "http", "nf4", "bench"):
+        assert set(map(_name, reqs[extra])) <= test, extra   # `make test` installs .[test] only
+    assert "accelerate" not in {_name(r) for v in reqs.values() for r in v}
+
+
+def test_a_command_whose_extra_is_missing_says_which_extra_to_install(tmp_path):
+    """A lean install's `flowedge http` / `serve`: one line naming the extra, not a traceback."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "uvicorn.py").write_text("raise ModuleNotFoundError('no uvicorn here', name='uvicorn')\n")
+    proc = subprocess.run([sys.executable, "-m", "flowedge", "http"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{blocker}:{ROOT}"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: `flowedge http` needs uvicorn, which this install lacks: pip install 'flowedge[http]'")
 
 
 def _source_copy(dest: Path) -> Path:
