@@ -89,19 +89,25 @@ def liveness_options(head: bool):
               help=f"TOML node configuration (commented example: {EXAMPLE_CONFIG}).")
 @click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
+@click.option("--cluster", default=None, help="Head: the name it announces on the LAN (default: flowedge).")
+@click.option("--no-discovery", is_flag=True, help="Head: do not announce itself on the LAN (mDNS).")
 @liveness_options(head=True)
-def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout,
-          max_concurrent, kv_budget_tokens) -> None:
+def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage_timeout, client_timeout, recovery,
+          stall_timeout, max_concurrent, kv_budget_tokens) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
     _daemon_logging()
-    _run_node(load_node_config(config_path, role=role, threads=threads, heartbeat_ms=heartbeat_ms,
+    _run_node(load_node_config(config_path, role=role, threads=threads, cluster=cluster,
+                               discovery=False if no_discovery else None, heartbeat_ms=heartbeat_ms,
                                stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
                                stall_timeout_s=stall_timeout, max_concurrent=max_concurrent,
                                kv_budget_tokens=kv_budget_tokens))
 
 
 @click.command()
-@click.argument("head_addr")
+@click.argument("head_addr", required=False)
+@click.option("--cluster", default=None, help="With no HEAD_ADDR: join the head announcing this cluster name.")
+@click.option("--discover-timeout", default=30.0, show_default=True,
+              help="With no HEAD_ADDR: seconds to look for a head on the LAN (mDNS).")
 @click.option("--config", "config_path", default=None, help="Optional TOML file for the other settings.")
 @click.option("--node-id", default=None, help="Stable name of this node (default hostname-pid).")
 @click.option("--device", default=None, help="Device profile name to report (e.g. orin-nano-8gb).")
@@ -114,10 +120,23 @@ def serve(config_path, role, threads, heartbeat_ms, stage_timeout, client_timeou
 @liveness_options(head=False)
 @KEYS_OPTION
 @INSECURE_OPTION
-def join(head_addr, config_path, node_id, device, threads, stage, data_port, advertise, same_host, heartbeat_ms,
-         stage_timeout, keys_dir, insecure) -> None:
-    """Start a stage node that joins the head at HEAD_ADDR, fetches its shard and serves its layers."""
+def join(head_addr, cluster, discover_timeout, config_path, node_id, device, threads, stage, data_port, advertise,
+         same_host, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
+    """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
+    its shard and serves its layers."""
     _daemon_logging()
+    if not head_addr:
+        try:
+            from flowedge.daemon.discovery import find_head
+        except ImportError:
+            raise click.UsageError("finding the head on the LAN needs the zeroconf package "
+                                   "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
+        click.echo(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
+                   f"(mDNS, up to {discover_timeout:g} s)...", err=True)
+        found = find_head(cluster, discover_timeout)
+        head_addr = found.addr
+        click.echo(f"found head of cluster {found.cluster!r} at {head_addr}"
+                   f"{f' serving {found.model}' if found.model else ''}; joining", err=True)
     cfg = load_node_config(config_path, role="stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,

@@ -34,6 +34,8 @@ class NodeConfig:
     device: str = "x86-cpu"                   # device profile name (reported in status)
     threads: int = 0                          # torch threads; 0 = all cores
     keys_dir: str = ""                        # default: $FLOWEDGE_HOME/keys
+    cluster: str = "flowedge"                 # the name the head announces on the LAN (mDNS), `join --cluster`
+    discovery: bool = True                    # head: announce itself by mDNS (daemon/discovery.py)
     insecure: bool = False
     # Liveness, both ways (Paranoid Pirate): heartbeats every heartbeat_ms; a peer silent for
     # stage_timeout_s (= heartbeat_ms x the liveness count: 500 ms x 4) is dead. A stage uses the same

@@ -80,6 +80,7 @@ class HeadNode:
         self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
         self.ctrl_lock = threading.Lock()   # the control socket's sends: the loop's pings, the turn's sends
         self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control socket)
+        self.announcer = None   # mDNS, once the plan is ready (run)
 
     def _bind(self, kind: int, port: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -103,6 +104,7 @@ class HeadNode:
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in plan.ranges])
             self.members.assign_all()
+            self._announce()
             self.notifier.ready(self.sd_status())
             self._loop()
         finally:
@@ -111,7 +113,21 @@ class HeadNode:
                 self._shutdown_stages("cluster shutdown requested")
             self.close()
 
+    def _announce(self) -> None:
+        """Tell the LAN where this head is (mDNS), unless told not to; a failure there is not fatal:
+        stages can still be given the address."""
+        if not self.config.discovery:
+            return
+        from flowedge.daemon.discovery import Announcer
+        try:
+            self.announcer = Announcer(self.config.cluster, self.host, self.port, self.config.model)
+        except (OSError, ImportError) as err:
+            log.warning("discovery: cannot announce on the LAN (%s); stages need `flowedge join %s`",
+                        err, self.config.head)
+
     def close(self) -> None:
+        if self.announcer is not None:
+            self.announcer.close()
         for sock in (self.ctrl, self.ret, self.to_stage1, self.monitor):
             if sock is not None:
                 sock.close(0)
