@@ -127,6 +127,6 @@ def test_no_discovery_keeps_the_head_quiet(monkeypatch):
     node.config = load_node_config(None, discovery=False)
     node._announce()
     assert made == []
-    node.config = NodeConfig(cluster="lab", model="m")
+    node.config = NodeConfig(cluster="lab", model="qwen2.5-coder-1.5b")
     node._announce()
-    assert made == [("lab", "10.0.0.1", 5555, "m")]
+    assert made == [("lab", "10.0.0.1", 5555, "qwen2.5-coder-1.5b")]
