@@ -27,7 +27,7 @@ import psutil
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from flowedge.daemon import wire
+from flowedge.daemon import memdebug, wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.connections import ConnectionTracker
@@ -96,6 +96,7 @@ class HeadNode:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
+        memdebug.install()   # FLOWEDGE_MEMDEBUG: where the head's memory goes (daemon/memdebug.py)
         try:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")

@@ -1,0 +1,287 @@
+"""A soak: a local cluster and its HTTP front under mixed load and chaos for a given time, then what was
+lost, what was wrong and how every process's memory, descriptors and threads moved.
+
+    python tools/soak.py --duration 300                       # tiny pair (made in a temporary home)
+    python tools/soak.py --duration 3600 --real --json soak.json
+
+Load (tools/soak_load.py): ZeroMQ and HTTP clients, whole and streaming answers, cancels and clients that
+vanish mid-stream, at most --concurrency at once and --rate a second, every T=0 answer compared with the
+undisturbed one. Chaos, every --chaos-every s: a stage kill -9'ed and restarted --gap s later, or
+SIGSTOPped for --stop-for s and continued. Every --sample-every s each process's RSS, open descriptors and
+threads are sampled; the slopes per hour (least squares, after --warmup s) are printed with the counts
+and written to --json. Everything listens on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from soak_load import Load, Readiness, Tally
+from flowedge.daemon import local_cluster
+from flowedge.daemon.client import wait_ready
+
+log = logging.getLogger("soak")
+
+
+def free_port(pair: bool = False) -> int:
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair or port < 65000:
+            return port
+    raise RuntimeError("no free port")
+
+
+class Processes:
+    """The cluster's processes and the HTTP front, by name; a restarted stage keeps its name."""
+
+    def __init__(self, cluster: local_cluster.LocalCluster, http: subprocess.Popen) -> None:
+        self.cluster, self.http = cluster, http
+        self.lock = threading.Lock()
+
+    def pids(self) -> dict[str, int]:
+        with self.lock:
+            names = local_cluster.node_names(len(self.cluster.procs))
+            return {**{n: p.pid for n, p in zip(names, self.cluster.procs)}, "http": self.http.pid}
+
+    def kill_restart(self, k: int, gap_s: float) -> None:
+        pid = self.cluster.procs[k].pid
+        os.kill(pid, signal.SIGKILL)
+        self.cluster.procs[k].wait(10)
+        time.sleep(gap_s)
+        with self.lock:
+            self.cluster.restart(k)
+
+    def stop_cont(self, k: int, stop_for_s: float) -> None:
+        pid = self.cluster.procs[k].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stop_for_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def chaos(procs: Processes, readiness: Readiness, args, stop: threading.Event, counts: dict) -> None:
+    rng = random.Random(args.seed)
+    stages = len(procs.cluster.procs) - 1
+    while not stop.wait(args.chaos_every):
+        k = rng.randint(1, stages)
+        what = rng.choice(("kill", "stop"))
+        readiness.hurt()
+        log.info("chaos: %s stage %d", what, k)
+        if what == "kill":
+            procs.kill_restart(k, args.gap)
+        else:
+            procs.stop_cont(k, args.stop_for)
+        counts[what] = counts.get(what, 0) + 1
+        readiness.hurt()
+
+
+def sample(procs: Processes, every_s: float, stop: threading.Event, rows: list, memdebug_every: int = 0) -> None:
+    """(t, name, pid, rss MB, fds, threads) for every live process, every `every_s` seconds; every
+    `memdebug_every`-th time the head is also asked for its memdebug report (SIGUSR2)."""
+    t0, n = time.monotonic(), 0
+    while True:
+        if memdebug_every and n % memdebug_every == 0:
+            os.kill(procs.pids()["head"], signal.SIGUSR2)
+        n += 1
+        for name, pid in procs.pids().items():
+            try:
+                p = psutil.Process(pid)
+                if p.status() == psutil.STATUS_STOPPED:
+                    continue   # a SIGSTOPped stage: its figures are frozen, not sampled
+                rows.append((time.monotonic() - t0, name, pid, p.memory_info().rss / 2**20, p.num_fds(),
+                             p.num_threads()))
+            except psutil.Error:
+                pass   # killed between the listing and the sample
+        if stop.wait(every_s):
+            return
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value), per hour."""
+    n = len(points)
+    if n < 3:
+        return None
+    mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    den = sum((t - mt) ** 2 for t, _ in points)
+    return None if den == 0 else 3600 * sum((t - mt) * (v - mv) for t, v in points) / den
+
+
+def slopes(rows: list, warmup_s: float) -> dict:
+    """Per process (its latest pid: a restarted stage starts over), after the warm-up: first and last
+    sample and the slope per hour of RSS (MB and % of the mean), fds and threads."""
+    out = {}
+    for name in sorted({r[1] for r in rows}):
+        mine = [r for r in rows if r[1] == name]
+        pid = mine[-1][2]
+        live = [r for r in mine if r[2] == pid]
+        after = [r for r in live if r[0] - live[0][0] >= warmup_s] if name.startswith("stage") else \
+            [r for r in live if r[0] >= warmup_s]
+        if len(after) < 3:
+            out[name] = {"pid": pid, "samples": len(after), "note": "too few samples after the warm-up"}
+            continue
+        rss = slope_per_hour([(r[0], r[3]) for r in after])
+        mean = sum(r[3] for r in after) / len(after)
+        out[name] = {"pid": pid, "samples": len(after), "span_s": round(after[-1][0] - after[0][0], 1),
+                     "rss_mb": [round(after[0][3], 1), round(after[-1][3], 1)],
+                     "rss_mb_per_h": round(rss, 2), "rss_pct_per_h": round(100 * rss / mean, 2),
+                     "fds": [after[0][4], after[-1][4]],
+                     "fds_per_h": round(slope_per_hour([(r[0], r[4]) for r in after]), 2),
+                     "threads": [after[0][5], after[-1][5]],
+                     "threads_per_h": round(slope_per_hour([(r[0], r[5]) for r in after]), 2)}
+    return out
+
+
+def start(args, home: Path) -> Processes:
+    if args.real:
+        model, draft = args.model, args.draft
+    else:
+        from flowedge.models.tiny import make_tiny_pair
+
+        model, draft = map(str, make_tiny_pair(home / "tiny-pair"))
+    spec = local_cluster.LocalClusterSpec(nodes=args.nodes, model=model, draft=draft, port=args.port or free_port(),
+                                          threads=1, recovery_s=args.recovery)
+    cluster = local_cluster.start(spec)
+    try:
+        wait_ready(spec.addr, 600, alive=cluster.alive)
+        listen = f"127.0.0.1:{args.http_port or free_port()}"
+        with open(cluster.run_dir / "http.log", "ab") as logf:
+            http = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", listen,
+                                     "--head", spec.addr], stdout=logf, stderr=subprocess.STDOUT)
+        procs = Processes(cluster, http)
+        procs.base = f"http://{listen}"
+        for _ in range(600):
+            try:
+                if httpx.get(procs.base + "/health", timeout=2).status_code == 200:
+                    return procs
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("the HTTP front did not come up; see " + str(cluster.run_dir / "http.log"))
+    except BaseException:
+        cluster.stop(grace_s=2.0)
+        raise
+
+
+def soak(args, procs: Processes) -> dict:
+    addr = procs.cluster.spec.addr
+    tally, readiness = Tally(), Readiness(addr)
+    load = Load(addr, procs.base, tally, readiness, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
+    load.references()
+    stop, rows, chaos_counts = threading.Event(), [], {}
+    every = max(1, round(args.memdebug_every / args.sample_every)) if args.memdebug else 0
+    threads = [threading.Thread(target=sample, args=(procs, args.sample_every, stop, rows, every), daemon=True),
+               threading.Thread(target=readiness.poll, args=(stop,), daemon=True),
+               threading.Thread(target=chaos, args=(procs, readiness, args, stop, chaos_counts), daemon=True)]
+    for t in threads:
+        t.start()
+    workers = load.run(stop)
+    t0 = time.monotonic()
+    while not stop.wait(min(30.0, max(0.0, args.duration - (time.monotonic() - t0)))):
+        if time.monotonic() - t0 >= args.duration:
+            break
+        log.info("%.0f s: %d requests, %d failed, %d wrong", time.monotonic() - t0,
+                 sum(tally.requests.values()), sum(tally.failures.values()), len(tally.wrong))
+    stop.set()
+    for t in workers + threads:
+        t.join(200)
+    return {"duration_s": args.duration, "nodes": args.nodes, "real": args.real, "chaos": chaos_counts,
+            **tally.as_dict(), "processes": slopes(rows, args.warmup), "samples": len(rows),
+            "run_dir": str(procs.cluster.run_dir), "memdebug": memdebug_summary(args.memdebug)}
+
+
+def memdebug_summary(path: str | None) -> dict | None:
+    """The head's first and last memdebug reports: RSS vs what Python allocations explain, top growers."""
+    if not path or not Path(path).is_file():
+        return None
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    first, last = lines[0], lines[-1]
+    return {"reports": len(lines), "span_s": round(last["t"] - first["t"], 1),
+            "rss_mb": [first["rss_mb"], last["rss_mb"]], "traced_mb": [first["traced_mb"], last["traced_mb"]],
+            "grew": last["grew"][:10],
+            "objects_grew": {k: v - first["objects"].get(k, 0) for k, v in last["objects"].items()
+                             if v - first["objects"].get(k, 0) > 100}}
+
+
+def report(fig: dict) -> None:
+    print(f"requests {fig['requests']} {fig['by_kind']}  chaos {fig['chaos']}")
+    print(f"failures {sum(fig['failures'].values())}: {json.dumps(fig['failures'])}")
+    print(f"wrong answers at T=0: {fig['wrong_at_t0']}   spurious 503s: {fig['spurious_503']}")
+    if fig.get("memdebug"):
+        md = fig["memdebug"]
+        print(f"head memdebug over {md['span_s']} s: rss {md['rss_mb']} MB, Python-traced {md['traced_mb']} MB; "
+              f"objects grew {md['objects_grew']}")
+        for g in md["grew"][:5]:
+            print(f"    {g['kb']:+10.1f} KB {g['count']:+7d}  {g['site']}")
+    for name, p in fig["processes"].items():
+        if "rss_mb_per_h" not in p:
+            print(f"  {name:8s} {p['note']}")
+            continue
+        print(f"  {name:8s} rss {p['rss_mb'][0]:.1f}->{p['rss_mb'][1]:.1f} MB ({p['rss_mb_per_h']:+.2f} MB/h, "
+              f"{p['rss_pct_per_h']:+.2f}%/h)  fds {p['fds'][0]}->{p['fds'][1]} ({p['fds_per_h']:+.1f}/h)  "
+              f"threads {p['threads'][0]}->{p['threads'][1]} ({p['threads_per_h']:+.1f}/h)  over {p['span_s']} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
+    ap.add_argument("--real", action="store_true", help="the real pair (--model/--draft) instead of the tiny one")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--port", type=int, default=0, help="the head's port (0: a free one)")
+    ap.add_argument("--http-port", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=4.0, help="requests a second at most, all workers together")
+    ap.add_argument("--chaos-every", type=float, default=20.0)
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds before a killed stage is restarted")
+    ap.add_argument("--stop-for", type=float, default=3.0, help="seconds a stage stays SIGSTOPped")
+    ap.add_argument("--recovery", type=float, default=30.0, help="the head's recovery deadline")
+    ap.add_argument("--sample-every", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds left out of the slopes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--home", default=None, help="tiny pair: FLOWEDGE_HOME for the run (default: a new temp dir)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--memdebug", default=None, metavar="FILE",
+                    help="run the head with FLOWEDGE_MEMDEBUG=FILE (tracemalloc; slower) and ask it for a report "
+                         "every --memdebug-every s (daemon/memdebug.py)")
+    ap.add_argument("--memdebug-every", type=float, default=60.0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line a request
+    home = Path(args.home or tempfile.mkdtemp(prefix="flowedge-soak-"))   # kept: the nodes' logs are there
+    if not args.real:
+        os.environ["FLOWEDGE_HOME"] = str(home)   # keys and run dirs of a throwaway tiny cluster
+    if args.memdebug:
+        os.environ["FLOWEDGE_MEMDEBUG"] = str(Path(args.memdebug).resolve())   # the head installs it
+    procs = start(args, home)
+    try:
+        fig = soak(args, procs)
+    finally:
+        procs.http.send_signal(signal.SIGTERM)
+        procs.http.wait(20)
+        procs.cluster.stop()
+    report(fig)
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
