@@ -303,7 +303,7 @@ def test_prompt_cli_system_stop_conversation(stack, reference, tmp_path):
 
 def test_http_refuses_to_listen_beyond_loopback_without_a_key():
     out = flowedge_cli("http", "--listen", "0.0.0.0:0", env={"FLOWEDGE_API_KEYS": ""}, timeout=60)
-    assert out.returncode == 1 and "refusing to listen on 0.0.0.0 without an API key" in out.stderr
+    assert out.returncode == 78 and "refusing to listen on 0.0.0.0 without an API key" in out.stderr   # EX_CONFIG
 
 
 def test_status_watch_redraws_in_place(stack):

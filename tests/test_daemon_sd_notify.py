@@ -23,7 +23,7 @@ from flowedge.errors import ConfigError
 from flowedge.transport import security
 from flowedge.transport.commands import keys as keys_cli
 
-UNITS = Path(__file__).resolve().parent.parent / "systemd"
+UNITS = Path(__file__).resolve().parent.parent / "flowedge" / "systemd"
 
 
 def _listener(path: Path | None = None) -> tuple[socket.socket, str]:
@@ -175,3 +175,81 @@ def test_units_pass_systemd_analyze_verify(tmp_path, unit):
                          timeout=60)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if unit in line]
     assert out.returncode == 0 and not complaints, out.stdout + out.stderr
+
+
+def _runnable(tmp_path: Path, unit: str) -> Path:
+    """The unit with ExecStart on a program that exists here (verify and security check it)."""
+    path = tmp_path / unit
+    path.write_text((UNITS / unit).read_text().replace("/opt/flowedge/.venv/bin/flowedge", shutil.which("true")))
+    return path
+
+
+def _security_supports_offline() -> bool:
+    if shutil.which("systemd-analyze") is None:
+        return False
+    out = subprocess.run(["systemd-analyze", "security", "--help"], capture_output=True, text=True, timeout=30)
+    return "--offline" in out.stdout
+
+
+@pytest.mark.skipif(not _security_supports_offline(), reason="no systemd-analyze with security --offline (systemd >= 250)")
+@pytest.mark.parametrize("unit", ["flowedge-head.service", "flowedge-stage.service", "flowedge-http.service"])
+def test_units_score_at_most_2_5_in_systemd_analyze_security(tmp_path, unit):
+    """Before: 8.5 EXPOSED for all three."""
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(_runnable(tmp_path, unit))],
+                         capture_output=True, text=True, timeout=60)
+    last = (out.stdout + out.stderr).strip().splitlines()[-1]
+    score = float(last.split("exposure level for")[1].split(":")[1].split()[0])
+    assert score <= 2.5, out.stdout[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_http_unit_is_notify_and_a_missing_env_file_is_no_restart_loop(tmp_path):
+    text = (UNITS / "flowedge-http.service").read_text()
+    unit, service = text.split("[Service]")
+    assert "AssertPathExists=/etc/flowedge/http.env" in unit           # fails once, is not restarted
+    assert "EnvironmentFile=/etc/flowedge/http.env" in service and "EnvironmentFile=-" not in service
+    assert "Type=notify" in service and "RestartPreventExitStatus=78" in service
+    out = subprocess.run(["systemd-analyze", "verify", str(_runnable(tmp_path, "flowedge-http.service"))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "flowedge-http" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_install_writes_units_sysusers_and_notes_for_this_install(tmp_path):
+    """Before: the units were not in the wheel, nothing created User=flowedge, Documentation= named a file
+    nothing installed."""
+    from flowedge import systemd
+
+    written = systemd.install(tmp_path, flowedge_bin="/srv/venv/bin/flowedge")
+    units = [p for p in written if p.suffix == ".service"]
+    assert len(units) == 3 and all("ExecStart=/srv/venv/bin/flowedge " in p.read_text() for p in units)
+    sysusers = tmp_path / "usr/lib/sysusers.d/flowedge.conf"
+    assert sysusers.read_text().splitlines()[-1].split()[:2] == ["u", "flowedge"]
+    docs = {line.split("=", 1)[1] for p in units for line in p.read_text().splitlines()
+            if line.startswith("Documentation=file://")}
+    assert docs == {"file:///usr/share/doc/flowedge/systemd.md"}
+    assert (tmp_path / "usr/share/doc/flowedge/systemd.md").is_file()
+    setup = (Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
+    assert "systemd/*.service" in setup and "systemd/*.conf" in setup and "systemd/*.md" in setup
+
+
+def test_the_http_server_notifies_systemd_when_it_listens_and_when_it_stops(tmp_path):
+    import threading
+
+    from flowedge.api.server import build_server
+    from flowedge.api.settings import ApiSettings
+
+    sock, address = _listener(tmp_path / "notify")
+    os.environ["NOTIFY_SOCKET"] = address
+    try:
+        server = build_server(ApiSettings(head="127.0.0.1:9", insecure=True), "127.0.0.1", 0, log_level="warning")
+    finally:
+        del os.environ["NOTIFY_SOCKET"]
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        got = _received(sock, lambda m: any("READY=1" in x for x in m), 15)
+        assert any("READY=1" in m and "STATUS=serving the API on 127.0.0.1:0" in m for m in got), got
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert any("STOPPING=1" in m for m in _received(sock, lambda m: any("STOPPING=1" in x for x in m), 5))

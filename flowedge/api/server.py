@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uvicorn
 
+from flowedge.daemon.sd_notify import Notifier
+
 from flowedge.api.admission import Admission
 from flowedge.api.app import create_app
 from flowedge.api.header_deadline import header_deadline_protocol
@@ -11,6 +13,23 @@ from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings, check_exposure
 
 
 KEEP_ALIVE_S = 5
+
+
+class NotifyingServer(uvicorn.Server):
+    """uvicorn that tells systemd (Type=notify) it serves once its sockets listen, and when it stops."""
+
+    def __init__(self, config: uvicorn.Config, notifier: Notifier | None = None) -> None:
+        super().__init__(config)
+        self.notifier = notifier or Notifier()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.notifier.ready(f"serving the API on {self.config.host}:{self.config.port}")
+
+    async def shutdown(self, sockets=None) -> None:
+        self.notifier.stopping()
+        await super().shutdown(sockets)
 
 
 def build_server(settings: ApiSettings, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
@@ -27,6 +46,6 @@ def build_server(settings: ApiSettings, host: str, port: int, log_level: str = "
                             timeout_keep_alive=KEEP_ALIVE_S, proxy_headers=False, server_header=False,
                             lifespan="on", h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             limit_concurrency=settings.max_connections)
-    return uvicorn.Server(config)
+    return NotifyingServer(config)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -13,6 +14,8 @@ import click
 from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config, split_addr
 from flowedge.engine.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
+
+EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
 
 log = logging.getLogger("flowedge")
 
@@ -340,10 +343,20 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
 def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
          max_connections_per_address, keys_dir, insecure) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
-    /metrics) in front of a head."""
+    /metrics) in front of a head. A configuration error exits with status 78 (EX_CONFIG)."""
+    _daemon_logging()
+    try:
+        _serve_http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout,
+                    max_connections, max_connections_per_address, keys_dir, insecure)
+    except ConfigError as err:   # EX_CONFIG: the unit's RestartPreventExitStatus=78, no restart loop
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EX_CONFIG)
+
+
+def _serve_http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout,
+                max_connections, max_connections_per_address, keys_dir, insecure) -> None:
     from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
 
-    _daemon_logging()
     host, port = split_listen(listen)
     split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
@@ -393,4 +406,21 @@ def _int_list(text: str | None) -> list[int]:
         raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
 
 
-COMMANDS = [serve, join, up, down, prompt, status, http]
+@click.group("systemd")
+def systemd_group() -> None:
+    """The systemd units shipped in the package (see flowedge/systemd/systemd.md)."""
+
+
+@systemd_group.command("install")
+@click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False),
+              help="Install under this directory instead of / (for packaging).")
+def systemd_install(root) -> None:
+    """Install the units, the sysusers.d file and their notes (ExecStart: this install's flowedge)."""
+    from flowedge import systemd
+
+    for path in systemd.install(root):
+        click.echo(f"wrote {path}")
+    click.echo("next: systemd-sysusers && systemctl daemon-reload (see /usr/share/doc/flowedge/systemd.md)")
+
+
+COMMANDS = [serve, join, up, down, prompt, status, http, systemd_group]
