@@ -129,6 +129,7 @@ def test_client_mistakes_are_400_with_a_message_about_the_request(api, path, bod
 def test_an_unreachable_head_is_503_and_health_says_so(api):
     r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 503 and "cannot reach" in r.json()["error"]["message"]
+    assert r.headers.get("x-should-retry") == "false"   # the openai client's 2 retries took 7.4 s in all
     assert api.get("/health").status_code == 503
     assert api.get("/v1/models").status_code == 503
 

@@ -161,7 +161,11 @@ class Routes:
         self.metrics.requests.labels(request.url.path, err.outcome).inc()
         if err.outcome in ("unavailable", "failed"):
             self.metrics.failures.labels(err.outcome).inc()
-        return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status)
+        # an unreachable head stays so for longer than a client's retry back-off: tell OpenAI's clients
+        # (they honour x-should-retry) to fail at once rather than retry for seconds
+        headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else None
+        return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status,
+                            headers=headers)
 
     # ---- cluster --------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
