@@ -196,3 +196,31 @@ def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy):
     ar = run_generate(GenerateRequest(strategy="ar", **ask))
     assert ar["new_tokens"] > 86        # past the token where the old kernels diverged
     assert run_generate(GenerateRequest(strategy=strategy, **ask))["token_ids"] == ar["token_ids"]
+
+
+class _StageLost(Exception):
+    """Stands for the head losing a stage: the run ends where it is, its segments in flight are void."""
+
+
+@pytest.mark.parametrize("strategy", ["flowspec", "auto"])
+def test_a_stage_lost_mid_round_and_replayed_on_fresh_stages_equals_ar(tiny_pair, references, strategy):
+    """What the daemon does on a stage loss (daemon/requests.py `_replay`), at the engine level: the run is
+    abandoned at an emit in the middle of the answer, with segments already sent, and a new
+    run on fresh stages (empty KV, as a restarted stage has) starts from prompt + committed tokens. The
+    simulator itself cannot lose a node (sim/cluster.py has no failure event); this is the part it can run."""
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL)
+    prompt, ref = PROMPTS[0], references[0]
+    committed: list[int] = []
+    emits = iter(range(2))
+
+    def lose_at_the_second_emit(tokens: list[int]) -> None:
+        committed.extend(tokens)
+        if next(emits, None) is None:
+            raise _StageLost
+
+    with pytest.raises(_StageLost):
+        cluster.generate(strategy, prompt, 30, SamplingParams(), on_tokens=lose_at_the_second_emit)
+    assert 0 < len(committed) < 30, committed   # lost mid-answer, not before or after it
+    res, _, _ = cluster.generate(strategy, prompt + committed, 30 - len(committed), SamplingParams())
+    assert committed + res.done.token_ids == ref, (committed, res.done.token_ids)
