@@ -260,8 +260,9 @@ def main() -> None:
     ap.add_argument("--home", default=None, help="tiny pair: FLOWEDGE_HOME for the run (default: a new temp dir)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--memdebug", default=None, metavar="FILE",
-                    help="run the head with FLOWEDGE_MEMDEBUG=FILE (tracemalloc; slower) and ask it for a report "
-                         "every --memdebug-every s (daemon/memdebug.py)")
+                    help="run the head with FLOWEDGE_MEMDEBUG=FILE (tracemalloc) and ask it for a report every "
+                         "--memdebug-every s (daemon/memdebug.py); for finding memory only: tracing slows the "
+                         "head enough on 2 cores that clients time out on HELLO (~17%% failed in 5 min)")
     ap.add_argument("--memdebug-every", type=float, default=60.0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
