@@ -319,7 +319,7 @@ def test_a_client_that_leaves_a_whole_answer_is_cancelled_too(stack):
             "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack["url"] + "/v1/chat/completions", json=body, headers=_auth(), timeout=1.0)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30   # the cancel is what counts, not its speed on a loaded box
     while _served(stack)["cancelled"] == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _served(stack)["cancelled"] == before + 1

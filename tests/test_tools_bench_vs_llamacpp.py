@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,10 @@ def test_prefix_table_compares_each_side_with_llama_cpp_on_the_first_repeat():
 
 def test_run_measured_reports_the_child_s_own_peak_memory_and_refuses_a_failure():
     stdout, _, rss_mb = bvl.run_measured([sys.executable, "-c", "b = bytearray(300 * 2**20); print('{}')"])
-    assert stdout.strip() == "{}" and 300 < rss_mb < 1000
+    # Linux starts a child's high-water mark at its parent's RSS when it forks (the pages are shared until
+    # exec), so under a big pytest process the figure is at most the parent's; a bench driver is small.
+    parent_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert stdout.strip() == "{}" and 300 < rss_mb < max(1000, parent_mb + 50)
     with pytest.raises(RuntimeError, match="exited 3"):
         bvl.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"])
 

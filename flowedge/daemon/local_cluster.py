@@ -188,6 +188,7 @@ def down_command(port: int) -> str:
 def check_free(port: int) -> None:
     """ConfigError in one line if something listens on 127.0.0.1:`port` already."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a port in TIME_WAIT is free (zmq binds so)
         try:
             s.bind(("127.0.0.1", port))
         except OSError as err:
