@@ -46,10 +46,13 @@ def _stop_on_signals() -> threading.Event:
 
 
 def _run_node(cfg) -> None:
+    from flowedge.allocator import HeapTrimmer, limit_arenas
     from flowedge.cli import set_threads
 
+    limit_arenas()   # before torch and zmq start their threads
     set_threads(cfg.threads or None)
     stop = _stop_on_signals()
+    HeapTrimmer(stop).start()
     if cfg.role == "head":
         from flowedge.daemon.head_node import HeadNode
 

@@ -7,7 +7,6 @@ stage process only ever reads and holds its own tensors, and never imports trans
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowedge.allocator import trim_heap
 from flowedge.errors import ModelError
 from flowedge.models import packing
 from flowedge.models.config import ModelConfig
@@ -131,7 +131,7 @@ class StageModel(nn.Module):
             lm_head = _load_lm_head(config, embed, index, dtype, head_backend)
         model = cls(config, parts, layers, embed, norm, lm_head).eval()
         model.compute_dtype = dtype
-        _trim_heap()
+        trim_heap()   # the transient buffers of loading: ~230 MB on a 14-layer 1.5B stage
         log.info("loaded %s layers [%d, %d)%s%s (%s) in %.1f s", model_dir.name, parts.start, parts.end,
                  " +embed" if parts.embed else "", " +head" if parts.head else "", backend,
                  time.monotonic() - t0)
@@ -190,15 +190,6 @@ class StageModel(nn.Module):
         if self.lm_head is None:
             raise ModelError("this stage holds no lm_head")
         return self.lm_head(self.norm(hidden)).float()
-
-
-def _trim_heap() -> None:
-    """Hand the transient buffers of loading (codes being repacked, layers being quantized) back to the
-    OS: glibc keeps freed heap pages otherwise, ~230 MB on a 14-layer 1.5B stage."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc: nothing to trim
-        pass
 
 
 def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
