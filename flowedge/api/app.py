@@ -129,7 +129,8 @@ class Routes:
             c.close()
 
     def refused(self, status: int) -> None:
-        self.metrics.requests.labels("-", "unauthorized" if status == 401 else "client_error").inc()
+        outcome = {401: "unauthorized", 429: "rate_limited"}.get(status, "client_error")
+        self.metrics.requests.labels("-", outcome).inc()
 
     # ---- error handlers -----------------------------------------------------------------------
     async def bad_body(self, request: Request, err: RequestValidationError) -> JSONResponse:

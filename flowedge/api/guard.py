@@ -1,5 +1,6 @@
 """Bearer API keys, and the request guard in front of every route.
 
+Every request but `/health` first passes its address's rate limit (`rate_limit.py`; 429 over it).
 A request head over MAX_HEAD_BYTES is answered 431 however it arrived (h11 bounds only a head still
 incomplete: one that came in a single read passed whole). The guard reads the whole body before the
 app sees it: a Content-Length that is not a number, is larger than the limit, or promises bytes that
@@ -13,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 
 from flowedge.api.dashboard import is_open
+from flowedge.api.rate_limit import RateLimit
 from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings
 
 OPEN_PATHS = ("/health",)   # for load balancers and systemd checks: tells only whether it serves
@@ -55,6 +58,7 @@ class RequestGuard:
 
     def __init__(self, app, settings: ApiSettings, on_refused=lambda status: None) -> None:
         self.app, self.settings, self.on_refused = app, settings, on_refused
+        self.rate_limit = RateLimit(settings.requests_per_s_per_address, settings.request_burst_per_address)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -62,6 +66,15 @@ class RequestGuard:
         if head_bytes(scope) > MAX_HEAD_BYTES:
             self.on_refused(431)
             return await send_json(send, 431, error_body(f"request head over {MAX_HEAD_BYTES} bytes"))
+        if scope["path"] not in OPEN_PATHS:
+            wait = self.rate_limit.admit((scope.get("client") or ("?",))[0], time.monotonic())
+            if wait:
+                self.on_refused(429)
+                return await send_json(send, 429, error_body(
+                    f"too many requests from this address: over {self.settings.requests_per_s_per_address:g}/s "
+                    f"(burst {self.settings.request_burst_per_address}); retry in {wait:.1f} s",
+                    kind="rate_limit_error", code="rate_limit_exceeded"),
+                    [(b"retry-after", RateLimit.retry_after(wait).encode())])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if scope["path"] not in OPEN_PATHS and not is_open(scope["path"]) and not key_ok(headers.get("authorization"), self.settings.api_keys):
             self.on_refused(401)

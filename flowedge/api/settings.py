@@ -25,6 +25,8 @@ class ApiSettings:
     max_connections_per_address: int = 16  # connections of one client address without a complete request head
                                            # (past it, its oldest such one is closed: api/admission.py)
     max_body_bytes: int = 1 << 20
+    requests_per_s_per_address: float = 20.0   # sustained, per client address; 0 = no limit (api/rate_limit.py)
+    request_burst_per_address: int = 40        # requests one address may send at once before the rate applies
     request_timeout_s: float = 300.0       # longest silence from the head during one answer
     status_timeout_s: float = 3.0          # /health and /metrics asking the head
     default_max_tokens: int = 256          # chat completions without max_tokens
