@@ -164,3 +164,22 @@ def test_real_draft_model_resolves_and_generates():
     with torch.no_grad():
         text = tok.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0])
     assert text.startswith("def fibonacci(n):") and len(text) > len("def fibonacci(n):")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+def test_a_damaged_converted_checkpoint_is_converted_again(conversions, tiny_gguf, tmp_path, damage):
+    """Before: a truncated or overwritten model.safetensors in the cache passed the marker check and failed
+    at every start until someone deleted the cache by hand."""
+    gguf = _copy(tiny_gguf, tmp_path / "some.gguf")
+    home = tmp_path / "home"
+    out = resolve_model(str(gguf), home=home, quant="int4")
+    ckpt = out / "model.safetensors"
+    good = ckpt.read_bytes()
+    os.utime(ckpt, ns=(0, 5 * 10**9))                         # touched, unchanged: kept, no conversion
+    assert resolve_model(str(gguf), home=home, quant="int4") == out and len(conversions) == 1
+    if damage == "truncate":
+        ckpt.write_bytes(good[: len(good) // 2])
+    else:
+        ckpt.write_bytes(good[:-64] + bytes(64))
+    assert resolve_model(str(gguf), home=home, quant="int4") == out and len(conversions) == 2
+    assert ckpt.read_bytes() == good                          # the same bytes as the first conversion

@@ -33,6 +33,7 @@ from flowedge.progress import Progress, Ticker
 log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "flowedge.json"
+CHECKPOINT_KEY = "checkpoint"   # the marker's record of model.safetensors (checkpoint_record)
 CONVERT_FORMAT = 3
 STORE_DTYPE = torch.float16
 _F16_MAX = torch.finfo(torch.float16).max
@@ -62,11 +63,12 @@ def convert_gguf(
             refs = _references(model) if reference_gguf and quant == "int4" else {}
             entries = _entries(model, quant, group_size, skip=set(refs))
         bar = Progress(f"converting {source}: writing {quant}", sum(e.nbytes for e in entries))
-        _, size = write_safetensors(tmp / "model.safetensors", entries, progress=bar.advance)
+        digest, size = write_safetensors(tmp / "model.safetensors", entries, progress=bar.advance)
         bar.finish()
         log.info("wrote model.safetensors (%.1f MB, %d tensors)", size / 1e6, len(entries))
         marker = {"format": CONVERT_FORMAT, "source": source, "sha256": sha256, "dtype": "float16",
-                  "quant": quant, "group_size": group_size if quant == "int4" else None}
+                  "quant": quant, "group_size": group_size if quant == "int4" else None,
+                  CHECKPOINT_KEY: checkpoint_record(tmp / "model.safetensors", digest)}
         if refs:
             marker[gguf_tensors.MARKER_KEY] = {**gguf_tensors.file_record(gguf, sha256, target),
                                                "tensors": {n: t.to_json() for n, t in refs.items()}}
@@ -78,6 +80,13 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s -> %s in %.1f s", gguf.name, target, time.monotonic() - start_s)
     return target
+
+
+def checkpoint_record(path: Path, sha256: str) -> dict:
+    """What the marker keeps about the written checkpoint, so a start notices a damaged one cheaply:
+    its size and mtime (checked every time) and its sha256 (hashed again only when those changed)."""
+    st = path.stat()
+    return {"sha256": sha256, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _write_tokenizer(gguf: Path, out: Path) -> None:

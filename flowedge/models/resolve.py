@@ -27,7 +27,7 @@ import torch
 
 from flowedge.errors import ModelError
 from flowedge.models import gguf_tensors, registry
-from flowedge.models.convert import CONVERT_FORMAT, CONVERTED_MARKER, convert_gguf
+from flowedge.models.convert import CHECKPOINT_KEY, CONVERT_FORMAT, CONVERTED_MARKER, checkpoint_record, convert_gguf
 from flowedge.models.packing import storage_quant
 from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors
 
@@ -97,6 +97,8 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
         return False
     if marker.get("quant") != fmt or not (target / "model.safetensors").is_file():
         return False
+    if not _checkpoint_intact(target / "model.safetensors", marker.get(CHECKPOINT_KEY)):
+        return False
     if marker.get(gguf_tensors.MARKER_KEY):
         try:
             gguf_tensors.check_gguf(target, marker)
@@ -104,6 +106,22 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
             log.warning("%s", exc)
             return False
     return True
+
+
+def _checkpoint_intact(path: Path, record: dict | None) -> bool:
+    """False for a converted checkpoint that is no longer what was written (truncated, overwritten, bit
+    rot that changed its mtime): the caller converts again rather than failing at every start. A marker
+    from before the record was kept has none: trusted as before."""
+    if record is None:
+        return True
+    st = path.stat()
+    if (st.st_size, st.st_mtime_ns) == (record["bytes"], record["mtime_ns"]):
+        return True
+    if st.st_size == record["bytes"] and file_sha256(path) == record["sha256"]:
+        return True   # touched, not changed
+    log.warning("%s is damaged (%d bytes, %d written; its sha256 differs): converting again",
+                path, st.st_size, record["bytes"])
+    return False
 
 
 def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
@@ -132,11 +150,12 @@ def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
                for n, (dtype, shape) in kept.items() if n not in refs]
     tmp = target / f".model.safetensors.tmp-{os.getpid()}"
     try:
-        write_safetensors(tmp, entries)
+        digest, _ = write_safetensors(tmp, entries)
         os.replace(tmp, ckpt)
     finally:
         tmp.unlink(missing_ok=True)
-    marker.update({"format": CONVERT_FORMAT, gguf_tensors.MARKER_KEY: {
+    marker.update({"format": CONVERT_FORMAT, CHECKPOINT_KEY: checkpoint_record(ckpt, digest),
+                   gguf_tensors.MARKER_KEY: {
         **gguf_tensors.file_record(gguf, sha256, target), "tensors": {n: t.to_json() for n, t in refs.items()}}})
     tmp_marker = target / f".{CONVERTED_MARKER}.tmp-{os.getpid()}"   # a new file: never through a hard link
     tmp_marker.write_text(json.dumps(marker, indent=1) + "\n")
