@@ -63,9 +63,59 @@ def bounded(text: object, max_chars: int) -> str:
 
 
 class StageLost(FlowedgeError):
-    """A pipeline stage stopped answering during a request."""
+    """A pipeline stage left its slot: disconnected, silent past its liveness, or replaced.
 
-    def __init__(self, stage: int, last_seen_s: float) -> None:
-        super().__init__(f"stage {stage} lost (last heard {last_seen_s:.1f} s ago)")
-        self.stage = stage
-        self.last_seen_s = last_seen_s
+    The head's membership emits it as an event (so two with the same fields are equal) and the
+    request book pauses the stage's requests on it; raised, it is the error of whatever that loss ends."""
+
+    def __init__(self, stage: int, node_id: str = "", why: str = "lost") -> None:
+        self.stage, self.node_id, self.why = stage, node_id, why
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        return f"stage {self.stage} ({self.node_id}) {self.why}" if self.node_id else f"stage {self.stage} {self.why}"
+
+    def _key(self) -> tuple[int, str, str]:
+        return self.stage, self.node_id, self.why
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key() == self._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"StageLost({self.stage!r}, {self.node_id!r}, {self.why!r})"
+
+
+class Rejoin(FlowedgeError):
+    """A stage node's head went away or re-planned: the node starts its join sequence again."""
+
+
+class PlanError(ConfigError):
+    """The model does not fit the devices (the message says how much memory is missing where)."""
+
+
+class PromptError(FlowedgeError):
+    """The request's prompt cannot be built (no chat template, a template that refuses the turns)."""
+
+
+class BuildError(FlowedgeError):
+    """A native kernel's C source could not be compiled or loaded here (torch's kernels serve instead)."""
+
+
+class InvalidMessage(ProtocolError):
+    """A decode-valid message that breaks a data-plane rule; `rule` is a short stable key."""
+
+    def __init__(self, rule: str, detail: object) -> None:
+        super().__init__(f"{rule}: {bounded(detail, 256)}")
+        self.rule = rule
+
+
+class ApiError(FlowedgeError):
+    """The HTTP front's answer to a failed call: status, OpenAI error type, metrics outcome, code, param."""
+
+    def __init__(self, status: int, message: str, kind: str, outcome: str, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.outcome, self.code, self.param = status, kind, outcome, code, param

@@ -448,7 +448,7 @@ def test_an_unknown_model_is_404_listing_the_served_ones(api):
 
 def test_client_errors_are_exported_and_typed():
     import flowedge
-    from flowedge.daemon.client import Answer
+    from flowedge.daemon.client_core import ClientCore
     from flowedge.transport import protocol as proto
 
     assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)
@@ -461,8 +461,13 @@ def test_client_errors_are_exported_and_typed():
     except flowedge.ContextOverflow as err:
         wire = str(err)
     assert "--max-new-tokens" not in wire
-    with pytest.raises(flowedge.ContextOverflow):
-        Answer().take(proto.ErrorReply(request_id=1, message=wire), 1)
-    with pytest.raises(flowedge.RequestFailed) as info:
-        Answer().take(proto.ErrorReply(request_id=1, message="cluster not ready"), 1)
-    assert not isinstance(info.value, flowedge.ContextOverflow)
+    core = ClientCore("127.0.0.1:1")
+
+    def refused(message: str) -> Exception:
+        rid = core.start(core.request("x"), 0.0).request_id
+        [failed] = core.receive(proto.ErrorReply(request_id=rid, message=message), 0.1)
+        return failed.error
+
+    assert isinstance(refused(wire), flowedge.ContextOverflow)
+    other = refused("cluster not ready")
+    assert isinstance(other, flowedge.RequestFailed) and not isinstance(other, flowedge.ContextOverflow)

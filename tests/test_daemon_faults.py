@@ -103,7 +103,7 @@ def test_a_client_that_leaves_mid_answer_has_its_request_dropped(nodes):
         if leave == "cancel":
             stream.close()   # closing the stream generator sends Cancel
         else:
-            client.in_flight = None   # no Cancel: only the connection closes (as when a client dies)
+            client.core.forget(client.in_flight)   # no Cancel: only the connection closes (as when a client dies)
         client.close()
         with Client(nodes.addr, timeout_s=10) as probe:
             took = fi.wait_until(lambda: probe.status()[0]["served"]["cancelled"] > before, 5.0)

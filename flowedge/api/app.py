@@ -34,19 +34,12 @@ from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.client import prompt_request
-from flowedge.errors import ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
+from flowedge.daemon.client_core import prompt_request
+from flowedge.errors import ApiError, ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
 
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = ("cluster not ready", "request aborted")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str, outcome: str, code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.outcome, self.code, self.param = status, kind, outcome, code, param
 
 
 def classify(err: Exception) -> ApiError:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from flowedge.daemon import shard_fetch
 from flowedge.daemon.config import NodeConfig
-from flowedge.errors import ProtocolError
+from flowedge.errors import ProtocolError, StageLost
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -52,17 +52,6 @@ class Peer:
     @property
     def name(self) -> str:
         return self.hello.node_id
-
-
-@dataclass(frozen=True, slots=True)
-class StageLost:
-    """A stage left its slot (disconnected, silent past its liveness, or replaced)."""
-    stage: int
-    node_id: str
-    why: str
-
-    def describe(self) -> str:
-        return f"stage {self.stage} ({self.node_id}) {self.why}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,7 @@ nothing here knows about sockets or the engine.
 """
 from __future__ import annotations
 
-from flowedge.errors import FlowedgeError
-
-
-class PromptError(FlowedgeError):
-    """The request's prompt cannot be built (no chat template, a template that refuses the turns)."""
+from flowedge.errors import PromptError
 
 
 def prompt_ids(tokenizer, request) -> list[int]:

@@ -33,7 +33,7 @@ from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
-from flowedge.errors import ChecksumError, FlowedgeError, ProtocolError
+from flowedge.errors import ChecksumError, FlowedgeError, ProtocolError, Rejoin
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.transport import protocol as proto
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 MAX_BATCH_MESSAGES = 256   # most messages taken off the sockets for one batched step
 
 HELLO_TIMEOUT_MS = 5000
-
-
-class Rejoin(Exception):
-    """The head went away or re-planned: start the join sequence again."""
 
 
 class StageNode:

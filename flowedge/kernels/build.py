@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowedge.errors import BuildError
 from flowedge.models.registry import flowedge_home
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,6 @@ class Built:
     lib: ctypes.CDLL
     path: Path
     compiled: bool   # False when an earlier build was reused
-
-
-class BuildError(RuntimeError):
-    """The C source could not be compiled or loaded here."""
 
 
 def disabled() -> bool:

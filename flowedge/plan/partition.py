@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flowedge.errors import ConfigError
+from flowedge.errors import PlanError
 from flowedge.plan.memory import GiB, MemoryNeed, path_for_quant, stage_need, usable_bytes
 from flowedge.sim.costs import forward_time_s, lm_head_time_s, shape_of_layers, transfer_time_s
 from flowedge.sim.profiles import DeviceProfile, LinkProfile, load_link
@@ -49,10 +49,6 @@ from flowedge.sim.sizing import SIZING_CONTEXT
 HIDDEN_WIRE_BYTES = 2   # hidden states travel as fp16/bf16
 IDLE_GAIN = 0.02        # leave devices out only for a plan at least 2% faster (a device in use also adds
                         # KV memory and room for concurrent requests, which the step time does not value)
-
-
-class PlanError(ConfigError):
-    """The model does not fit the devices (the message says how much memory is missing where)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,19 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from flowedge.engine.config import MAX_SEGMENT_NODES   # the engine never builds larger segments
-from flowedge.errors import ProtocolError
+from flowedge.errors import InvalidMessage
 from flowedge.transport import protocol as proto
 
 MAX_NODE_ID = 1 << 16           # node ids of one round: a draft tree holds hundreds, never this many
 MAX_TEMPERATURE = 100.0         # as a client's PromptRequest
-
-
-class InvalidMessage(ProtocolError):
-    """A decode-valid message that breaks a data-plane rule; `rule` is a short stable key."""
-
-    def __init__(self, rule: str, detail: str) -> None:
-        super().__init__(f"{rule}: {proto.bounded(detail, 256)}")
-        self.rule = rule
 
 
 @dataclass(frozen=True, slots=True)
