@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +98,23 @@ def test_a_vanished_manager_never_raises(tmp_path):
 
 
 # ---- real processes ------------------------------------------------------------------------------------
+def test_a_manager_that_stops_reading_never_blocks_the_node(tmp_path):
+    """Before: sendto blocked once the manager's queue (10 datagrams) was full, and the head's loop with
+    it: a head that stopped answering HELLO while a test (or a wedged systemd) was not reading."""
+    sock, addr = _listener(tmp_path / "full")
+    notifier = Notifier(env={"NOTIFY_SOCKET": addr})
+    sent: list[bool] = []
+    worker = threading.Thread(target=lambda: sent.extend(notifier.send(f"STATUS={i}") for i in range(200)),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    try:
+        assert not worker.is_alive(), "send blocked on a full notify socket"
+        assert sent[:5] == [True] * 5 and False in sent   # the first fit; the rest were dropped, not waited on
+    finally:
+        sock.close()
+
+
 def test_a_real_head_and_stage_speak_the_notify_protocol(tiny_pair, tmp_path):
     base, draft = tiny_pair
     home = tmp_path / "home"

@@ -341,32 +341,40 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
 @click.option("--max-connections-per-address", default=16, show_default=True, type=int,
               help="Connections one client address may hold without a complete request head; past it its "
                    "oldest such connection is closed (three quarters of --max-connections in all).")
+@click.option("--max-requests-per-s", default=20.0, show_default=True, type=float,
+              help="Requests a second one client address may send (after a burst of twice that); past it 429. "
+                   "0: no limit. /health is never limited.")
 @KEYS_OPTION
 @INSECURE_OPTION
 def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
-         max_connections_per_address, keys_dir, insecure) -> None:
+         max_connections_per_address, max_requests_per_s, keys_dir, insecure) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) in front of a head. A configuration error exits with status 78 (EX_CONFIG)."""
     _daemon_logging()
     try:
-        _serve_http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout,
-                    max_connections, max_connections_per_address, keys_dir, insecure)
+        _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, read_timeout_s=read_timeout,
+                    request_timeout_s=request_timeout, header_timeout_s=header_timeout,
+                    max_connections=max_connections, max_connections_per_address=max_connections_per_address,
+                    requests_per_s_per_address=max_requests_per_s,
+                    request_burst_per_address=max(1, round(2 * max_requests_per_s)))
     except ConfigError as err:   # EX_CONFIG: the unit's RestartPreventExitStatus=78, no restart loop
         click.echo(f"error: {err}", err=True)
         sys.exit(EX_CONFIG)
 
 
-def _serve_http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout,
-                max_connections, max_connections_per_address, keys_dir, insecure) -> None:
+def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limits) -> None:
+    """`limits`: ApiSettings fields (timeouts, connection and request-rate caps)."""
+    from flowedge.allocator import HeapTrimmer, limit_arenas
     from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
 
+    limit_arenas()
     host, port = split_listen(listen)
     split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
-                           api_keys=load_api_keys(api_keys, api_key_file), read_timeout_s=read_timeout,
-                           request_timeout_s=request_timeout, header_timeout_s=header_timeout,
-                           max_connections=max_connections, max_connections_per_address=max_connections_per_address)
+                           api_keys=load_api_keys(api_keys, api_key_file), **limits)
     from flowedge.api.server import build_server
+
+    HeapTrimmer(threading.Event()).start()   # a daemon thread: ends with the process
 
     server = build_server(settings, host, port)
     log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,

@@ -62,13 +62,17 @@ class Notifier:
         return self.address is not None
 
     def send(self, *lines: str) -> bool:
-        """One datagram of `KEY=VALUE` lines; False when not under systemd or the send failed."""
+        """One datagram of `KEY=VALUE` lines; False when not under systemd or the send failed.
+
+        Never blocks: a manager that stops reading (its queue holds `net.unix.max_dgram_qlen` datagrams,
+        10 by default) would otherwise freeze the node's loop in `sendto` — a head that answers no HELLO.
+        A datagram that does not fit is dropped; the next watchdog ping or status follows soon anyway."""
         if self.address is None:
             return False
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto("\n".join(lines).encode(), self.address)
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, self.address)
             return True
         except OSError as err:
             log.debug("sd_notify to %r failed: %s", self.address, err)
