@@ -1,4 +1,4 @@
-"""The head's parts without sockets: the request lifecycle (requests.py) and membership (membership.py),
+"""The head's parts without sockets: its requests (requests.py, the driver of engine/scheduler.py) and membership (membership.py),
 fed events, checked on the actions they take."""
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import pytest
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.kv_budget import KvBudget, StageMemory, stage_budget, tightest
+from flowedge.daemon.kv_budget import StageMemory, stage_budget, tightest
+from flowedge.engine.jobs import KvBudget
 from flowedge.plan.memory import kv_bytes_per_token
 from flowedge.daemon.membership import ClientGone, Membership, StageLost
-from flowedge.daemon.requests import Limits, Prepared, RequestBook, State, replay_params
+from flowedge.daemon.requests import HeadRequests, Prepared
+from flowedge.engine.jobs import Limits, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
 from flowedge.errors import FlowedgeError
 from flowedge.transport import protocol as proto
@@ -103,9 +105,9 @@ def prompt(rid: int = 1, max_new: int = 4, **kw) -> proto.PromptRequest:
     return proto.PromptRequest(request_id=rid, text="hi", max_new_tokens=max_new, **kw)
 
 
-def book(**limits) -> tuple[RequestBook, FakePort]:
+def book(**limits) -> tuple[HeadRequests, FakePort]:
     port = FakePort()
-    return RequestBook(port, port, Limits(**limits)), port
+    return HeadRequests(port, port, Limits(**limits)), port
 
 
 def test_a_prompt_before_the_cluster_was_ever_ready_is_refused_at_once():
@@ -350,7 +352,7 @@ def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
 
     port = FakePort()
     port.engine = lambda strategy: ChainEngine(work)
-    b = RequestBook(port, port, Limits(max_running=2), run_handlers=side_by_side)
+    b = HeadRequests(port, port, Limits(max_running=2), run_handlers=side_by_side)
     b.tick(0.0, True)
     b.submit(b"a", prompt(1, max_new=3), 0.0, True, [])
     b.submit(b"b", prompt(2, max_new=3), 0.0, True, [])
@@ -359,7 +361,7 @@ def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
     b.add_segment(2, "t", 0.1)
     b.add_segment(1, "u", 0.1)
     assert b.has_work()
-    while b.step():
+    while b.step(0.2):
         pass
     assert steps[:3] == [[(1, "s"), (2, "t")], [(1, "s.1"), (2, "t.1")], [(1, "s.1.1"), (2, "t.1.1")]]
     # per request: the order of work it has alone (depth-first follow-ups, then the next segment)

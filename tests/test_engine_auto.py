@@ -98,7 +98,7 @@ def test_a_request_started_on_ar_pp_for_load_goes_speculative_once_the_load_fall
 def test_concurrent_auto_requests_choose_at_the_load_they_see(tiny_pair):
     """Real engine heads under the scheduler: the first choice is made when a request's first round starts,
     with the requests running then, and is filed with the answer."""
-    from flowedge.engine.scheduler import BatchConfig
+    from flowedge.sim.cluster import BatchConfig
     from flowedge.sim.cluster import SimRequest
 
     base, draft = tiny_pair

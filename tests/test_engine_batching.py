@@ -1,4 +1,4 @@
-"""Several requests in one pipeline (engine/scheduler.py + the stages' batched forwards): every request's
+"""Several requests in one pipeline (the scheduler, engine/scheduler.py, + the stages' batched forwards): every request's
 output token-identical to running it alone at T=0, the base distribution when sampling, KV freed on every
 stage when a request ends or is cancelled, admission within the KV budget, first come first served."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Emit, Finish, Prune, Segment
 from flowedge.engine.local import generate_ar, stop_ids
-from flowedge.engine.scheduler import BatchConfig, Cancel, Submit
+from flowedge.engine.jobs import FromEngine, Job, ResetStages, kv_need, tree_reserve
 from flowedge.errors import ConfigError
-from flowedge.sim.cluster import SimRequest
+from flowedge.sim.cluster import BatchConfig, SimRequest
 from flowedge.sim.run import Cluster
 
 SMALL = SpecConfig(tree_nodes=24, tree_depth=4, topk=4, l_max=6, exp_nodes=12, exp_depth=3,
@@ -43,7 +43,7 @@ def test_concurrent_requests_match_sequential_greedy(tiny_pair, references, node
                                                device="orin-nano-8gb")
     for i, ref in enumerate(references):
         assert res.requests[i + 1].done.token_ids == ref, f"request {i + 1} diverged under batching"
-        head = multi.head_of(i + 1)
+        head = multi.get(i + 1).engine
         for st in stages:   # every stage applied the request's prunes in step with its head
             assert all(p == head.prefix_at_version[v] for v, p in st.history_of(i + 1))
     # the stages really batched several requests into one forward, and hold no KV afterwards
@@ -128,39 +128,42 @@ def test_stage_frees_a_cancelled_request_mid_round(tiny_pair):
     stragglers (a late segment, a late prefill) never recreate it."""
     base, draft = tiny_pair
     cluster = Cluster(base, draft, 3, SMALL)
-    multi, stages = cluster.build_many("flowspec", BatchConfig(max_concurrent=2))
+    multi, stages, _ = cluster.build_many("flowspec", BatchConfig(max_concurrent=2))
     first = stages[0]
-    sends = multi.receive(Submit(1, tuple(PROMPTS[0]), NEW)) + multi.receive(Submit(2, tuple(PROMPTS[1]), NEW))
-    segs = [a.message for a in sends if hasattr(a, "message") and isinstance(a.message, Segment)]
+    multi.submit(1, Job(tuple(PROMPTS[0]), NEW), 0.0)
+    multi.submit(2, Job(tuple(PROMPTS[1]), NEW), 0.0)
+    sends = multi.tick(0.0, True)
+    segs = [a.action.message for a in sends if isinstance(a, FromEngine) and isinstance(a.action.message, Segment)]
     first.receive_all(segs)
     assert first.cache_lengths() == {1: len(PROMPTS[0]), 2: len(PROMPTS[1])}
     assert max(first.batch_sizes) == 2   # both prompts' first chunks ran as one forward
-    cancel = multi.receive(Cancel(2))
-    finishes = [a.message for a in cancel if hasattr(a, "message") and isinstance(a.message, Finish)]
-    assert len(finishes) == len(stages)
-    first.receive(finishes[0])
+    cancel = multi.cancel(2)
+    (reset,) = [a for a in cancel if isinstance(a, ResetStages)]   # the driver sends Finish to every stage
+    assert reset.engine_id == 2 and [a.done.cancelled for a in cancel if a is not reset] == [True]
+    first.receive(Finish(reset.engine_id))
     assert first.cache_lengths() == {1: len(PROMPTS[0])}
     assert first.receive(segs[-1]) == [] and 2 not in first.slots
-    assert multi.in_flight == 1
+    assert multi.running_count() == 1
 
 
 def test_admission_respects_the_kv_budget_fifo(tiny_pair):
     base, draft = tiny_pair
     cluster = Cluster(base, draft, 3, SMALL)
-    multi, _ = cluster.build_many("ar-pp", BatchConfig(max_concurrent=4, kv_budget_tokens=2 * (17 + NEW + 40)))
-    reserve = multi.tree_reserve
-    sizes = [multi.footprint(Submit(i, tuple(p), NEW)) for i, p in enumerate(PROMPTS)]
+    budget = 2 * (17 + NEW + 40)
+    multi, _, spec = cluster.build_many("ar-pp", BatchConfig(max_concurrent=4, kv_budget_tokens=budget))
+    reserve = tree_reserve(spec)
+    sizes = [kv_need(spec, len(p), NEW) for p in PROMPTS]
     assert sizes[0] == 17 + NEW + reserve
-    multi.receive(Submit(1, tuple(PROMPTS[0]), NEW))
-    multi.receive(Submit(2, tuple(PROMPTS[1]), NEW))
-    multi.receive(Submit(3, tuple(PROMPTS[2]), NEW))
-    assert sum(multi.reserved.values()) <= multi.config.kv_budget_tokens
-    assert multi.in_flight + multi.queued == 3 and multi.queued >= 1
-    assert [s.request_id for s in multi.queue] == sorted(s.request_id for s in multi.queue)
-    with pytest.raises(ConfigError, match="budget"):
-        multi.receive(Submit(9, tuple(range(500)), NEW))
+    for rid in (1, 2, 3):
+        multi.submit(rid, Job(tuple(PROMPTS[rid - 1]), NEW, kv_tokens=sizes[rid - 1]), 0.0)
+        multi.tick(0.0, True)
+    assert multi.kv_reserved() <= multi.kv_budget().tokens == budget
+    assert len(multi.running) + len(multi.queue) == 3 and len(multi.queue) >= 1
+    assert [r.key for r in multi.queue] == sorted(r.key for r in multi.queue)
+    (failed,) = multi.submit(9, Job(tuple(range(500)), NEW, kv_tokens=kv_need(spec, 500, NEW)), 0.0)
+    assert "kv_budget_tokens = " in failed.message and f"can hold {budget}" in failed.message
     with pytest.raises(ConfigError, match="in use"):
-        multi.receive(Submit(1, tuple(PROMPTS[0]), NEW))
+        multi.submit(1, Job(tuple(PROMPTS[0]), NEW), 0.0)
 
 
 def test_a_single_request_runs_as_before(tiny_pair, references):
@@ -264,7 +267,8 @@ def test_a_packed_forward_refuses_a_mask_that_does_not_fit_its_cache(tiny_pair):
 def test_every_admitted_head_sees_the_requests_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py):
     each head admitted reads the scheduler's count, not its own view of one."""
-    from flowedge.engine.scheduler import MultiHead
+    from flowedge.engine.jobs import Limits
+    from flowedge.engine.scheduler import Scheduler
 
     class Head:
         running_requests = staticmethod(lambda: 1)
@@ -276,9 +280,11 @@ def test_every_admitted_head_sees_the_requests_running():
             return []
 
     heads = []
-    multi = MultiHead(lambda sub: heads.append(Head()) or heads[-1], 2, BatchConfig(max_concurrent=2))
+    multi = Scheduler(lambda req: heads.append(Head()) or heads[-1], Limits(max_running=2))
     for rid in (1, 2, 3):
-        multi.receive(Submit(rid, (5, 6), 4))
-    assert len(heads) == 2 and [h.running_requests() for h in heads] == [2, 2] and multi.queued == 1
-    multi.receive(Cancel(1))   # the third is admitted in its place: still two running
+        multi.submit(rid, Job((5, 6), 4), 0.0)
+        multi.tick(0.0, True)
+    assert len(heads) == 2 and [h.running_requests() for h in heads] == [2, 2] and len(multi.queue) == 1
+    multi.cancel(1)
+    multi.tick(0.0, True)   # the third is admitted in its place: still two running
     assert len(heads) == 3 and all(h.running_requests() == 2 for h in heads)

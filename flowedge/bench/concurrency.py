@@ -70,7 +70,7 @@ def _auto_summary(reports: list[dict]) -> dict:
 def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
                     say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.engine.local import generate_ar, stop_ids
-    from flowedge.engine.scheduler import BatchConfig
+    from flowedge.sim.cluster import BatchConfig
     from flowedge.runner import encode_prompt
     from flowedge.sim.cluster import SimRequest
 

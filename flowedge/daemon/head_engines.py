@@ -1,4 +1,4 @@
-"""The engine side of the head's request lifecycle: what `requests.RequestBook` computes with.
+"""The engine side of the head's requests: what `requests.HeadRequests` computes with.
 
 Preparing a prompt (token ids, sampling params, the context check), its KV need and the stages' KV
 budget, building one request's engine head the way the simulator builds it (`engine.assembly`), the
@@ -18,11 +18,13 @@ from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import Membership
 from flowedge.daemon.prompting import check_vocab, prompt_ids
-from flowedge.daemon.requests import Handlers, Prepared, Request, run_in_turn
+from flowedge.daemon.requests import ClientRequest, Prepared
 from flowedge.engine import assembly
 from flowedge.engine.config import SpecConfig
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done
+from flowedge.engine.jobs import kv_need
+from flowedge.engine.scheduler import Handlers, run_in_turn
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
@@ -64,9 +66,7 @@ class HeadEngines:
         return min(sizes)
 
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
-        spec = self._spec()
-        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
-        return kv_budget.request_need(len(prepared.prompt_ids), max_new_tokens, reserve)
+        return kv_need(self._spec(), len(prepared.prompt_ids), max_new_tokens)
 
     def kv_budget(self) -> kv_budget.KvBudget | None:
         """The tightest stage's KV budget, from the stages that joined (daemon/kv_budget.py)."""
@@ -125,7 +125,7 @@ class HeadEngines:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
 
-    def finish_stats(self, req: Request, done: Done) -> dict:
+    def finish_stats(self, req: ClientRequest, done: Done) -> dict:
         wall = time.monotonic() - req.started_s
         n = len(req.emitted)
         stats = assembly.result_stats(done, req.engine, strategy=req.prepared.strategy,

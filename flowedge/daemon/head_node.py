@@ -35,9 +35,10 @@ from flowedge.daemon.membership import ClientGone, Membership, Peer, StageLost
 from flowedge.daemon.plan import Replanner, prepare_plan
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
-from flowedge.daemon.requests import Limits, RequestBook
+from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.engine.events import Segment, Send
+from flowedge.engine.jobs import Limits
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import answer_hello, send_routed
@@ -71,7 +72,7 @@ class HeadNode:
         self.members.on_new_plan = self._use_plan
         self.drops = DropLog(log)      # messages dropped at the boundary, counted for `flowedge status`
         self.engines = HeadEngines(config, self.members, self.drops)
-        self.requests = RequestBook(self.engines, self, Limits(
+        self.requests = HeadRequests(self.engines, self, Limits(
             recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
         self.was_ready = False
         self.shutdown_cluster = False
@@ -191,7 +192,7 @@ class HeadNode:
             self.notifier.tick(lambda: status)
 
         def turn() -> None:
-            self.requests.step()
+            self.requests.step(time.monotonic())
             self.requests.tick(time.monotonic(), ready)
 
         self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
@@ -235,7 +236,7 @@ class HeadNode:
 
     def _use_plan(self, plan) -> None:
         """The first plan, or a re-plan for the devices that joined: fresh engines and draft batcher."""
-        self.requests.run_handlers = self.engines.use_plan(plan)
+        self.requests.use_handlers(self.engines.use_plan(plan))
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())

@@ -5,14 +5,15 @@ A stage's budget comes from what it reported when it joined (its Hello's free me
 loaded anything) less its shard's weights, the runtime's own footprint and a safety margin, divided by
 the bytes one token's K and V take over the stage's layers (in the dtype the stages compute in). The
 `kv_budget_tokens` setting caps it (and is the whole budget where a stage reported no free memory).
-A request needs its prompt, every token it may generate and the largest draft tree it can have in
-flight on a stage (the engine's `MultiHead.footprint` reserves the same).
+What one request needs (its prompt, every token it may generate and the largest draft tree it can have
+in flight on a stage) is `engine.jobs.kv_need`, the same for the simulator and the daemon.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from flowedge.engine.jobs import KvBudget
 from flowedge.plan.memory import RUNTIME_OVERHEAD_BYTES, kv_bytes_per_token
 
 MARGIN_FRACTION = 0.1   # of a stage's free memory, kept back: allocator slack, activations, other tenants
@@ -25,14 +26,6 @@ class StageMemory:
     layers: int
     free_memory_bytes: int   # reported in its Hello; 0 = unknown
     weights_bytes: int       # its shard files
-
-
-@dataclass(frozen=True, slots=True)
-class KvBudget:
-    """The tightest stage's budget; `why` says how it was worked out (for the error a client sees)."""
-    tokens: int
-    stage: int
-    why: str
 
 
 def stage_budget(base_config: Any, stage: StageMemory, dtype_bytes: int, cap_tokens: int = 0) -> KvBudget | None:
@@ -54,8 +47,3 @@ def tightest(base_config: Any, stages: list[StageMemory], dtype_bytes: int, cap_
     """The smallest stage budget (every request holds KV on every stage); None: no limit known."""
     budgets = [b for s in stages if (b := stage_budget(base_config, s, dtype_bytes, cap_tokens)) is not None]
     return min(budgets, key=lambda b: b.tokens) if budgets else None
-
-
-def request_need(prompt_tokens: int, max_new_tokens: int, tree_reserve: int) -> int:
-    """KV tokens one request can hold on a stage: its whole context plus a draft tree in flight."""
-    return prompt_tokens + max_new_tokens + tree_reserve

@@ -1,218 +1,338 @@
-"""Many requests through one pipeline: admission, fair queueing, and routing events to per-request heads.
+"""The request scheduler on node 0, sans-IO: one copy that the simulated cluster and the daemon's head
+both drive (events in, actions out, time passed in: virtual on the simulator, wall on the daemon).
 
-`Head` stays one request's engine (its tree, verification, prune versions, sampling generator).
-`MultiHead` sits above it on node 0: it admits up to `max_concurrent` requests, each with its own Head
-and draft cache, queues the rest first come first served, and admits the next one whenever a request
-ends or is cancelled. Segments of the admitted requests flow through the pipeline interleaved; a stage
-that holds segments of several requests runs them as one batched forward (`stage_worker`), which is where
-the throughput comes from: while one request waits for its verification, the others keep the stages busy,
-and on memory-bound devices a forward of 4 requests' rows costs little more than one request's.
-
-Admission also respects the stages' KV memory: each request reserves its worst case (prompt + new tokens
-+ the largest draft tree it can have in flight) against `kv_budget_tokens`, so a stage never holds more.
-Sans-IO like the Head: events in (`Submit`, `Cancel`, segments, follow-ups), actions out.
+Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused`) while a stage is lost.
+- **Admission.** Up to `max_running` requests run at once, each with its own engine (`Head`: its tree,
+  draft cache, sampling state); their segments interleave in the pipeline and the stages batch them. A
+  request starts only when its worst-case KV (`Job.kv_tokens`: prompt + new tokens + a draft tree) fits
+  on every stage next to what the running ones reserve; the queue is first come, first served (nothing
+  overtakes), and a request that could never fit fails at once.
+- **Steps.** Segments back from the pipeline and each engine's own follow-ups (`Continue`) queue on
+  their request; every `step` takes one piece of work per running request — follow-ups first,
+  depth-first, then segments in arrival order, the order of work it would have alone — and runs those
+  handlers side by side (`run_handlers`: the `DraftBatcher`'s `run_step` makes the k-th draft call of
+  every handler one packed forward).
+- **Stage loss.** Running requests pause and their stages' KV is dropped; once the cluster is whole
+  again each is *replayed*: the engine restarts on the prompt plus every token already handed out, under
+  a new engine id (segments of the old run still in the pipeline are ignored), with a generator seeded
+  from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
+- **Deadlines.** A paused request fails past `recovery_s` without a whole cluster; a queued one waits
+  through any outage, under its own `Job.deadline_s` (None: until its asker cancels it); a running
+  request that gets nothing back for `stall_s` is paused and replayed.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
-from flowedge.core.sampling import SamplingParams
-from flowedge.engine.events import Continue, Done, Finish, Segment, Send, Stats
-from flowedge.errors import ConfigError
+from flowedge.engine.events import Compute, Continue, Done, Emit, Send, Stats
+from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
+                                  Limits, Request, ResetStages, State, replay_params)
+from flowedge.errors import ConfigError, FlowedgeError
 
 log = logging.getLogger(__name__)
 
-ENDED_REMEMBERED = 256   # finished heads kept for inspection (tests, reports)
+ENDED_REMEMBERED = 256   # finished requests kept for inspection (tests, reports)
+
+Handlers = Callable[[list[Callable[[], list]]], list]
 
 
-@dataclass(frozen=True, slots=True)
-class BatchConfig:
-    """How many requests share the pipeline, and the KV tokens each stage may hold for all of them."""
-    max_concurrent: int = 4
-    kv_budget_tokens: int | None = None   # None: limited by max_concurrent only
-    batch_drafts: bool = True             # node 0 runs the requests' draft calls as shared forwards
-
-    def __post_init__(self) -> None:
-        if self.max_concurrent < 1:
-            raise ConfigError(f"max-concurrent must be >= 1 (got {self.max_concurrent})")
-        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
-            raise ConfigError(f"kv budget must be >= 1 token (got {self.kv_budget_tokens})")
+def run_in_turn(handlers: list[Callable[[], list]]) -> list:
+    """`run_handlers` without a draft batcher: one after another."""
+    return [h() for h in handlers]
 
 
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """A new request for the pipeline."""
-    request_id: int
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    params: SamplingParams = SamplingParams()
+class Scheduler:
+    """`make_engine(request)` builds a request's engine (a `Head`); `accept(engine, item)` turns what came
+    back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
+    `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
+    `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
+    `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the
+    simulator, tests)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    """Stop a request (its client went away): queued ones never run, running ones free their KV."""
-    request_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """A head's own follow-up event (`Continue`), tagged with its request so it finds its way back."""
-    request_id: int
-    event: object
-
-
-class MultiHead:
-    def __init__(self, make_head: Callable[[Submit], object], n_stages: int, config: BatchConfig = BatchConfig(),
-                 tree_reserve: int = 0, batcher=None) -> None:
-        self.make_head, self.n_stages, self.config = make_head, n_stages, config
-        self.batcher = batcher                # engine/draft_batch.DraftBatcher shared by the heads' drafters
-        self.tree_reserve = tree_reserve      # draft entries a request can hold on a stage at once
-        self.heads: dict[int, object] = {}    # running requests
-        self.queue: deque[Submit] = deque()
-        self.reserved: dict[int, int] = {}
-        self.ended: dict[int, object] = {}    # recently finished heads (bounded)
-        self.clock: Callable[[], float] = time.monotonic   # the simulator sets its virtual clock
-
-    def now(self) -> float:
-        """The heads' clock (strategy `auto` measures its rates on it)."""
-        return self.clock()
+    def __init__(self, make_engine: Callable[[Request], object], limits: Limits = Limits(),
+                 kv_budget: Callable[[], KvBudget | None] = lambda: None,
+                 accept: Callable[[object, object], object] = lambda engine, item: item,
+                 batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True) -> None:
+        self.make_engine, self.limits, self.kv_budget, self.accept = make_engine, limits, kv_budget, accept
+        self.batcher = batcher
+        self.run_handlers = run_handlers or (batcher.run_step if batcher is not None else run_in_turn)
+        self.contain_errors = contain_errors
+        self.queue: deque[Request] = deque()
+        self.running: dict[int, Request] = {}     # key -> running or paused request
+        self.by_engine: dict[int, Request] = {}   # engine id -> running request
+        self.ended: dict[int, Request] = {}       # recently ended (bounded)
+        self.now_s = 0.0                          # the latest time passed in: the engines' clock
+        self.ever_ready = False
+        self.lost_why = ""
 
     @classmethod
-    def around(cls, head) -> "MultiHead":
-        """One request at a time through an existing Head (the single-request drivers)."""
-        return cls(lambda sub: head, head.n_stages, BatchConfig(max_concurrent=1))
+    def single(cls, engine) -> "Scheduler":
+        """One request at a time through an existing engine (the single-request drivers)."""
+        return cls(lambda req: engine, Limits(max_running=1), contain_errors=False)
 
-    # ---- inspection -----------------------------------------------------------------------------
-    @property
-    def in_flight(self) -> int:
-        return len(self.heads)
+    # ---- events in --------------------------------------------------------------------------------
+    def submit(self, key: int, job: Job, now: float) -> list[Action]:
+        """Queue a job under `key` (unique among live requests); it starts at a `tick`."""
+        self.now_s = now
+        if key in self.running or any(r.key == key for r in self.queue):
+            raise ConfigError(f"request id {key} is already in use")
+        req = Request(key, job, now)
+        out: list[Action] = []
+        if self._can_ever_fit(req, out):
+            self.queue.append(req)
+        return out
 
-    @property
-    def queued(self) -> int:
-        return len(self.queue)
+    def add_work(self, engine_id: int, item, now: float) -> None:
+        """Something back from the pipeline for engine run `engine_id`, queued until a `step` takes it."""
+        req = self.by_engine.get(engine_id)
+        if req is None or req.state is not State.RUNNING:
+            return   # output of a cancelled, paused, replayed or finished run
+        req.last_progress_s = now
+        req.work.append((False, item))
 
-    def head_of(self, request_id: int):
-        return self.heads.get(request_id) or self.ended.get(request_id)
+    def step(self, now: float) -> list[Action]:
+        """One piece of work per running request, their handlers side by side; actions request by request."""
+        self.now_s = now
+        batch = [(req, ev) for req in list(self.running.values()) if (ev := self._next_event(req)) is not None]
+        out: list[Action] = []
+        if batch:
+            results = self.run_handlers([partial(_guarded, req.engine.receive, ev) for req, ev in batch])
+            for (req, _), result in zip(batch, results):
+                if req.state is State.RUNNING:
+                    out += self._run(req, partial(_reraise, result))
+        return out
 
-    def footprint(self, sub: Submit) -> int:
-        """KV entries the request can hold on one stage: its whole context plus a tree in flight."""
-        return len(sub.prompt_ids) + sub.max_new_tokens + self.tree_reserve
+    def cancel(self, key: int, why: str = "cancelled by its client") -> list[Action]:
+        req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
+        return [] if req is None else self._end(req, State.CANCELLED, why)
 
-    # ---- events ---------------------------------------------------------------------------------
-    def receive(self, event) -> list:
-        if isinstance(event, Submit):
-            return self._submit(event)
-        if isinstance(event, Cancel):
-            return self._cancel(event.request_id)
-        if isinstance(event, Routed):
-            rid, inner = event.request_id, event.event
-        elif isinstance(event, Segment):
-            rid, inner = event.request_id, event
-        else:
-            raise TypeError(f"MultiHead cannot handle {type(event).__name__}")
-        head = self.heads.get(rid)
-        if head is None:
-            return []   # a finished or cancelled request's straggler
-        return self._wrap(rid, head.receive(inner))
-
-    def receive_all(self, events: list) -> list:
-        """Every event that reached node 0 while it was busy, its own follow-ups (`Continue`) included: a
-        driver hands those back together with whatever arrived meanwhile, so one request's pipeline fill
-        and another's verification share a step. Submits and cancels first; then one handler per request
-        (its events in order) — side by side through the draft batcher, so the requests' draft calls share
-        forwards. Actions come out request after request."""
-        actions: list = []
-        per_request: dict[int, list] = {}
-        for ev in events:
-            if isinstance(ev, (Submit, Cancel)):
-                actions += self.receive(ev)
-            elif isinstance(ev, Routed):
-                per_request.setdefault(ev.request_id, []).append(ev.event)
-            elif isinstance(ev, Segment):
-                per_request.setdefault(ev.request_id, []).append(ev)
-            else:
-                raise TypeError(f"MultiHead cannot handle {type(ev).__name__}")
-        live = [(rid, evs) for rid, evs in per_request.items() if rid in self.heads]
-        handlers = [partial(_handle, self.heads[rid], evs) for rid, evs in live]
-        results = self.batcher.run_step(handlers) if self.batcher is not None else [h() for h in handlers]
-        for (rid, _), head_actions in zip(live, results):
-            actions += self._wrap(rid, head_actions)
-        return actions
-
-    def _submit(self, sub: Submit) -> list:
-        if sub.request_id in self.heads or any(q.request_id == sub.request_id for q in self.queue):
-            raise ConfigError(f"request id {sub.request_id} is already in use")
-        budget = self.config.kv_budget_tokens
-        if budget is not None and self.footprint(sub) > budget:
-            raise ConfigError(f"request {sub.request_id} needs {self.footprint(sub)} KV tokens per stage; "
-                              f"the budget is {budget}")
-        self.queue.append(sub)
-        return self._admit()
-
-    def _fits(self, sub: Submit) -> bool:
-        if len(self.heads) >= self.config.max_concurrent:
-            return False
-        budget = self.config.kv_budget_tokens
-        return budget is None or sum(self.reserved.values()) + self.footprint(sub) <= budget
-
-    def _admit(self) -> list:
-        """Start queued requests in arrival order while they fit (never skip ahead: no starvation)."""
-        actions: list = []
-        while self.queue and self._fits(self.queue[0]):
-            sub = self.queue.popleft()
-            head = self.make_head(sub)
-            if hasattr(head, "clock"):
-                head.clock = self.now
-            if hasattr(head, "running_requests"):   # every engine Head (the tests' fakes may not)
-                head.running_requests = lambda: self.in_flight   # strategy `auto` weighs its predictions by it
-            self.heads[sub.request_id] = head
-            self.reserved[sub.request_id] = self.footprint(sub)
-            log.debug("admitted request %d (%d running, %d queued)", sub.request_id, len(self.heads),
-                      len(self.queue))
-            actions += self._wrap(sub.request_id, head.start(sub.request_id, list(sub.prompt_ids),
-                                                             sub.max_new_tokens, sub.params))
-        return actions
-
-    def _cancel(self, request_id: int) -> list:
-        for sub in list(self.queue):
-            if sub.request_id == request_id:
-                self.queue.remove(sub)
-                return [Done([], Stats(), request_id, cancelled=True)]
-        head = self.heads.get(request_id)
-        if head is None:
+    def end(self, key: int) -> list[Action]:
+        """Its asker ended the answer (a stop string): the stages drop its KV; no further action for it."""
+        req = self.running.get(key)
+        if req is None:
             return []
-        head.finished = True
-        actions: list = [Send(i, Finish(request_id)) for i in range(1, self.n_stages + 1)]
-        actions.append(Done(list(head.outputs), head.stats, request_id, cancelled=True))
-        return actions + self._release(request_id)
+        out: list[Action] = [ResetStages(key, req.engine_id)] if req.state is State.RUNNING else []
+        self._forget(req)
+        req.state = State.DONE
+        return out
 
-    def _wrap(self, request_id: int, actions: list) -> list:
-        out: list = []
-        ended = False
-        for a in actions:
-            if isinstance(a, Continue):
-                a = Continue(Routed(request_id, a.event))
-            elif isinstance(a, Done):
-                ended = True
-            out.append(a)
-        return out + self._release(request_id) if ended else out
+    def stage_lost(self, why: str, now: float) -> list[Action]:
+        """A stage left: running requests pause under the recovery deadline; queued ones keep their place."""
+        self.now_s, self.lost_why = now, why
+        out: list[Action] = []
+        for req in list(self.running.values()):
+            if req.state is State.RUNNING:
+                out += self._pause(req, why)
+            if req.deadline_s is None:
+                req.deadline_s = now + self.limits.recovery_s
+        return out
 
-    def _release(self, request_id: int) -> list:
-        self.ended[request_id] = self.heads.pop(request_id)
-        self.reserved.pop(request_id, None)
+    def tick(self, now: float, ready: bool) -> list[Action]:
+        """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones."""
+        self.now_s = now
+        self.ever_ready |= ready
+        out = self._expire(now, ready)
+        if not ready:
+            return out
+        for req in [r for r in self.running.values() if r.state is State.PAUSED]:
+            out += self._replay(req, now)
+        while self.queue and len(self.running) < self.limits.max_running:
+            if not self._can_ever_fit(self.queue[0], out):
+                continue
+            if not self._fits_now(self.queue[0]):
+                self._note_kv_wait(self.queue[0])
+                break   # waits for running requests to free KV; nothing behind it overtakes
+            out += self._start(self.queue.popleft(), now)
+        return out
+
+    def _expire(self, now: float, ready: bool) -> list[Action]:
+        out: list[Action] = []
+        for req in [r for r in self.running.values() if r.deadline_s is not None and now > r.deadline_s]:
+            out += self._end(req, State.FAILED, f"{self.lost_why or 'the cluster lost a stage'}, and no node "
+                                                f"took its place within {self.limits.recovery_s:g} s")
+        for req in [r for r in self.queue if r.job.deadline_s is not None and now > r.job.deadline_s]:
+            out += self._end(req, State.FAILED, "it waited in the queue past its deadline")
+        for req in list(self.running.values()):
+            if req.state is State.RUNNING and now - req.last_progress_s > self.limits.stall_s:
+                out += self._pause(req, f"the pipeline returned nothing for {self.limits.stall_s:g} s")
+                req.deadline_s = None if ready else now + self.limits.recovery_s
+        return out
+
+    # ---- queries ----------------------------------------------------------------------------------
+    def get(self, key: int) -> Request | None:
+        """A live or recently ended request."""
+        return self.running.get(key) or next((r for r in self.queue if r.key == key), None) \
+            or self.ended.get(key)
+
+    def has_work(self) -> bool:
+        return any(r.work for r in self.running.values() if r.state is State.RUNNING)
+
+    def pending(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    def running_count(self) -> int:
+        """Requests sharing the pipeline now (strategy `auto` weighs its predictions by it)."""
+        return sum(1 for r in self.running.values() if r.state is State.RUNNING)
+
+    def kv_reserved(self) -> int:
+        """KV tokens the running (and paused) requests reserve on every stage."""
+        return sum(r.job.kv_tokens for r in self.running.values())
+
+    def next_deadline(self) -> float | None:
+        """The earliest recovery or queue deadline (stalls are checked on every tick)."""
+        times = [r.deadline_s for r in self.running.values() if r.deadline_s is not None]
+        times += [r.job.deadline_s for r in self.queue if r.job.deadline_s is not None]
+        return min(times, default=None)
+
+    # ---- admission --------------------------------------------------------------------------------
+    def _can_ever_fit(self, req: Request, out: list) -> bool:
+        budget = self.kv_budget()
+        if budget is None or req.job.kv_tokens <= budget.tokens:
+            return True
+        out += self._end(req, State.FAILED, f"the request needs {req.job.kv_tokens} KV tokens on every stage "
+                                            f"(prompt + max_tokens + a draft tree); stage {budget.stage} can hold "
+                                            f"{budget.tokens} ({budget.why}): shorten the prompt or lower "
+                                            f"max_tokens", prefix="")
+        return False
+
+    def _fits_now(self, req: Request) -> bool:
+        budget = self.kv_budget()
+        return budget is None or self.kv_reserved() + req.job.kv_tokens <= budget.tokens
+
+    def _note_kv_wait(self, req: Request) -> None:
+        if not req.kv_waited:
+            req.kv_waited = True
+            log.info("request %d waits for KV: needs %d tokens per stage, %d of %d held by %d running", req.key,
+                     req.job.kv_tokens, self.kv_reserved(), self.kv_budget().tokens, len(self.running))
+
+    # ---- transitions ------------------------------------------------------------------------------
+    def _start(self, req: Request, now: float) -> list[Action]:
+        req.started_s = now
+        self.running[req.key] = req
+        return self._launch(req, now)
+
+    def _launch(self, req: Request, now: float) -> list[Action]:
+        """Start (or restart, for a replay) the engine on the prompt plus what was already handed out."""
+        try:
+            req.engine = self.make_engine(req)
+        except FlowedgeError as err:
+            return self._end(req, State.FAILED, str(err), prefix="")
+        if hasattr(req.engine, "running_requests"):   # every engine Head (the tests' fakes may not)
+            req.engine.running_requests = self.running_count
+        if hasattr(req.engine, "clock"):
+            req.engine.clock = lambda: self.now_s   # strategy `auto` measures its rates on the driver's time
+        req.engine_id = req.next_engine_id()
+        req.work.clear()   # a replay: whatever the old run had queued is void
+        self.by_engine[req.engine_id] = req
+        req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
+        job = req.job
+        left = job.max_new_tokens - len(req.emitted)
+        log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go (engine run %d%s)",
+                 req.key, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.engine_id,
+                 f", replay {req.replays}" if req.replays else "")
+        ids, params = list(job.prompt_ids) + req.emitted, replay_params(job.params, len(req.emitted))
+        return self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params))
+
+    def _replay(self, req: Request, now: float) -> list[Action]:
+        if req.replays >= self.limits.max_replays:
+            return self._end(req, State.FAILED, f"gave up after {req.replays} replays")
+        req.replays += 1
+        log.warning("request %d: replaying %d committed tokens to rebuild the stages' KV caches", req.key,
+                    len(req.job.prompt_ids) + len(req.emitted))
+        return self._launch(req, now)
+
+    def _pause(self, req: Request, why: str) -> list[Action]:
+        log.warning("request %d paused after %d tokens: %s", req.key, len(req.emitted), why)
+        self.by_engine.pop(req.engine_id, None)
+        req.work.clear()
+        req.state = State.PAUSED
+        return [ResetStages(req.key, req.engine_id)]
+
+    def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ") -> list[Action]:
+        """End a request that did not complete: its stages reset, its asker told (not for a cancel)."""
+        out: list[Action] = [ResetStages(req.key, req.engine_id)] if req.state is State.RUNNING else []
+        self._forget(req)
+        req.state = state
+        if state is State.CANCELLED:
+            log.info("request %d %s", req.key, why)
+            stats = getattr(req.engine, "stats", None) or Stats()
+            return out + [Cancelled(req.key, Done(list(req.emitted), stats, req.key, cancelled=True))]
+        log.error("request %d failed: %s", req.key, why)
+        return out + [Failed(req.key, prefix + why)]
+
+    def _forget(self, req: Request) -> None:
+        req.work.clear()
+        self.running.pop(req.key, None)
+        self.by_engine.pop(req.engine_id, None)
+        if req in self.queue:
+            self.queue.remove(req)
+        self.ended[req.key] = req
         while len(self.ended) > ENDED_REMEMBERED:
             self.ended.pop(next(iter(self.ended)))
-        return self._admit()
+
+    # ---- engine steps -----------------------------------------------------------------------------
+    def _next_event(self, req: Request):
+        """The request's next engine event: its oldest follow-up, else its oldest item that `accept` turns
+        into an event (checked against the engine as it is now, after the work before it)."""
+        if req.state is not State.RUNNING:
+            req.work.clear()
+            return None
+        while req.work:
+            follow_up, item = req.work.popleft()
+            event = item if follow_up else self.accept(req.engine, item)
+            if event is not None:
+                return event
+        return None
+
+    def _run(self, req: Request, step) -> list[Action]:
+        """One engine step and its actions; an unexpected error fails this request only (if contained)."""
+        if not self.contain_errors:
+            return self._absorb(req, step())
+        try:
+            return self._absorb(req, step())
+        except FlowedgeError as err:
+            return self._end(req, State.FAILED, str(err), prefix="")
+        except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
+            log.exception("request %d: engine error", req.key)
+            return self._end(req, State.FAILED, f"internal error: {type(err).__name__}: {err}", prefix="")
+
+    def _absorb(self, req: Request, actions: list) -> list[Action]:
+        """An engine step's actions as the scheduler's; its follow-ups go first in the request's work."""
+        out: list[Action] = []
+        follow_ups = []
+        for a in actions:
+            if req.state is not State.RUNNING:
+                break
+            if isinstance(a, (Send, Compute)):
+                out.append(FromEngine(req.key, a))
+            elif isinstance(a, Emit):
+                req.emitted += a.tokens
+                out.append(Emitted(req.key, list(a.tokens)))
+            elif isinstance(a, Continue):
+                follow_ups.append((True, a.event))
+            elif isinstance(a, Done):
+                self._forget(req)
+                req.state = State.DONE
+                out.append(Finished(req.key, Done(list(req.emitted), a.stats, req.key)))
+            else:
+                log.warning("unhandled engine action %r", a)
+        if req.state is State.RUNNING:
+            req.work.extendleft(reversed(follow_ups))
+        return out
 
 
-def _handle(head, events: list) -> list:
-    """One request's events through its head, in order (its follow-ups come back as `Continue`s)."""
-    actions: list = []
-    for ev in events:
-        actions += head.receive(ev)
-    return actions
+def _guarded(receive, event):
+    """One request's engine step; an exception comes back as the result (`_run` deals with it)."""
+    try:
+        return receive(event)
+    except Exception as err:  # noqa: BLE001 - re-raised by _reraise inside Scheduler._run
+        return err
+
+
+def _reraise(result):
+    if isinstance(result, Exception):
+        raise result
+    return result

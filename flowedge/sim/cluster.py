@@ -3,6 +3,9 @@
 Each node handles its messages in arrival order, one at a time; a `Compute` action advances the node's
 clock by the cost model's time for that work, a `Send` occupies the directed link for latency + bytes /
 bandwidth. Noise-free and repeatable, so strategies can be compared on devices we do not have.
+
+Node 0 runs the request scheduler the daemon's head runs (engine/scheduler.py): admission, KV budget,
+draft batching, cancel, and on a stage loss (a `StageFault` in the plan) pause and replay.
 """
 from __future__ import annotations
 
@@ -13,7 +16,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.events import Compute, Continue, Done, Emit, Finish, Prune, Segment, Send
+from flowedge.engine.config import SpecConfig
+from flowedge.engine.events import Compute, Done, Finish, Prune, Segment, Send, Stats
+from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, Limits, ResetStages,
+                                  kv_need)
+from flowedge.engine.scheduler import Scheduler
+from flowedge.errors import ConfigError
 from flowedge.sim.sizing import TreeCosts
 from flowedge.sim.trace import Trace, TraceEvent
 
@@ -57,6 +65,38 @@ class SimResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """How many requests share the simulated pipeline, and the KV tokens each stage may hold for all of them."""
+    max_concurrent: int = 4
+    kv_budget_tokens: int | None = None   # None: limited by max_concurrent only
+    batch_drafts: bool = True             # node 0 runs the requests' draft calls as shared forwards
+    recovery_s: float = 30.0              # a paused request's wait for a lost stage (simulated seconds)
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
+            raise ConfigError(f"kv budget must be >= 1 token (got {self.kv_budget_tokens})")
+        Limits(max_running=self.max_concurrent)   # checks it
+
+    def limits(self) -> Limits:
+        return Limits(max_running=self.max_concurrent, recovery_s=self.recovery_s)
+
+
+@dataclass(frozen=True, slots=True)
+class StageFault:
+    """Stage `stage` dies at `at_s` (its KV and everything it holds are gone, messages to it are lost) and a
+    fresh process takes its slot at `back_s` (simulated seconds). Node 0 learns of the loss `detect_s` later
+    (the daemon: a closed connection at once, missed heartbeats after `stage_timeout_s`)."""
+    stage: int
+    at_s: float
+    back_s: float
+    detect_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stage < 1 or not 0 <= self.at_s < self.back_s or self.detect_s < 0:
+            raise ConfigError(f"a stage fault needs stage >= 1 and 0 <= at_s < back_s (got {self})")
+
+
+@dataclass(frozen=True, slots=True)
 class SimRequest:
     """A request arriving at node 0 at `arrival_s`; `cancel_s`: its client goes away then."""
     request_id: int
@@ -74,6 +114,8 @@ class RequestTiming:
     emits: list[tuple[float, int]] = field(default_factory=list)   # (time, tokens in that Emit)
     done: Done | None = None
     finish_s: float | None = None
+    failed: str | None = None      # why it ended without completing (the scheduler's message)
+    replays: int = 0               # times it was replayed after a stage loss
 
     def token_gaps_s(self) -> list[float]:
         """Time between tokens: an Emit of k tokens after a gap g counts as k gaps of g/k (speculative
@@ -93,22 +135,37 @@ class MultiResult:
     trace: Trace
 
 
+@dataclass(frozen=True, slots=True)
+class _Notice:
+    """A stage's loss (`lost`) or return, as node 0 learns of it."""
+    stage: int
+    lost: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    """Node 0's timer: a scheduler deadline falls due."""
+
+
 class SimCluster:
     """Every node takes all the messages that arrived while it was busy at once: a stage batches several
-    requests' segments into one forward (`StageWorker.receive_all`), node 0 their draft calls
-    (`MultiHead.receive_all`)."""
+    requests' segments into one forward (`StageWorker.receive_all`), node 0 steps its scheduler, which
+    batches their draft calls. `head`: a `Scheduler`, or one engine `Head` (`run`)."""
 
-    def __init__(self, head, stages: list, costs: CostModel | None = None) -> None:
+    def __init__(self, head, stages: list, costs: CostModel | None = None, faults: tuple[StageFault, ...] = (),
+                 spec: SpecConfig | None = None) -> None:
         self.nodes = [head, *stages]
         self.costs = costs or CostModel.free()
+        self.faults = tuple(faults)
+        self.spec = spec   # a job's KV need is worked out from it (None: no KV budget to keep)
+        if any(f.stage >= len(self.nodes) for f in self.faults):
+            raise ConfigError(f"a stage fault names a stage this {len(stages)}-stage cluster lacks")
 
     def run(self, request_id: int, prompt_ids: list[int], max_new_tokens: int, params,
             on_tokens: Callable[[list[int]], None] | None = None, max_events: int = 2_000_000) -> SimResult:
-        """One request through a plain Head (today's single-request path)."""
-        from flowedge.engine.scheduler import MultiHead
-
+        """One request through a plain Head (the single-request path)."""
         head = self.nodes[0]
-        self.nodes[0] = MultiHead.around(head)
+        self.nodes[0] = Scheduler.single(head)
         try:
             sink = (lambda rid, tokens: on_tokens(tokens)) if on_tokens else None
             res = self.run_many([SimRequest(request_id, tuple(prompt_ids), max_new_tokens, params)], sink,
@@ -120,99 +177,164 @@ class SimCluster:
 
     def run_many(self, requests: list[SimRequest], on_tokens: Callable[[int, list[int]], None] | None = None,
                  max_events: int = 2_000_000) -> MultiResult:
-        """Several requests through a `MultiHead` on node 0; returns each one's token timings."""
-        from flowedge.engine.scheduler import Cancel, Submit
+        """Several requests through the scheduler on node 0; returns each one's token timings."""
+        return _SimRun(self, requests, on_tokens).run(max_events)
 
-        trace = Trace()
-        busy_until = [0.0] * len(self.nodes)
-        link_free: dict[tuple[int, int], float] = {}
-        queue: list = []
-        order = itertools.count()
-        timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
-        follow_ups: list = []
-        now = [0.0]   # virtual time of the work node 0 is doing: the heads' clock (strategy `auto`)
-        if hasattr(self.nodes[0], "clock"):
-            self.nodes[0].clock = lambda: now[0]
+    def job(self, r: SimRequest) -> Job:
+        need = kv_need(self.spec, len(r.prompt_ids), r.max_new_tokens) if self.spec is not None else 0
+        return Job(tuple(r.prompt_ids), r.max_new_tokens, r.params, kv_tokens=need)
 
-        def execute(node: int, t: float, actions: list) -> float:
-            for a in actions:
-                if isinstance(a, Compute):
-                    dur = self.costs.compute_s(node, a)
-                    if dur > 0:
-                        trace.add(TraceEvent(_lane(node), "compute", a.phase or a.what, t, t + dur, a.tokens,
-                                             label=a.what))
-                    t += dur
-                elif isinstance(a, Send):
-                    nbytes = message_bytes(a.message)
-                    start = max(t, link_free.get((node, a.to), 0.0))
-                    end = start + self.costs.transfer_s(node, a.to, nbytes)
-                    link_free[(node, a.to)] = end
-                    if end > start:
-                        phase = getattr(a.message, "phase", type(a.message).__name__.lower())
-                        trace.add(TraceEvent(f"link{node}->{a.to}", "transfer", phase, start, end,
-                                             len(a.message) if isinstance(a.message, Segment) else 0, nbytes))
-                    heapq.heappush(queue, (end, next(order), a.to, a.message))
-                elif isinstance(a, Emit):
-                    timings[a.request_id].emits.append((t, len(a.tokens)))
-                    if on_tokens:
-                        on_tokens(a.request_id, a.tokens)
-                elif isinstance(a, Continue):
-                    follow_ups.append(a.event)
-                elif isinstance(a, Done):
-                    timings[a.request_id].done, timings[a.request_id].finish_s = a, t
-            return t
 
-        def step_node0(t: float, events: list) -> float:
-            """Node 0 takes one piece of work per request per step: its follow-ups (`Continue`) first,
-            depth-first, then its messages in arrival order — the order of work it would have alone — while
-            the steps interleave the requests, so one request's pipeline fill and another's verification
-            share a step and their draft calls share forwards."""
-            work: dict[int, list] = {}
-            for m in events:
-                work.setdefault(m.request_id, []).append(m)
-            while work:
-                step = [chain.pop(0) for chain in work.values()]
-                work = {rid: chain for rid, chain in work.items() if chain}
-                follow_ups.clear()
-                now[0] = t
-                t = execute(0, t, self.nodes[0].receive_all(step))
-                for rid in dict.fromkeys(e.request_id for e in follow_ups):
-                    work[rid] = [e for e in follow_ups if e.request_id == rid] + work.get(rid, [])
-                if work:
-                    for m in _take_arrived(queue, 0, t):
-                        work.setdefault(m.request_id, []).append(m)
-            return t
+class _SimRun:
+    """One simulation: the event queue, the nodes' and links' busy times, the requests' timings."""
 
+    def __init__(self, cluster: SimCluster, requests: list[SimRequest], on_tokens) -> None:
+        self.cluster, self.nodes, self.costs = cluster, cluster.nodes, cluster.costs
+        self.sched: Scheduler = cluster.nodes[0]
+        self.on_tokens = on_tokens
+        self.trace = Trace()
+        self.busy_until = [0.0] * len(self.nodes)
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.queue: list = []
+        self.order = itertools.count()
+        self.timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
+        self.down: set[int] = set()   # stages lost now
+        self.wake_s: float | None = None
         for r in requests:
-            heapq.heappush(queue, (r.arrival_s, next(order), 0,
-                                   Submit(r.request_id, tuple(r.prompt_ids), r.max_new_tokens, r.params)))
+            self._push(r.arrival_s, 0, r)
             if r.cancel_s is not None:
-                heapq.heappush(queue, (r.cancel_s, next(order), 0, Cancel(r.request_id)))
+                self._push(r.cancel_s, 0, ("cancel", r.request_id))
+        for f in cluster.faults:
+            self._push(f.at_s, -1, _Notice(f.stage, True))
+            self._push(f.back_s, -1, _Notice(f.stage, False))
+
+    def _push(self, t: float, node: int, msg) -> None:
+        heapq.heappush(self.queue, (t, next(self.order), node, msg))
+
+    def run(self, max_events: int) -> MultiResult:
         events = 0
-        while queue and any(tm.done is None for tm in timings.values()):
-            t, seq, node, msg = heapq.heappop(queue)
-            if t < busy_until[node]:
-                heapq.heappush(queue, (busy_until[node], seq, node, msg))
+        while self.queue and any(tm.finish_s is None for tm in self.timings.values()):
+            t, seq, node, msg = heapq.heappop(self.queue)
+            if node == -1:
+                self._fault(t, msg)
+                continue
+            if t < self.busy_until[node]:
+                heapq.heappush(self.queue, (self.busy_until[node], seq, node, msg))
                 continue
             events += 1
             if events > max_events:
                 raise RuntimeError("simulation did not finish: event budget exhausted")
             if node == 0:
-                busy_until[0] = step_node0(t, [msg, *_take_arrived(queue, 0, t)])
-            else:
-                busy_until[node] = execute(node, t, self.nodes[node].receive_all([msg, *_take_arrived(queue, node, t)]))
-        if any(tm.done is None for tm in timings.values()):
+                self.busy_until[0] = self._node0(t, [msg, *_take_arrived(self.queue, 0, t)])
+            elif node not in self.down:
+                arrived = [msg, *_take_arrived(self.queue, node, t)]
+                self.busy_until[node] = self._execute(node, t, self.nodes[node].receive_all(arrived))
+        if any(tm.finish_s is None for tm in self.timings.values()):
             raise RuntimeError("simulation stalled: the pipeline went idle before every request finished")
         # Let stages see the Finish messages so their caches are released.
-        for _, _, node, msg in sorted(queue):
-            if isinstance(msg, Finish) and node:
+        for _, _, node, msg in sorted(self.queue, key=lambda e: e[:2]):
+            if isinstance(msg, Finish) and node > 0 and node not in self.down:
                 self.nodes[node].receive(msg)
-        return MultiResult(timings, max(tm.finish_s for tm in timings.values()), trace)
+        return MultiResult(self.timings, max(tm.finish_s for tm in self.timings.values()), self.trace)
+
+    def _fault(self, t: float, notice: _Notice) -> None:
+        """A stage dies (everything it held is gone) or a fresh one takes its slot; node 0 hears of it."""
+        if notice.lost:
+            self.down.add(notice.stage)
+            self.nodes[notice.stage].reset()
+            detect = next(f.detect_s for f in self.cluster.faults if f.stage == notice.stage and f.at_s == t)
+            self._push(t + detect, 0, notice)
+            log.info("simulated stage %d lost at %.3f s", notice.stage, t)
+        else:
+            self.down.discard(notice.stage)
+            self.busy_until[notice.stage] = t
+            self._push(t, 0, notice)
+            log.info("simulated stage %d back at %.3f s", notice.stage, t)
+
+    def _node0(self, t: float, messages: list) -> float:
+        """Node 0 takes what arrived, then steps the scheduler — one piece of work per request per step,
+        the requests' draft calls sharing forwards — taking new arrivals between steps, until it has no
+        work; admissions and replays happen on the ticks between."""
+        t = self._arrive(t, messages)
+        t = self._execute(0, t, self.sched.tick(t, not self.down))
+        while self.sched.has_work():
+            t = self._execute(0, t, self.sched.step(t))
+            t = self._arrive(t, _take_arrived(self.queue, 0, t))
+            t = self._execute(0, t, self.sched.tick(t, not self.down))
+        due = self.sched.next_deadline()
+        if due is not None and due != self.wake_s:
+            self.wake_s = due
+            self._push(due + 1e-9, 0, _Wake())
+        return t
+
+    def _arrive(self, t: float, messages: list) -> float:
+        for m in messages:
+            if isinstance(m, SimRequest):
+                t = self._execute(0, t, self.sched.submit(m.request_id, self.cluster.job(m), t))
+            elif isinstance(m, tuple):   # ("cancel", request id)
+                t = self._execute(0, t, self.sched.cancel(m[1]))
+            elif isinstance(m, Segment):
+                self.sched.add_work(m.request_id, m, t)
+            elif isinstance(m, _Notice) and m.lost:
+                t = self._execute(0, t, self.sched.stage_lost(f"stage {m.stage} lost", t))
+        return t
+
+    def _execute(self, node: int, t: float, actions: list) -> float:
+        """Carry out a node's actions in order: compute advances its clock, sends occupy links."""
+        for a in actions:
+            if isinstance(a, FromEngine):
+                a = a.action
+            if isinstance(a, Compute):
+                t = self._compute(node, t, a)
+            elif isinstance(a, Send):
+                self._send(node, t, a)
+            elif isinstance(a, ResetStages):
+                for i in range(1, len(self.nodes)):
+                    self._send(node, t, Send(i, Finish(a.engine_id)))
+            else:
+                self._record(t, a)
+        return t
+
+    def _compute(self, node: int, t: float, a: Compute) -> float:
+        dur = self.costs.compute_s(node, a)
+        if dur > 0:
+            self.trace.add(TraceEvent(_lane(node), "compute", a.phase or a.what, t, t + dur, a.tokens, label=a.what))
+        return t + dur
+
+    def _send(self, node: int, t: float, a: Send) -> None:
+        if node in self.down:
+            return   # a dead stage sends nothing
+        nbytes = message_bytes(a.message)
+        start = max(t, self.link_free.get((node, a.to), 0.0))
+        end = start + self.costs.transfer_s(node, a.to, nbytes)
+        self.link_free[(node, a.to)] = end
+        if end > start:
+            phase = getattr(a.message, "phase", type(a.message).__name__.lower())
+            self.trace.add(TraceEvent(f"link{node}->{a.to}", "transfer", phase, start, end,
+                                      len(a.message) if isinstance(a.message, Segment) else 0, nbytes))
+        self._push(end, a.to, a.message)
+
+    def _record(self, t: float, a) -> None:
+        """A request's tokens or its end, on the virtual clock."""
+        timing = self.timings[a.key]
+        if isinstance(a, Emitted):
+            timing.emits.append((t, len(a.tokens)))
+            if self.on_tokens:
+                self.on_tokens(a.key, a.tokens)
+            return
+        if isinstance(a, Failed):
+            req = self.sched.get(a.key)
+            timing.failed = a.message
+            a = Cancelled(a.key, Done(list(req.emitted) if req else [], Stats(), a.key))
+        if isinstance(a, (Finished, Cancelled)):
+            timing.done, timing.finish_s = a.done, t
+            req = self.sched.get(a.key)
+            timing.replays = req.replays if req is not None else 0
 
 
 def _take_arrived(queue: list, node: int, t: float) -> list:
     """Pop every message for `node` that has arrived by `t`, in arrival (then send) order."""
-    mine = sorted(e for e in queue if e[2] == node and e[0] <= t)
+    mine = sorted((e for e in queue if e[2] == node and e[0] <= t), key=lambda e: e[:2])
     if mine:
         queue[:] = [e for e in queue if not (e[2] == node and e[0] <= t)]
         heapq.heapify(queue)

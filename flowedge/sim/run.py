@@ -10,13 +10,14 @@ from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
 from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.head import Head
-from flowedge.engine.scheduler import BatchConfig, MultiHead
+from flowedge.engine.scheduler import Scheduler
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
-from flowedge.sim.cluster import CostModel, SimCluster, SimRequest
+from flowedge.engine.jobs import KvBudget
+from flowedge.sim.cluster import BatchConfig, CostModel, SimCluster, SimRequest, StageFault
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
 from flowedge.sim.sizing import tree_costs
 
@@ -137,7 +138,7 @@ class Cluster:
 
     def head_factory(self, strategy_name: str, costs: CostModel | None = None, own_oracle: bool = True,
                      batcher: DraftBatcher | None = None) -> tuple[Callable, SpecConfig]:
-        """A function making one request's Head (from its `Submit`): its own strategy, draft cache and
+        """A function making one request's Head (from the scheduler's `Request`): its own strategy, draft cache and
         (oracle mode) path cache, over the shared models. `own_oracle`: requests interleave, so one shared
         path cache would re-run each request's whole context on every switch; each prompt gets its own
         (`prompt_oracle`), which also keeps its logits across runs of the same prompt."""
@@ -148,8 +149,8 @@ class Cluster:
         ratio = costs.lm_head_segment_ratio if costs else None
         stops = stop_ids(self.config)
 
-        def make_head(sub) -> Head:
-            oracle = self.prompt_oracle(sub.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
+        def make_head(req) -> Head:
+            oracle = self.prompt_oracle(req.job.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
             return build_head(self.head_model, self.draft_model, strategy_name, n, spec, stops,
                               lm_head_ratio=ratio, oracle=oracle, batcher=batcher,
                               predict_costs=costs.tree if costs is not None else None)
@@ -163,24 +164,28 @@ class Cluster:
         return self.prompt_oracles[key]
 
     def build_many(self, strategy_name: str, batch: BatchConfig, costs: CostModel | None = None
-                   ) -> tuple[MultiHead, list[StageWorker]]:
-        """Node 0's multi-request scheduler and fresh stage workers (per-request KV slots, batched forwards)."""
+                   ) -> tuple[Scheduler, list[StageWorker], SpecConfig]:
+        """Node 0's request scheduler (the daemon's) and fresh stage workers (per-request KV slots, batched
+        forwards); the spec the heads run (a job's KV need follows from it)."""
         drafts = make_strategy(strategy_name).needs_draft and self.draft_model is not None
         batcher = DraftBatcher(self.draft_model) if drafts and batch.batch_drafts else None
         make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)
-        reserve = spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
-        multi = MultiHead(make_head, n, batch, tree_reserve=reserve, batcher=batcher)
-        return multi, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+        budget = None if batch.kv_budget_tokens is None else \
+            KvBudget(batch.kv_budget_tokens, 0, f"kv_budget_tokens = {batch.kv_budget_tokens}")
+        sched = Scheduler(make_head, batch.limits(), lambda: budget, batcher=batcher, contain_errors=False)
+        return sched, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)], spec
 
     def generate_many(self, strategy: str, requests: list[SimRequest], batch: BatchConfig,
-                      device: str | None = None, link: str | None = None, path: str | None = None):
-        """Several requests, arriving and possibly cancelled as `requests` say, through one pipeline."""
+                      device: str | None = None, link: str | None = None, path: str | None = None,
+                      faults: tuple[StageFault, ...] = ()):
+        """Several requests, arriving and possibly cancelled as `requests` say, through one pipeline; a
+        stage may be lost and come back as `faults` say."""
         for r in requests:
             check_context(len(r.prompt_ids), r.max_new_tokens, self.config.max_position_embeddings)
         costs = self.costs(device, link, path)
-        multi, stages = self.build_many(strategy, batch, costs)
-        return SimCluster(multi, stages, costs).run_many(requests), multi, stages
+        sched, stages, spec = self.build_many(strategy, batch, costs)
+        return SimCluster(sched, stages, costs, faults, spec).run_many(requests), sched, stages
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:

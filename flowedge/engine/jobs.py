@@ -1,0 +1,155 @@
+"""What the request scheduler (engine/scheduler.py) schedules and what it says back: jobs and their state,
+the limits it keeps, the KV footprint arithmetic, and its actions.
+
+One copy for both drivers: the simulated cluster (virtual time) and the daemon's head (wall time) submit
+`Job`s and carry out the actions; neither keeps a lifecycle of its own.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from flowedge.core.sampling import SamplingParams
+from flowedge.engine.config import SpecConfig
+from flowedge.engine.events import Compute, Done, Send
+from flowedge.errors import ConfigError
+
+REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
+
+
+class State(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request to run: its tokens, how many to generate, how to sample, and what it may hold.
+
+    `kv_tokens`: KV entries it may hold on every stage (`kv_need`); `deadline_s`: while still queued, it
+    fails past this time (None: it waits until its client cancels it)."""
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    params: SamplingParams = SamplingParams()
+    strategy: str = ""
+    kv_tokens: int = 0
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be >= 1 (got {self.max_new_tokens})")
+
+
+@dataclass
+class Request:
+    """A job as the scheduler holds it; `emitted` is every token handed out so far (kept across replays)."""
+    key: int
+    job: Job
+    submitted_s: float
+    state: State = State.QUEUED
+    deadline_s: float | None = None   # paused: the recovery deadline for a lost stage's slot
+    engine: object = None
+    engine_id: int = 0                # the engine run's id on the wire (a replay gets a new one)
+    emitted: list[int] = field(default_factory=list)
+    started_s: float = 0.0
+    last_progress_s: float = 0.0
+    replays: int = 0
+    work: deque = field(default_factory=deque)   # (is_follow_up, item): the engine's next events
+    kv_waited: bool = False           # has waited in the queue for KV (logged once)
+
+    def next_engine_id(self) -> int:
+        """The first run keeps the key (what the stages and tests see); each replay a fresh id."""
+        return self.key + (self.replays << REPLAY_ID_SHIFT)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_running: int = 1              # requests whose segments share the pipeline at once
+    recovery_s: float = 30.0          # a paused request waits this long for a lost stage's slot to be filled
+    stall_s: float = 60.0             # a running request with no pipeline output this long is replayed
+    max_replays: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ConfigError(f"max-concurrent must be >= 1 (got {self.max_running})")
+
+
+@dataclass(frozen=True, slots=True)
+class KvBudget:
+    """The KV tokens every stage can hold for all requests; `why` says how it was worked out (for the error a
+    client sees)."""
+    tokens: int
+    stage: int = 0
+    why: str = ""
+
+
+def tree_reserve(spec: SpecConfig) -> int:
+    """Draft entries one request can hold on a stage at once: its initial tree plus the largest growth."""
+    return spec.tree_nodes + max(spec.exp_nodes, spec.se_nodes, spec.pipedec_width)
+
+
+def kv_need(spec: SpecConfig, prompt_tokens: int, max_new_tokens: int) -> int:
+    """KV tokens one request can hold on a stage: its whole context plus a draft tree in flight."""
+    return prompt_tokens + max_new_tokens + tree_reserve(spec)
+
+
+def replay_params(params: SamplingParams, committed: int) -> SamplingParams:
+    """Sampling params of a replay after `committed` output tokens: greedy stays greedy; sampling draws
+    from a generator seeded from (seed, committed), so the tokens after the fault are fresh draws from the
+    same conditional distribution (reusing the seed's stream would correlate them with those before)."""
+    if params.greedy or params.seed is None or committed == 0:
+        return params
+    digest = hashlib.sha256(f"{params.seed}:{committed}".encode()).digest()
+    return replace(params, seed=int.from_bytes(digest[:7], "big"))
+
+
+# ---- actions ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class FromEngine:
+    """An engine's own action for its request: a `Send` to the stages or a `Compute` to charge."""
+    key: int
+    action: Send | Compute
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """Tokens newly accepted for the request's asker, in order."""
+    key: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request completed; `done.token_ids` is its whole answer (replays included)."""
+    key: int
+    done: Done
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request ended without completing; `message` is what its asker is told."""
+    key: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The request was cancelled; `done` holds what it had produced (`cancelled=True`)."""
+    key: int
+    done: Done
+
+
+@dataclass(frozen=True, slots=True)
+class ResetStages:
+    """Every stage drops engine run `engine_id` and its KV cache (a cancel, a pause, an early stop)."""
+    key: int
+    engine_id: int
+
+
+Action = FromEngine | Emitted | Finished | Failed | Cancelled | ResetStages
