@@ -204,10 +204,10 @@ class _StageLost(Exception):
 
 @pytest.mark.parametrize("strategy", ["flowspec", "auto"])
 def test_a_stage_lost_mid_round_and_replayed_on_fresh_stages_equals_ar(tiny_pair, references, strategy):
-    """What the daemon does on a stage loss (daemon/requests.py `_replay`), at the engine level: the run is
+    """What the daemon does on a stage loss (engine/scheduler.py `_replay`), at the engine level: the run is
     abandoned at an emit in the middle of the answer, with segments already sent, and a new
-    run on fresh stages (empty KV, as a restarted stage has) starts from prompt + committed tokens. The
-    simulator itself cannot lose a node (sim/cluster.py has no failure event); this is the part it can run."""
+    run on fresh stages (empty KV, as a restarted stage has) starts from prompt + committed tokens. The whole
+    scenario, pause and replay by the scheduler on a simulated stage loss, is test_sim_stage_loss.py."""
     base, draft = tiny_pair
     cluster = Cluster(base, draft, 3, SMALL)
     prompt, ref = PROMPTS[0], references[0]

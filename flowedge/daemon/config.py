@@ -42,7 +42,7 @@ class NodeConfig:
     # limit for the head (then re-joins). Clients with work in progress heartbeat too.
     heartbeat_ms: int = 500
     stage_timeout_s: float = 2.0              # a stage (or, seen from a stage, the head) silent this long is dead
-    # head only: the request lifecycle (daemon/requests.py)
+    # head only: the request scheduler (engine/scheduler.py, driven by daemon/requests.py)
     client_timeout_s: float = 10.0            # a client with a request in progress silent this long has left
     recovery_s: float = 30.0                  # a request in flight waits this long for a lost stage's slot to be
                                               # filled (queued ones keep their place: their clients' timeouts)

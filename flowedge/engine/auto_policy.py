@@ -16,7 +16,7 @@ A fall-back from flowspec to ar-pp is tried again after `probe_tokens` tokens, t
 each try that did not pay; where the profiles already predict ar-pp, flowspec is never probed (a probe
 would cost the request time on exactly the devices where speculation cannot pay).
 
-**Load.** Requests that share the pipeline (engine/scheduler.py, the daemon's request book) slow each
+**Load.** Requests that share the pipeline (engine/scheduler.py, in the simulator and the daemon alike) slow each
 other down, each strategy differently (`LoadModel`), so every prediction is taken at the number of
 requests running: the first choice (made when a request's first round starts), the comparisons with a
 measured rate after it (comparing a loaded flowspec measurement with ar-pp alone made `auto` fall back at
