@@ -230,9 +230,9 @@ class Scheduler:
         req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
         job = req.job
         left = job.max_new_tokens - len(req.emitted)
-        log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go (engine run %d%s)",
-                 req.key, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.engine_id,
-                 f", replay {req.replays}" if req.replays else "")
+        log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go (head request %d%s)",
+                 req.engine_id, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.key,
+                 f", replay {req.replays}" if req.replays else "")   # tools/fault_inject.py checks FIFO on it
         ids, params = list(job.prompt_ids) + req.emitted, replay_params(job.params, len(req.emitted))
         return self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params))
 
