@@ -1,0 +1,140 @@
+"""Row-invariant W8A16 matmul on CPU: `linear(x, weight)` over a weight prepared once from `PackedInt8`.
+
+Why: the GGUF files flowedge converts keep the tensors that matter most (attn_v and ffn_down in half of
+the layers, the output matrix) at 6-8 bits (Q6_K, Q8_0); squeezing them into 4 bits cost agreement with
+the float model. 8-bit codes with a float32 scale per group of 32 hold those values to within 1/8 of a
+Q6_K step (Q8_0: exactly). Same guarantees as w4a16.py: a row's result depends neither on the rows
+sharing the call nor on the thread count.
+
+Numerics (the same for every row whatever M, its row pass or the thread count; threads take whole
+16-output tiles, never a part of K):
+  1. x is rounded to bfloat16 (round to nearest even), the "A16".
+  2. Per output n and group g of G inputs: S = sum over the group of code * bf16(x) in fp32 (codes are
+     integers in -127..127, exact in bf16). AVX512-BF16 build: one `vdpbf16ps` accumulator over the
+     input pairs (2k, 2k+1) in k order. Portable build: a plain fp32 sum in k order (no FMA).
+  3. y[n] = sum over g in order of: y = fma(S, scale, y) (portable: multiply then add), then y += bias[n].
+The two builds differ in the last bits from each other, never between rows of one build.
+
+Prepared layout (9 bits a weight at G=32): uint8 [N/16, K/G, 64 + 16G]: per tile of 16 outputs and
+group, 16 float32 scales, then G/2 blocks of 32 codes; byte 2i + e of block j is output i's code at
+k = 2j + e. Tiles are independent: concatenating two prepared weights along dim 0 is the weight of both.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from flowedge.kernels import build
+
+if TYPE_CHECKING:   # quant8 imports this module: no import back at run time
+    from flowedge.models.quant8 import PackedInt8
+
+SOURCE = Path(__file__).with_name("w8a16.c")
+TILE = 16
+REPACK_ROWS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class W8A16Weight:
+    """A weight in the kernel's tiled layout: tiles uint8 [N/16, K/G, 64 + 16G]."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+
+def _library() -> ctypes.CDLL | None:
+    built = build.load(SOURCE)
+    if built is None:
+        return None
+    lib = built.lib
+    if not getattr(lib, "_flowedge_typed", False):
+        lib.w8a16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int]
+        lib.w8a16_linear.restype = ctypes.c_int
+        lib.w8a16_isa.restype = ctypes.c_char_p
+        lib._flowedge_typed = True
+    return lib
+
+
+def available() -> bool:
+    """True when the native kernel is built and loaded here (and not switched off)."""
+    return _library() is not None
+
+
+def isa() -> str | None:
+    """'avx512bf16' or 'portable' (the code path compiled in), None when unavailable."""
+    lib = _library()
+    return None if lib is None else lib.w8a16_isa().decode()
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    return (out_features % TILE == 0 and group_size % 16 == 0 and 16 <= group_size <= 256
+            and in_features % group_size == 0)
+
+
+def prepare(w: PackedInt8) -> W8A16Weight:
+    """Repack the portable layout into tiles (REPACK_ROWS outputs at a time)."""
+    n, k, g = w.out_features, w.in_features, w.group_size
+    if not supports(n, k, g):
+        raise ValueError(f"W8A16 kernel needs N % 16 == 0 and G in 16..256 dividing K (N={n}, K={k}, G={g})")
+    parts = [_repack(q, s, g) for q, s in zip(w.qweight.split(REPACK_ROWS), w.scales.split(REPACK_ROWS))]
+    return W8A16Weight(torch.cat(parts).contiguous(), n, k, g)
+
+
+def _repack(qweight: torch.Tensor, scales: torch.Tensor, g: int) -> torch.Tensor:
+    # qweight: int8 [n, K], scales: float32 [n, K/G] -> uint8 [n/16, K/G, 64 + 16G]
+    n, ng = scales.shape
+    codes = qweight.view(torch.uint8).reshape(n // TILE, TILE, ng, g // 2, 2)
+    codes = codes.permute(0, 2, 3, 1, 4).reshape(n // TILE, ng, 16 * g)
+    table = scales.float().reshape(n // TILE, TILE, ng).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([table, codes], dim=-1)
+
+
+def linear(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32 (plus a float32 bias [N]); `threads` defaults to torch's.
+    Under torch.compile the call is the custom op `flowedge::w8a16_linear` (no graph break)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flowedge.w8a16_linear(x, weight.tiles, weight.out_features, weight.in_features,
+                                               weight.group_size, bias, threads or 0)
+    return _call(x, weight, bias, threads or torch.get_num_threads())
+
+
+def _call(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("native W8A16 kernel unavailable (see the log for why)")
+    m, k = x.shape
+    if k != weight.in_features or x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(m, weight.out_features, dtype=torch.float32)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    rc = lib.w8a16_linear(x.data_ptr(), m, k, weight.tiles.data_ptr(), weight.out_features, weight.group_size,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"w8a16_linear failed (M={m}, K={k}, N={weight.out_features})")
+    return out
+
+
+@torch.library.custom_op("flowedge::w8a16_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
+               bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    weight = W8A16Weight(tiles, out_features, in_features, group_size)
+    return _call(x, weight, bias, threads or torch.get_num_threads())
+
+
+@_linear_op.register_fake
+def _linear_shape(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
+                  bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
