@@ -17,7 +17,8 @@ import transformers
 from safetensors.torch import load_file
 
 from flowedge.errors import ModelError
-from flowedge.models.convert import convert_gguf
+from flowedge.models.convert import CONVERT_FORMAT, convert_gguf
+from flowedge.models.gguf_model import read_gguf
 from flowedge.models.gguf_tensors import GgufTensor
 from flowedge.models.packing import pack_entries
 from flowedge.models.safetensors_io import TensorEntry, file_sha256, write_safetensors
@@ -43,10 +44,15 @@ def convert_with_transformers(gguf: Path, target: Path, quant: str, skip: tuple[
                if not (tied and n == "lm_head.weight") and n not in skip]
     f16 = torch.finfo(torch.float16).max
     store = {e.name: torch.bfloat16 if state[e.name].abs().max() > f16 else torch.float16 for e in entries}
-    entries = pack_entries(entries, 32, lambda e: store[e.name]) if quant == "int4" else \
+    entries = pack_entries(entries, 32, lambda e: store[e.name], wide=wide_names(gguf)) if quant == "int4" else \
         [TensorEntry(e.name, store[e.name], e.shape, lambda e=e: e.load().to(store[e.name])) for e in entries]
     write_safetensors(target / "model.safetensors", entries)
     return state
+
+
+def wide_names(gguf: Path) -> set[str]:
+    """The tensors the GGUF block-quantizes with 6-8 bit codes (the converter stores their layers W8A16)."""
+    return {s.name for s in read_gguf(gguf).tensors if s.qtype_name in ("Q6_K", "Q8_0")}
 
 
 def _config(path: Path) -> dict:
@@ -75,7 +81,9 @@ def test_the_streamed_checkpoint_is_the_one_transformers_loading_gave(tmp_path, 
     assert file_sha256(new / "model.safetensors") == file_sha256(tmp_path / "old" / "model.safetensors")
     assert _config(new) == _config(tmp_path / "old") | {"architectures": [type_name(arch)]}
     marker = json.loads((new / "flowedge.json").read_text())
-    assert (marker["format"], marker["quant"], marker["sha256"]) == (3, quant, SHA)
+    assert (marker["format"], marker["quant"], marker["sha256"]) == (CONVERT_FORMAT, quant, SHA)
+    wide = {n[: -len(".qweight8")] for n in a if n.endswith(".qweight8")}
+    assert wide == ({f"model.layers.{i}.self_attn.q_proj" for i in range(2)} if quant == "int4" else set())
     held = marker.get("gguf_tensors", {}).get("tensors", {})
     assert set(held) == (set(REFERENCED) if refs else set())
     for name, record in held.items():   # read from the GGUF at load: what transformers gave, in float16

@@ -1,6 +1,6 @@
 """A registry model's W4A16 checkpoint stores no 16-bit embedding / lm_head: they are dequantised from
-the GGUF the cache keeps, and every loader (stage, head file, its stream to a remote stage, a migrated
-old cache) gets the very tensors and bytes the float16 copies held. Uses a real GGUF of a tiny model
+the GGUF the cache keeps, and every loader (stage, head file, its stream to a remote stage, an old cache
+converted again) gets the very tensors and bytes the float16 copies held. Uses a real GGUF of a tiny model
 (models/tiny_gguf.py: the embedding as Q8_0 blocks, the lm_head as Q4_0, the rest mixed)."""
 from __future__ import annotations
 
@@ -125,23 +125,22 @@ def test_head_file_streamed_from_the_gguf_is_the_copied_one_byte_for_byte(home, 
     assert all(torch.equal(head[n], read_tensor(tmp_path / "copied" / "head.safetensors", n)) for n in head)
 
 
-def test_a_format2_cache_is_migrated_in_place_not_converted_again(home, tmp_path, monkeypatch):
+def test_an_older_w4a16_cache_is_converted_again(home, tmp_path, monkeypatch):
+    """Format 2 and 3 stored every layer Linear 4-bit; format 4 keeps the GGUF's 6-8 bit ones W8A16."""
     target = home / "models" / NAME
     gguf = home / "gguf" / f"{NAME}.gguf"
-    convert_gguf(gguf, target, source=NAME, sha256=registry.MODELS[NAME].sha256)   # 16-bit copies
-    marker = json.loads((target / "flowedge.json").read_text())
-    (target / "flowedge.json").write_text(json.dumps(marker | {"format": 2}))
-    before = {n: read_tensor(target / "model.safetensors", n) for n in _names(target)}
-    conversions = []
-    monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: conversions.append(a))
-    assert resolve_model(NAME, home=home) == target
-    assert conversions == []   # no conversion: the copies were dropped in place
-    marker = json.loads((target / "flowedge.json").read_text())
-    assert marker["format"] == resolve.CONVERT_FORMAT and set(marker["gguf_tensors"]["tensors"]) == set(REFERENCED)
-    assert _names(target) == set(before) - set(REFERENCED)
-    index = shard_tensor_files(target)
-    assert all(torch.equal(read_tensor(index[n], n), before[n]) for n in before)
-
+    for old in (2, 3):
+        resolve_model(NAME, home=home)
+        marker = json.loads((target / "flowedge.json").read_text())
+        (target / "flowedge.json").write_text(json.dumps(marker | {"format": old}))
+        conversions = []
+        real = resolve.convert_gguf
+        monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: conversions.append(a) or real(*a, **k))
+        assert resolve_model(NAME, home=home) == target and len(conversions) == 1
+        assert json.loads((target / "flowedge.json").read_text())["format"] == resolve.CONVERT_FORMAT
+        assert any(n.endswith(".qweight8") for n in _names(target))   # the tiny GGUF's Q8_0 attn_q
+        monkeypatch.setattr(resolve, "convert_gguf", real)
+    assert gguf.is_file()
 
 def test_a_missing_or_altered_gguf_is_a_clear_error_and_resolving_fetches_it_again(home, tmp_path):
     out = resolve_model(NAME, home=home)

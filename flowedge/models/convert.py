@@ -9,7 +9,10 @@ any tensor is read). Peak for the real 1.5B: see docs/bench/w4a16-memory.md.
 
 The values are those transformers' GGUF loading gave, bit for bit: gguf.dequantize to float32, the
 Llama q/k rows put back in Hugging Face order, then float16 (bfloat16 for a tensor beyond the float16
-range), and packed from those 16-bit values.
+range), and packed from those 16-bit values. A layer Linear the GGUF quantizes with 6-8 bit codes
+(WIDE_TYPES, Q6_K and Q8_0: what llama.cpp's mixes keep wide because it matters) is packed W8A16 instead, straight from
+its float32 values (a Q8_0 block keeps its own codes). Float tensors (F16, F32) say nothing of what
+matters: they are packed W4A16 like the rest, as "4-bit weights at rest" promises.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "flowedge.json"
 CHECKPOINT_KEY = "checkpoint"   # the marker's record of model.safetensors (checkpoint_record)
-CONVERT_FORMAT = 3
+CONVERT_FORMAT = 4   # 4: W8A16 for the layer Linears the GGUF keeps at >= 6 bits (3: all W4A16)
+WIDE_TYPES = frozenset({"Q6_K", "Q8_0", "Q8_1", "Q8_K"})   # GGUF block types with 6-8 bit codes: stored W8A16
 STORE_DTYPE = torch.float16
 _F16_MAX = torch.finfo(torch.float16).max
 _GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -120,11 +124,13 @@ def _entries(model: GgufModel, quant: str, group_size: int, skip: set[str]) -> l
     small; a 16-bit embedding or lm_head copy: a chunked pass)."""
     sources = [s for s in model.tensors if s.name not in skip]
     packed = {s.name for s in sources if quant == "int4" and packs(s.name, s.shape, group_size)}
+    wide = {s.name for s in sources if s.name in packed and s.qtype_name in WIDE_TYPES}
     dtypes = {s.name: store_dtype(s) for s in sources if s.name not in packed}
-    entries = [TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
+    entries = [TensorEntry(s.name, torch.float32, s.shape, s.load) if s.name in wide else
+               TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
                TensorEntry(s.name, dtypes[s.name], s.shape, lambda s=s: s.load(dtypes[s.name]))
                for s in sources]
-    return pack_entries(entries, group_size) if quant == "int4" else entries
+    return pack_entries(entries, group_size, wide=wide) if quant == "int4" else entries
 
 
 def store_dtype(source: GgufSource) -> torch.dtype:

@@ -85,6 +85,13 @@ class GgufSource:
         """max |value| of the float32 dequantised tensor (NaN if it holds one), chunk by chunk."""
         return self.matrix(torch.float32).max_abs()
 
+    @property
+    def qtype_name(self) -> str:
+        """The GGML block type's name: Q4_K, Q6_K, Q8_0, F16, ..."""
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.qtype).name
+
 
 @dataclass(frozen=True, slots=True)
 class GgufModel:

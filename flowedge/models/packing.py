@@ -2,8 +2,10 @@
 
 A decoder layer's Linear weights (the 2-D `model.layers.N.*.weight` tensors) are stored as
 `<prefix>.qweight`, `<prefix>.scales` and `<prefix>.zeros` (flowedge.models.quant.PackedInt4, a layout
-every device repacks for its own kernel while loading); everything else (embedding, norms, biases,
-lm_head) stays at 16 bits. A weight whose shape some kernel cannot take stays at 16 bits too.
+every device repacks for its own kernel while loading); those a GGUF held at 6-8 bits are stored W8A16
+instead, as `<prefix>.qweight8` and `<prefix>.scales8` (flowedge.models.quant8.PackedInt8); everything
+else (embedding, norms, biases, lm_head) stays at 16 bits. A weight whose shape some kernel cannot take
+stays at 16 bits too.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import torch
 
 from flowedge.errors import ConfigError
 from flowedge.models.quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, PackedInt4, pack_int4, packable
+from flowedge.models.quant8 import GROUP_SIZE as GROUP_SIZE_8
+from flowedge.models.quant8 import PackedInt8, pack_int8, packable8
 from flowedge.models.safetensors_io import TensorEntry
 
 QUANT_FORMATS = ("none", "int4")
 PACKED_SUFFIXES = (".qweight", ".scales", ".zeros")
+PACKED8_SUFFIXES = (".qweight8", ".scales8")
 _LAYER_LINEAR_RE = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 
 
@@ -42,24 +47,36 @@ def packs(name: str, shape: tuple[int, ...], group_size: int) -> bool:
 
 def quant_of(names: Iterable[str]) -> str:
     """The storage format of a checkpoint, read from its tensor names."""
-    return "int4" if any(n.endswith(".qweight") for n in names) else "none"
+    return "int4" if any(n.endswith((".qweight", ".qweight8")) for n in names) else "none"
 
 
 def packed_prefixes(names: Iterable[str]) -> set[str]:
+    """Prefixes of the W4A16 weights."""
     return {n[: -len(".qweight")] for n in names if n.endswith(".qweight")}
 
 
+def packed8_prefixes(names: Iterable[str]) -> set[str]:
+    """Prefixes of the W8A16 weights."""
+    return {n[: -len(".qweight8")] for n in names if n.endswith(".qweight8")}
+
+
 def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP_SIZE,
-                 store_dtype: Callable[[TensorEntry], torch.dtype] | None = None) -> list[TensorEntry]:
+                 store_dtype: Callable[[TensorEntry], torch.dtype] | None = None,
+                 wide: Iterable[str] = ()) -> list[TensorEntry]:
     """Entries of a W4A16 checkpoint: layer Linear weights packed, the rest kept (cast to `store_dtype`
     when given). A packed weight is quantized from its 16-bit stored value, so packing a 16-bit
-    checkpoint at load time gives the same codes."""
+    checkpoint at load time gives the same codes. The layer Linears named in `wide` (those a GGUF keeps
+    at 6-8 bits) are stored W8A16, quantized from the value their entry loads (the converter: float32)."""
     check_group_size(group_size)
+    wide = set(wide)
     out: list[TensorEntry] = []
     for entry in entries:
         dtype = store_dtype(entry) if store_dtype else entry.dtype
         load = _cast(entry.load, dtype) if dtype != entry.dtype else entry.load
-        if entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
+        if entry.name in wide and is_layer_linear(entry.name, entry.shape) and \
+                packable8(*entry.shape, GROUP_SIZE_8) is None:
+            out += _packed8(entry.name, entry.shape, entry.load)
+        elif entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
             out += _packed(entry.name, entry.shape, load, group_size)
         else:
             out.append(TensorEntry(entry.name, dtype, entry.shape, load))
@@ -71,16 +88,16 @@ def _cast(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], 
 
 
 class _OnePack:
-    """Packs one weight once for its three entries (written in a row) and lets go after the last."""
+    """Packs one weight once for its entries (written in a row) and lets go after the last."""
 
-    def __init__(self, load: Callable[[], torch.Tensor], group_size: int) -> None:
-        self.load, self.group_size = load, group_size
-        self.value: PackedInt4 | None = None
+    def __init__(self, load: Callable[[], torch.Tensor], pack: Callable[[torch.Tensor], object]) -> None:
+        self.load, self.pack = load, pack
+        self.value: PackedInt4 | PackedInt8 | None = None
 
     def part(self, field: str, last: bool = False) -> Callable[[], torch.Tensor]:
         def get() -> torch.Tensor:
             if self.value is None:
-                self.value = pack_int4(self.load().float(), self.group_size)
+                self.value = self.pack(self.load().float())
             tensor = getattr(self.value, field)
             if last:
                 self.value = None
@@ -91,8 +108,16 @@ class _OnePack:
 def _packed(name: str, shape: tuple[int, ...], load, group_size: int) -> list[TensorEntry]:
     n, k = shape
     prefix = name[: -len(".weight")]
-    one = _OnePack(load, group_size)
+    one = _OnePack(load, lambda w: pack_int4(w, group_size))
     groups = k // group_size
     return [TensorEntry(prefix + ".qweight", torch.uint8, (n, k // 2), one.part("qweight")),
             TensorEntry(prefix + ".scales", torch.bfloat16, (n, groups), one.part("scales")),
             TensorEntry(prefix + ".zeros", torch.bfloat16, (n, groups), one.part("zeros", last=True))]
+
+
+def _packed8(name: str, shape: tuple[int, ...], load) -> list[TensorEntry]:
+    n, k = shape
+    prefix = name[: -len(".weight")]
+    one = _OnePack(load, pack_int8)
+    return [TensorEntry(prefix + ".qweight8", torch.int8, (n, k), one.part("qweight")),
+            TensorEntry(prefix + ".scales8", torch.float32, (n, k // GROUP_SIZE_8), one.part("scales", last=True))]

@@ -9,31 +9,29 @@ records which):
                          registry model are not stored: flowedge.json says where its GGUF holds them
                          and loaders dequantise them from there (models/gguf_tensors.py), bit-identical
                          to the float16 copies format 2 stored (1.48 GB for the real pair). A GGUF file
-                         the user gave keeps the copies: the cache does not own that file.
+                         the user gave keeps the copies: the cache does not own that file. Since
+                         format 4 the layer Linears the GGUF keeps at 6-8 bits are stored W8A16.
     models/<name>-f16/   quant "none": every tensor in float16, a plain Hugging Face checkpoint
 Nothing is ever stored in float32. A directory written by an older flowedge (float32, no "format"
-in flowedge.json) is converted again, never read as the new format; a format-2 W4A16 checkpoint of a
-registry model is migrated in place (its two 16-bit copies dropped, seconds instead of a conversion).
+in flowedge.json; a W4A16 one before format 4) is converted again, never read as the new format; a
+16-bit checkpoint of format 2 or 3 is laid out as format 4's and still read.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
-
-import torch
 
 from flowedge.errors import ModelError
 from flowedge.models import gguf_tensors, registry
-from flowedge.models.convert import CHECKPOINT_KEY, CONVERT_FORMAT, CONVERTED_MARKER, checkpoint_record, convert_gguf
+from flowedge.models.convert import CHECKPOINT_KEY, CONVERT_FORMAT, CONVERTED_MARKER, convert_gguf
 from flowedge.models.packing import storage_quant
-from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, file_sha256, write_safetensors
+from flowedge.models.safetensors_io import file_sha256
 
 log = logging.getLogger(__name__)
 
-_FORMAT_2_LAYOUT_KEPT = "none"   # a format-2 16-bit checkpoint is laid out as format 3: still read
+_LAYOUT_KEPT = {(2, "none"), (3, "none")}   # older 16-bit checkpoints are laid out as format 4's: still read
 
 
 def resolve_model(spec: str, *, home: Path | None = None, quant: str = "int4") -> Path:
@@ -66,8 +64,6 @@ def _resolve_registry(name: str, home: Path, fmt: str) -> Path:
     if _converted(target, entry.sha256, fmt):
         return target
     gguf = registry.pull(name, home=home)
-    if fmt == "int4" and migrate_format2(target, gguf, entry.sha256):
-        return target
     convert_gguf(gguf, target, source=name, sha256=entry.sha256, quant=fmt, reference_gguf=True)
     return target
 
@@ -88,9 +84,8 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
         marker = json.loads((target / CONVERTED_MARKER).read_text())
     except (FileNotFoundError, ValueError):
         return False
-    if marker.get("format") != CONVERT_FORMAT and \
-            (marker.get("format"), marker.get("quant")) != (2, _FORMAT_2_LAYOUT_KEPT):
-        log.info("%s was converted by an older flowedge (format %s, %s); migrating or converting again",
+    if marker.get("format") != CONVERT_FORMAT and (marker.get("format"), marker.get("quant")) not in _LAYOUT_KEPT:
+        log.info("%s was converted by an older flowedge (format %s, %s); converting again",
                  target, marker.get("format"), marker.get("dtype", "unknown dtype"))
         return False
     if sha256 is not None and marker.get("sha256") != sha256:
@@ -122,43 +117,4 @@ def _checkpoint_intact(path: Path, record: dict | None) -> bool:
     log.warning("%s is damaged (%d bytes, %d written; its sha256 differs): converting again",
                 path, st.st_size, record["bytes"])
     return False
-
-
-def migrate_format2(target: Path, gguf: Path, sha256: str) -> bool:
-    """Turn a format-2 W4A16 checkpoint of `gguf` into format 3 in place: drop the 16-bit embedding and
-    lm_head copies the GGUF gives back bit for bit. False (convert again) where it does not apply."""
-    from safetensors import safe_open
-
-    try:
-        marker = json.loads((target / CONVERTED_MARKER).read_text())
-    except (FileNotFoundError, ValueError):
-        return False
-    ckpt = target / "model.safetensors"
-    if (marker.get("format"), marker.get("quant"), marker.get("sha256")) != (2, "int4", sha256) or \
-            not ckpt.is_file():
-        return False
-    with safe_open(str(ckpt), "pt") as f:
-        kept = {n: f.get_slice(n) for n in f.keys()}
-        kept = {n: (_CODE_DTYPES[sl.get_dtype()], tuple(sl.get_shape())) for n, sl in kept.items()}
-    located = gguf_tensors.locate(gguf, {n: kept[n][0] for n in gguf_tensors.HF_TO_GGUF if n in kept})
-    refs = {n: t for n, t in located.items()
-            if t.shape == kept[n][1] and torch.equal(t.load(), gguf_tensors.read_tensor(ckpt, n))}
-    if not refs:
-        return False
-    log.info("migrating %s: its %s are read from %s from now on", target, ", ".join(refs), gguf.name)
-    entries = [TensorEntry(n, dtype, shape, lambda n=n: gguf_tensors.read_tensor(ckpt, n))
-               for n, (dtype, shape) in kept.items() if n not in refs]
-    tmp = target / f".model.safetensors.tmp-{os.getpid()}"
-    try:
-        digest, _ = write_safetensors(tmp, entries)
-        os.replace(tmp, ckpt)
-    finally:
-        tmp.unlink(missing_ok=True)
-    marker.update({"format": CONVERT_FORMAT, CHECKPOINT_KEY: checkpoint_record(ckpt, digest),
-                   gguf_tensors.MARKER_KEY: {
-        **gguf_tensors.file_record(gguf, sha256, target), "tensors": {n: t.to_json() for n, t in refs.items()}}})
-    tmp_marker = target / f".{CONVERTED_MARKER}.tmp-{os.getpid()}"   # a new file: never through a hard link
-    tmp_marker.write_text(json.dumps(marker, indent=1) + "\n")
-    os.replace(tmp_marker, target / CONVERTED_MARKER)
-    return True
 

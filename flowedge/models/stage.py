@@ -218,16 +218,20 @@ def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: 
     tensors are read, then (quantizing at load) this layer's Linears are quantized before the next
     layer is read, so at most one layer is ever held in full precision."""
     from flowedge.models.quant import Int4Linear, PackedInt4, quantize_module
+    from flowedge.models.quant8 import Int8Linear, PackedInt8
 
     prefix = f"{_LAYER_PREFIX}{absolute}."
-    packed = packing.packed_prefixes(names)
-    for full in sorted(packed):
-        sub = full[len(prefix):]
-        w = PackedInt4(*(_read_one(index, full + s, None) for s in packing.PACKED_SUFFIXES))
+    packed, packed8 = packing.packed_prefixes(names), packing.packed8_prefixes(names)
+    kinds = [(p, PackedInt4, packing.PACKED_SUFFIXES, Int4Linear) for p in sorted(packed)]
+    kinds += [(p, PackedInt8, packing.PACKED8_SUFFIXES, Int8Linear) for p in sorted(packed8)]
+    for full, stored, suffixes, linear in kinds:
+        w = stored(*(_read_one(index, full + s, None) for s in suffixes))
         w.check(full)
         bias = _read_one(index, full + ".bias", dtype) if full + ".bias" in index else None
-        layer.set_submodule(sub, Int4Linear.from_packed(w, bias))
+        layer.set_submodule(full[len(prefix):], linear.from_packed(w, bias))
     skip = {p + s for p in packed for s in (*packing.PACKED_SUFFIXES, ".bias")}
+    skip |= {p + s for p in packed8 for s in (*packing.PACKED8_SUFFIXES, ".bias")}
+    packed = packed | packed8
     state = {n[len(prefix):]: _read_one(index, n, dtype) for n in names if n not in skip}
     _load_into(layer, state, f"layer {absolute}", strict=not packed)
     if backend in ("int4", "nf4") and any(isinstance(m, nn.Linear) for m in layer.modules()):
