@@ -255,13 +255,20 @@ def _load_embedding(config: ModelConfig, index: dict[str, Path], dtype: torch.dt
 
 
 def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
-                  backend: str) -> nn.Module:
+                  backend: str, wide: bool = False) -> nn.Module:
     """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
-    a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix)."""
+    a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix):
+    W8A16 where `wide` and flowedge's kernel runs (every GGUF flowedge ships keeps its output matrix
+    at 6-8 bits; a 4-bit head cost the most agreement with the float model), else W4A16. Packed from the
+    16-bit rows every loader has (a remote stage's streamed head file too), so all agree bit for bit."""
     from flowedge.models.quant import DEFAULT_GROUP_SIZE, INT4_CPU_N_MULTIPLE, Int4Linear, packable, quantize_module
+    from flowedge.models.quant8 import Int8Linear, pack_int8
 
     name = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
     padded = -(-config.vocab_size // INT4_CPU_N_MULTIPLE) * INT4_CPU_N_MULTIPLE
+    if backend == "int4" and wide and _wide_head(padded, config.hidden_size):
+        head = Int8Linear.from_packed(_pack_rows(index[name], name, padded, pack_int8), None)
+        return head if padded == config.vocab_size else VocabSlice(head, config.vocab_size)
     if backend == "int4" and packable(padded, config.hidden_size, DEFAULT_GROUP_SIZE) is None:
         head = Int4Linear.from_packed(_pack_rows(index[name], name, padded), None)
         return head if padded == config.vocab_size else VocabSlice(head, config.vocab_size)
@@ -280,20 +287,32 @@ def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path],
     return lm_head
 
 
-def _pack_rows(source: Path | GgufTensor, name: str, rows: int):
-    """W4A16 codes of a [V, H] matrix, packed ROW_CHUNK rows at a time (rows quantize independently),
-    zero rows appended up to `rows` (the kernels take whole tiles of outputs)."""
-    from flowedge.models.quant import DEFAULT_GROUP_SIZE, ROW_CHUNK, PackedInt4, pack_int4
+def _wide_head(rows: int, cols: int) -> bool:
+    from flowedge.kernels import w8a16
+    from flowedge.models.quant8 import GROUP_SIZE, packable8
 
+    return packable8(rows, cols) is None and w8a16.supports(rows, cols, GROUP_SIZE) and w8a16.available()
+
+
+def _pack_rows(source: Path | GgufTensor, name: str, rows: int, pack=None):
+    """Codes of a [V, H] matrix (`pack`: pack_int4 at the default group size, or pack_int8), packed
+    ROW_CHUNK rows at a time (rows quantize independently), zero rows appended up to `rows` (the
+    kernels take whole tiles of outputs)."""
+    import dataclasses
+
+    from flowedge.models.quant import DEFAULT_GROUP_SIZE, ROW_CHUNK, pack_int4
+
+    pack = pack or (lambda w: pack_int4(w, DEFAULT_GROUP_SIZE))
     if isinstance(source, GgufTensor):
         chunks = (source.rows_tensor(a, min(a + ROW_CHUNK, source.rows)) for a in range(0, source.rows, ROW_CHUNK))
     else:
         chunks = iter(read_tensor(source, name, None).split(ROW_CHUNK))
-    parts = [pack_int4(chunk, DEFAULT_GROUP_SIZE) for chunk in chunks]
+    parts = [pack(chunk) for chunk in chunks]
     held = sum(p.qweight.shape[0] for p in parts)
     if rows > held:
-        parts.append(pack_int4(torch.zeros(rows - held, parts[0].in_features), DEFAULT_GROUP_SIZE))
-    return PackedInt4(*(torch.cat(ts) for ts in zip(*((p.qweight, p.scales, p.zeros) for p in parts))))
+        parts.append(pack(torch.zeros(rows - held, parts[0].in_features)))
+    fields = [f.name for f in dataclasses.fields(parts[0])]
+    return type(parts[0])(*(torch.cat([getattr(p, f) for p in parts]) for f in fields))
 
 
 class VocabSlice(nn.Module):
