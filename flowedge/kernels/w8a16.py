@@ -2,7 +2,7 @@
 
 Why: the GGUF files flowedge converts keep the tensors that matter most (attn_v and ffn_down in half of
 the layers, the output matrix) at 6-8 bits (Q6_K, Q8_0); squeezing them into 4 bits cost agreement with
-the float model. 8-bit codes with a float32 scale per group of 32 hold those values to within 1/8 of a
+the float model. 8-bit codes with a float32 scale per group of 32 hold those values to within ~1/8 of a
 Q6_K step (Q8_0: exactly). Same guarantees as w4a16.py: a row's result depends neither on the rows
 sharing the call nor on the thread count.
 
