@@ -20,7 +20,9 @@ from flowedge.errors import ModelError
 from flowedge.models.convert import CONVERT_FORMAT, convert_gguf
 from flowedge.models.gguf_model import read_gguf
 from flowedge.models.gguf_tensors import GgufTensor
-from flowedge.models.packing import pack_entries
+from flowedge.models.gguf_grid import grid, pack_on_grid
+from flowedge.models.packing import Packer, pack_entries, packs
+from flowedge.models.quant8 import pack_int8
 from flowedge.models.safetensors_io import TensorEntry, file_sha256, write_safetensors
 from flowedge.models.tiny import make_tiny_model
 from flowedge.models.tiny_gguf import exact_qtypes, write_tiny_gguf
@@ -44,15 +46,24 @@ def convert_with_transformers(gguf: Path, target: Path, quant: str, skip: tuple[
                if not (tied and n == "lm_head.weight") and n not in skip]
     f16 = torch.finfo(torch.float16).max
     store = {e.name: torch.bfloat16 if state[e.name].abs().max() > f16 else torch.float16 for e in entries}
-    entries = pack_entries(entries, 32, lambda e: store[e.name], wide=wide_names(gguf)) if quant == "int4" else \
+    entries = pack_entries(entries, 32, lambda e: store[e.name], packers(gguf, state)) if quant == "int4" else \
         [TensorEntry(e.name, store[e.name], e.shape, lambda e=e: e.load().to(store[e.name])) for e in entries]
     write_safetensors(target / "model.safetensors", entries)
     return state
 
 
-def wide_names(gguf: Path) -> set[str]:
-    """The tensors the GGUF block-quantizes with 6-8 bit codes (the converter stores their layers W8A16)."""
-    return {s.name for s in read_gguf(gguf).tensors if s.qtype_name in ("Q6_K", "Q8_0")}
+def packers(gguf: Path, state: dict) -> dict[str, Packer]:
+    """The layer weights the GGUF keeps at 6-8 bits (W8A16) or on a 4-bit grid (kept), packed from
+    transformers' float32 values; the grid itself can only come from the GGUF's blocks."""
+    out = {}
+    for s in read_gguf(gguf).tensors:
+        if not packs(s.name, s.shape, 32):
+            continue
+        if s.qtype_name in ("Q6_K", "Q8_0"):
+            out[s.name] = Packer(8, lambda n=s.name: pack_int8(state[n]))
+        elif s.qtype_name in ("Q4_0", "Q4_1", "Q4_K"):
+            out[s.name] = Packer(4, lambda n=s.name, s=s: pack_on_grid(state[n], *grid(s)))
+    return out
 
 
 def _config(path: Path) -> dict:

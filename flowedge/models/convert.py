@@ -9,10 +9,13 @@ any tensor is read). Peak for the real 1.5B: see docs/bench/w4a16-memory.md.
 
 The values are those transformers' GGUF loading gave, bit for bit: gguf.dequantize to float32, the
 Llama q/k rows put back in Hugging Face order, then float16 (bfloat16 for a tensor beyond the float16
-range), and packed from those 16-bit values. A layer Linear the GGUF quantizes with 6-8 bit codes
-(WIDE_TYPES, Q6_K and Q8_0: what llama.cpp's mixes keep wide because it matters) is packed W8A16 instead, straight from
-its float32 values (a Q8_0 block keeps its own codes). Float tensors (F16, F32) say nothing of what
-matters: they are packed W4A16 like the rest, as "4-bit weights at rest" promises.
+range). A packed layer Linear leaves its GGUF blocks as close to them as the stored formats allow:
+- 6-8 bit codes (WIDE_TYPES: Q6_K, Q8_0, what llama.cpp's mixes keep wide because it matters): W8A16
+  from the float32 values (a Q8_0 block keeps its own codes);
+- 4-bit codes on a 16-level grid per 32 inputs (Q4_K, Q4_0, Q4_1): W4A16 on that very grid
+  (models/gguf_grid.py: the codes are the GGUF's, only scale and zero are rounded to bfloat16);
+- anything else (Q5_*, F16, F32): W4A16 re-quantized from the 16-bit values, as "4-bit weights at
+  rest" promises (a float tensor says nothing of what matters).
 """
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ from pathlib import Path
 import torch
 
 from flowedge.errors import ModelError
-from flowedge.models import gguf_tensors
+from flowedge.models import gguf_grid, gguf_tensors
 from flowedge.models.gguf_model import GgufModel, GgufSource, read_gguf
-from flowedge.models.packing import pack_entries, packs
+from flowedge.models.packing import Packer, pack_entries, packs
 from flowedge.models.quant import DEFAULT_GROUP_SIZE
+from flowedge.models.quant8 import pack_int8, packable8
 from flowedge.models.safetensors_io import TensorEntry, write_safetensors
 from flowedge.progress import Progress, Ticker
 
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CONVERTED_MARKER = "flowedge.json"
 CHECKPOINT_KEY = "checkpoint"   # the marker's record of model.safetensors (checkpoint_record)
-CONVERT_FORMAT = 4   # 4: W8A16 for the layer Linears the GGUF keeps at >= 6 bits (3: all W4A16)
+CONVERT_FORMAT = 4   # 4: W8A16 for what the GGUF keeps at 6-8 bits, its 4-bit grids kept (3: all re-quantized)
 WIDE_TYPES = frozenset({"Q6_K", "Q8_0", "Q8_1", "Q8_K"})   # GGUF block types with 6-8 bit codes: stored W8A16
 STORE_DTYPE = torch.float16
 _F16_MAX = torch.finfo(torch.float16).max
@@ -124,13 +128,24 @@ def _entries(model: GgufModel, quant: str, group_size: int, skip: set[str]) -> l
     small; a 16-bit embedding or lm_head copy: a chunked pass)."""
     sources = [s for s in model.tensors if s.name not in skip]
     packed = {s.name for s in sources if quant == "int4" and packs(s.name, s.shape, group_size)}
-    wide = {s.name for s in sources if s.name in packed and s.qtype_name in WIDE_TYPES}
     dtypes = {s.name: store_dtype(s) for s in sources if s.name not in packed}
-    entries = [TensorEntry(s.name, torch.float32, s.shape, s.load) if s.name in wide else
-               TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
+    entries = [TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
                TensorEntry(s.name, dtypes[s.name], s.shape, lambda s=s: s.load(dtypes[s.name]))
                for s in sources]
-    return pack_entries(entries, group_size, wide=wide) if quant == "int4" else entries
+    if quant != "int4":
+        return entries
+    return pack_entries(entries, group_size, packers={s.name: p for s in sources if s.name in packed
+                                                      for p in [packer(s, group_size)] if p is not None})
+
+
+def packer(source: GgufSource, group_size: int) -> Packer | None:
+    """How a packed layer weight leaves its GGUF blocks, where not re-quantized from its 16-bit values:
+    W8A16 from its float32 values if the GGUF keeps it at 6-8 bits, W4A16 on its own grid if it is 4-bit."""
+    if source.qtype_name in WIDE_TYPES and packable8(*source.shape) is None:
+        return Packer(8, lambda: pack_int8(source.load()))
+    if gguf_grid.on_grid(source, group_size):
+        return Packer(4, lambda: gguf_grid.pack_source(source))
+    return None
 
 
 def store_dtype(source: GgufSource) -> torch.dtype:

@@ -10,14 +10,15 @@ stays at 16 bits too.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from flowedge.errors import ConfigError
 from flowedge.models.quant import DEFAULT_GROUP_SIZE, GROUP_SIZES, PackedInt4, pack_int4, packable
 from flowedge.models.quant8 import GROUP_SIZE as GROUP_SIZE_8
-from flowedge.models.quant8 import PackedInt8, pack_int8, packable8
+from flowedge.models.quant8 import PackedInt8
 from flowedge.models.safetensors_io import TensorEntry
 
 QUANT_FORMATS = ("none", "int4")
@@ -60,26 +61,37 @@ def packed8_prefixes(names: Iterable[str]) -> set[str]:
     return {n[: -len(".qweight8")] for n in names if n.endswith(".qweight8")}
 
 
+@dataclass(frozen=True, slots=True)
+class Packer:
+    """How one weight is packed otherwise than from its 16-bit value: `bits` 4 (W4A16) or 8 (W8A16), and
+    the packed weight, computed when the writer reaches it."""
+
+    bits: int
+    pack: Callable[[], PackedInt4 | PackedInt8]
+
+
 def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP_SIZE,
                  store_dtype: Callable[[TensorEntry], torch.dtype] | None = None,
-                 wide: Iterable[str] = ()) -> list[TensorEntry]:
+                 packers: Mapping[str, Packer] | None = None) -> list[TensorEntry]:
     """Entries of a W4A16 checkpoint: layer Linear weights packed, the rest kept (cast to `store_dtype`
     when given). A packed weight is quantized from its 16-bit stored value, so packing a 16-bit
-    checkpoint at load time gives the same codes. The layer Linears named in `wide` (those a GGUF keeps
-    at 6-8 bits) are stored W8A16, quantized from the value their entry loads (the converter: float32)."""
+    checkpoint at load time gives the same codes; the weights named in `packers` are packed by it (the
+    converter: a GGUF's own 4-bit grid, or W8A16 for what the GGUF keeps at 6-8 bits)."""
     check_group_size(group_size)
-    wide = set(wide)
+    packers = packers or {}
     out: list[TensorEntry] = []
     for entry in entries:
         dtype = store_dtype(entry) if store_dtype else entry.dtype
         load = _cast(entry.load, dtype) if dtype != entry.dtype else entry.load
-        if entry.name in wide and is_layer_linear(entry.name, entry.shape) and \
-                packable8(*entry.shape, GROUP_SIZE_8) is None:
-            out += _packed8(entry.name, entry.shape, entry.load)
-        elif entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
-            out += _packed(entry.name, entry.shape, load, group_size)
-        else:
+        packer = packers.get(entry.name)
+        if packer is None and entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
+            packer = Packer(4, lambda load=load: pack_int4(load().float(), group_size))
+        if packer is None:
             out.append(TensorEntry(entry.name, dtype, entry.shape, load))
+        elif packer.bits == 8:
+            out += _packed8(entry.name, entry.shape, packer.pack)
+        else:
+            out += _packed(entry.name, entry.shape, packer.pack, group_size)
     return out
 
 
@@ -90,14 +102,14 @@ def _cast(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], 
 class _OnePack:
     """Packs one weight once for its entries (written in a row) and lets go after the last."""
 
-    def __init__(self, load: Callable[[], torch.Tensor], pack: Callable[[torch.Tensor], object]) -> None:
-        self.load, self.pack = load, pack
+    def __init__(self, pack: Callable[[], PackedInt4 | PackedInt8]) -> None:
+        self.pack = pack
         self.value: PackedInt4 | PackedInt8 | None = None
 
     def part(self, field: str, last: bool = False) -> Callable[[], torch.Tensor]:
         def get() -> torch.Tensor:
             if self.value is None:
-                self.value = self.pack(self.load().float())
+                self.value = self.pack()
             tensor = getattr(self.value, field)
             if last:
                 self.value = None
@@ -105,19 +117,19 @@ class _OnePack:
         return get
 
 
-def _packed(name: str, shape: tuple[int, ...], load, group_size: int) -> list[TensorEntry]:
+def _packed(name: str, shape: tuple[int, ...], pack, group_size: int) -> list[TensorEntry]:
     n, k = shape
     prefix = name[: -len(".weight")]
-    one = _OnePack(load, lambda w: pack_int4(w, group_size))
+    one = _OnePack(pack)
     groups = k // group_size
     return [TensorEntry(prefix + ".qweight", torch.uint8, (n, k // 2), one.part("qweight")),
             TensorEntry(prefix + ".scales", torch.bfloat16, (n, groups), one.part("scales")),
             TensorEntry(prefix + ".zeros", torch.bfloat16, (n, groups), one.part("zeros", last=True))]
 
 
-def _packed8(name: str, shape: tuple[int, ...], load) -> list[TensorEntry]:
+def _packed8(name: str, shape: tuple[int, ...], pack) -> list[TensorEntry]:
     n, k = shape
     prefix = name[: -len(".weight")]
-    one = _OnePack(load, pack_int8)
+    one = _OnePack(pack)
     return [TensorEntry(prefix + ".qweight8", torch.int8, (n, k), one.part("qweight")),
             TensorEntry(prefix + ".scales8", torch.float32, (n, k // GROUP_SIZE_8), one.part("scales", last=True))]
