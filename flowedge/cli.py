@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from flowedge.engine.config import LM_HEAD_PLACES
+from flowedge.core.config import LM_HEAD_PLACES
 from flowedge.errors import FlowedgeError
 
 log = logging.getLogger("flowedge")
@@ -166,7 +166,7 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
 
     from flowedge.bench.datasets import load_prompt_file, load_prompts
     from flowedge.bench.runner import ORACLE_SUFFIX, BenchConfig, run_bench
-    from flowedge.engine.config import SpecConfig
+    from flowedge.core.config import SpecConfig
     from flowedge.engine.strategies import make_strategy
     from flowedge.errors import ConfigError
 

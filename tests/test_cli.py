@@ -161,7 +161,7 @@ def test_a_node_that_dies_is_reported_with_its_own_error_line(tmp_path):
 
 
 def test_strategy_names_match_the_engine():
-    from flowedge.engine.config import STRATEGY_NAMES
+    from flowedge.core.config import STRATEGY_NAMES
     from flowedge.engine.strategies import STRATEGIES
 
     assert sorted(STRATEGY_NAMES) == sorted(STRATEGIES)

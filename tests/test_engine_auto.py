@@ -8,12 +8,14 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction
+from flowedge.costs.pipeline import CostModel, draft_path_for
+from flowedge.costs.profiles import list_devices, load_device
+from flowedge.costs.sizing import tree_costs
+from flowedge.engine.auto_policy import (AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction,
+                                         predict_from_costs)
 from flowedge.engine.local import generate_ar
-from flowedge.sim.cluster import CostModel, SimCluster
-from flowedge.sim.profiles import list_devices, load_device
-from flowedge.sim.run import Cluster, balanced, draft_path_for
-from flowedge.sim.sizing import predict_from_costs, tree_costs
+from flowedge.sim.cluster import SimCluster
+from flowedge.sim.run import Cluster, balanced
 from tests.test_engine_strategies import PROMPTS, SMALL
 
 # The real pair's shapes (Qwen2.5-Coder 1.5B base, 0.5B draft), without loading the models.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Done, Emit, Send, Stats
 from flowedge.engine.jobs import (REPLAY_ID_SHIFT, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
                                   Limits, ResetStages, State, kv_need, tree_reserve)

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from flowedge.core.sampling import SamplingParams, warp_probs
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
 from flowedge.engine.local import generate_ar, stop_ids
 from flowedge.engine.strategies import STRATEGIES
 from flowedge.models.quant import Int4Linear
@@ -173,7 +173,7 @@ def test_tree_building_is_timed_apart_from_head_overhead(tiny_pair):
 
 @pytest.mark.parametrize("nodes", [3, 5])
 def test_flowspec_with_fresh_capped_expansions_matches_greedy(tiny_pair, references, nodes):
-    """Deep pipelines (sim/sizing.flat_segment_for) cap expansions at a stage's flat segment and send only
+    """Deep pipelines (costs/sizing.flat_segment_for) cap expansions at a stage's flat segment and send only
     nodes not yet sent (`exp_fresh`): still token-identical, stages in step with the head."""
     base, draft = tiny_pair
     cluster = Cluster(base, draft, nodes, SMALL.with_(exp_nodes=4, exp_fresh=True))

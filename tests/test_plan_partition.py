@@ -15,7 +15,7 @@ from flowedge.plan.cluster import plan_cluster
 from flowedge.plan.memory import GiB
 from flowedge.plan.partition import IDLE_GAIN, PlanError, PlanInputs, plan_partition, stage_devices
 from flowedge.plan.shapes import list_shapes, load_shape, shape_from_dict
-from flowedge.sim.profiles import list_devices, load_device, load_link
+from flowedge.costs.profiles import list_devices, load_device, load_link
 
 MIXED = ["agx-orin-64gb", "orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"]
 
@@ -149,8 +149,8 @@ def test_ar_pp_minimises_the_latency_its_single_token_pays():
 
 def test_predicted_costs_use_the_plans_kernel_path_not_the_profiles_default():
     from flowedge.plan.predict import cost_model
-    from flowedge.sim.run import draft_path_for
-    from flowedge.sim.sizing import tree_costs
+    from flowedge.costs.pipeline import draft_path_for
+    from flowedge.costs.sizing import tree_costs
 
     draft = load_shape("qwen2.5-coder-0.5b")
     trees = {}

@@ -60,7 +60,7 @@ def test_tree_speculation_matches_greedy(real_pair, encoded, references):
 
 
 def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
-    from flowedge.engine.config import SpecConfig
+    from flowedge.core.config import SpecConfig
     from flowedge.sim.run import Cluster
 
     cluster = Cluster(real_pair[0], real_pair[1], 3, SpecConfig(tree_nodes=24, l_max=8, exp_nodes=16),

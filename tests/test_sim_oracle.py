@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
 from flowedge.engine.strategies import STRATEGIES
 from flowedge.errors import ConfigError
 from flowedge.sim.oracle import LengthOnlyCache, PathOracle, ShapeOnlyStage

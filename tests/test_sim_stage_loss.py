@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
 from flowedge.engine.local import generate_ar
 from flowedge.errors import ConfigError
 from flowedge.sim.cluster import BatchConfig, SimRequest, StageFault

@@ -206,7 +206,7 @@ def test_a_manifest_naming_a_file_outside_the_cache_is_refused(tmp_path, evil):
 
 
 def test_the_engine_never_builds_a_segment_a_stage_would_drop():
-    from flowedge.engine.config import SpecConfig
+    from flowedge.core.config import SpecConfig
     from flowedge.errors import ConfigError
     from flowedge.transport.validate import MAX_SEGMENT_NODES
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 from flowedge.bench.datasets import Prompt
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class BenchConfig:
     path: str | None = None          # stages' compute path in the profile (None: its default)
     chat: bool = True
     verify: str = "stages"           # sim driver: "stages" (real stage math) or "oracle" (sim/oracle.py)
-    tree_size: str = "profile"       # flowspec's initial tree: "profile" (sim/sizing.py) or "paper" (spec as given)
+    tree_size: str = "profile"       # flowspec's initial tree: "profile" (costs/sizing.py) or "paper" (spec as given)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
 
@@ -61,7 +61,8 @@ def sim_cluster(cfg: BenchConfig):
     """The simulated cluster a bench runs on, built once: (cluster, tokenizer, base model dir, draft quant)."""
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import load_tokenizer
-    from flowedge.sim.run import Cluster, draft_quant_for
+    from flowedge.costs.pipeline import draft_quant_for
+    from flowedge.sim.run import Cluster
 
     draft_quant = draft_quant_for(cfg.profile, cfg.path)
     base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)

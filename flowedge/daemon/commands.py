@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import click
 
 from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config, split_addr
-from flowedge.engine.config import DRAFT_QUANTS
+from flowedge.core.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
 
 EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on

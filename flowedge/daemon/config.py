@@ -11,10 +11,10 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from flowedge.engine.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
+from flowedge.core.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
 from flowedge.errors import ConfigError
 from flowedge.models.registry import MODELS, flowedge_home  # (the one $FLOWEDGE_HOME resolver)
-from flowedge.sim.profiles import list_devices
+from flowedge.costs.profiles import list_devices
 
 DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 # the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit
@@ -65,7 +65,7 @@ class NodeConfig:
                                               # int4 | nf4 | none; lossless either way (engine/drafter.py)
     tree_nodes: int = 0                       # 0 = the engine's default (FlowSpec A.1)
     tree_size: str = "profile"                # flowspec's first tree: profile (sized from the devices'
-                                              # profiles, sim/sizing.py) | paper (FlowSpec's d0 = 6)
+                                              # profiles, costs/sizing.py) | paper (FlowSpec's d0 = 6)
     lookup_tokens: int = 4                    # draft-call rows for prompt-lookup guesses (core/lookup.py); 0 = off
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage

@@ -20,7 +20,7 @@ from flowedge.daemon.membership import Membership
 from flowedge.daemon.prompting import check_vocab, prompt_ids
 from flowedge.daemon.requests import ClientRequest, Prepared
 from flowedge.engine import assembly
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done
 from flowedge.engine.jobs import kv_need
@@ -112,8 +112,8 @@ class HeadEngines:
     def _last_stage_lm_head_ratio(self) -> float | None:
         """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile
         (named in its Hello); None when the profile is unknown (the strategy's own choice then holds)."""
-        from flowedge.sim.costs import lm_head_segment_ratio
-        from flowedge.sim.profiles import load_named_device
+        from flowedge.costs.model import lm_head_segment_ratio
+        from flowedge.costs.profiles import load_named_device
 
         identity = self.members.stage_identity(self.config.stages)
         if identity is None:

@@ -107,7 +107,7 @@ def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hel
     (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
     from flowedge.plan.cluster import objective_for, step_tokens_for
     from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
-    from flowedge.sim.profiles import load_link, load_named_device
+    from flowedge.costs.profiles import load_link, load_named_device
 
     if config.layers:
         return None

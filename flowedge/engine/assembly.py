@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
+from flowedge.costs.pipeline import draft_path_for
+from flowedge.costs.profiles import load_device, load_named_device
+from flowedge.costs.sizing import sized_spec_for, tree_costs
+from flowedge.engine.auto_policy import predict_from_costs
 from flowedge.engine.events import Done
 from flowedge.engine.head import Head
 from flowedge.errors import ConfigError
@@ -27,11 +31,10 @@ def check_strategy(strategy_name: str, draft_model):
 
 
 def sized_spec(spec: SpecConfig, strategy_name: str, tree_costs=None) -> SpecConfig:
-    """`spec` sized from `tree_costs` (sim.sizing.TreeCosts): the prefill chunk for every strategy (the
+    """`spec` sized from `tree_costs` (costs.sizing.TreeCosts): the prefill chunk for every strategy (the
     prompt's way through the pipeline does not depend on it), and the initial tree for strategies that
     size from costs (flowspec); unchanged without costs."""
     from flowedge.engine.strategies import make_strategy
-    from flowedge.sim.sizing import sized_spec_for
 
     if tree_costs is None:
         return spec
@@ -55,14 +58,12 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     `tree_costs`: where given, flowspec's initial tree is sized from it (`sized_spec`); `lm_head_ratio`:
     how a segment's lm_head scales on the last stage (None: the strategy's own placement choice holds);
     `batcher`: the draft batcher shared by concurrent requests (engine/draft_batch.py); `predict_costs`:
-    the TreeCosts strategy `auto` starts its choice from (sim/sizing.predict_from_costs)."""
+    the TreeCosts strategy `auto` starts its choice from (engine/auto_policy.predict_from_costs)."""
     from flowedge.engine.drafter import Drafter
     from flowedge.engine.strategies.auto import Auto
 
     strategy = check_strategy(strategy_name, draft_model)
     if isinstance(strategy, Auto) and predict_costs is not None:
-        from flowedge.sim.sizing import predict_from_costs
-
         strategy.prediction = predict_from_costs(predict_costs)   # auto starts from the profiles
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
@@ -74,10 +75,6 @@ def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stag
                        spec: SpecConfig, draft_quantized: bool):
     """TreeCosts from node 0's device profile and the stages' (names as reported by the stages: only
     shipped profiles are looked up, never a path); None where a device has no profile."""
-    from flowedge.sim.profiles import load_device, load_named_device
-    from flowedge.sim.run import draft_path_for
-    from flowedge.sim.sizing import tree_costs
-
     try:
         head_dev = load_device(head_device)
         stage_devs = [load_named_device(n) for n in stage_devices]

@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flowedge.costs.sizing import TreeCosts
+
 FLOWSPEC, AR_PP, PIPEDEC = "flowspec", "ar-pp", "pipedec"
 SPECULATIVE = (FLOWSPEC, PIPEDEC)   # what auto may run instead of ar-pp (same lm_head placement)
 # flowspec: tokens accepted per returning segment in the steady state, and tokens per round (each round
@@ -122,7 +124,7 @@ class Prediction:
                    segment_step_s: float = 0.0, n_stages: int = 0, ar_batch_s: tuple[float, ...] = (),
                    draft_batch_s: tuple[float, ...] = (),
                    flow_batch_s: tuple[float, ...] = ()) -> "Prediction | None":
-        """From the profile costs (sim/sizing.TreeCosts); None where the costs are unknown (free).
+        """From the profile costs (costs/sizing.TreeCosts); None where the costs are unknown (free).
 
         Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
         (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
@@ -139,6 +141,14 @@ class Prediction:
         load = (LoadModel(token_latency_s, n_stages, tuple(ar_batch_s), pipeline_latency_s, tuple(draft_batch_s),
                           tuple(flow_batch_s)) if ar_batch_s and n_stages else None)
         return Prediction(rates, load=load)
+
+
+def predict_from_costs(costs: TreeCosts) -> Prediction | None:
+    """What strategy `auto` starts from: each strategy's tok/s on these costs."""
+    return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
+                                 pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
+                                 n_stages=costs.n_stages, ar_batch_s=costs.ar_batch_s,
+                                 draft_batch_s=costs.draft_batch_s, flow_batch_s=costs.flow_batch_s)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
 from flowedge.engine.events import Compute, Done, Send
 from flowedge.errors import ConfigError
 

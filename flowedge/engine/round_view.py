@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:
     from flowedge.core.tree import DraftTree
     from flowedge.core.verify import WalkResult
-    from flowedge.engine.config import SpecConfig
+    from flowedge.core.config import SpecConfig
     from flowedge.engine.drafter import Drafter
     from flowedge.engine.events import Stats
     from flowedge.engine.head import Head

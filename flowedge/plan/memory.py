@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowedge.errors import ConfigError
-from flowedge.sim.costs import resolve_path, shape_of_head, shape_of_layers, shape_of_model
-from flowedge.sim.profiles import DeviceProfile
+from flowedge.costs.model import resolve_path, shape_of_head, shape_of_layers, shape_of_model
+from flowedge.costs.profiles import DeviceProfile
 
 GiB = 1 << 30
 # Weight bytes per parameter at rest and in memory. int4 (W4A16): 4-bit codes + a 16-bit scale and zero

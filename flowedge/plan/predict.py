@@ -15,14 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flowedge.engine.config import SpecConfig
+from flowedge.core.config import SpecConfig
+from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
+                                  shape_of_layers, transfer_time_s)
+from flowedge.costs.pipeline import CostModel, draft_path_for
+from flowedge.costs.sizing import SIZING_CONTEXT, tree_costs
 from flowedge.plan.cluster import ClusterSpec
 from flowedge.plan.partition import HIDDEN_WIRE_BYTES
-from flowedge.sim.cluster import CostModel
-from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
-                                shape_of_layers, transfer_time_s)
-from flowedge.sim.run import draft_path_for
-from flowedge.sim.sizing import SIZING_CONTEXT, tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,8 @@ def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Seq
     from flowedge.engine.local import stop_ids
     from flowedge.runner import encode_prompt, load_tokenizer
     from flowedge.sim.cluster import SimCluster
-    from flowedge.sim.run import Cluster, draft_quant_for
+    from flowedge.costs.pipeline import draft_quant_for
+    from flowedge.sim.run import Cluster
 
     spec = SpecConfig()
     draft_quant = draft_quant_for(cluster.head_device.name, _stage_path(cluster))

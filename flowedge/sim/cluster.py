@@ -15,14 +15,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
+from flowedge.costs.pipeline import CostModel
 from flowedge.engine.events import Compute, Done, Finish, Prune, Segment, Send, Stats
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, Limits, ResetStages,
                                   kv_need)
 from flowedge.engine.scheduler import Scheduler
 from flowedge.errors import ConfigError
-from flowedge.sim.sizing import TreeCosts
 from flowedge.sim.trace import Trace, TraceEvent
 
 log = logging.getLogger(__name__)
@@ -42,19 +42,6 @@ def message_bytes(msg) -> int:
     if isinstance(msg, Prune):
         return HEADER_BYTES + 4 * (msg.prune.commit.numel() + msg.prune.keep.numel())
     return HEADER_BYTES
-
-
-@dataclass
-class CostModel:
-    """Turns Compute actions and message sizes into seconds; None profile = free (tests)."""
-    compute_s: Callable[[int, Compute], float]
-    transfer_s: Callable[[int, int, int], float]
-    lm_head_segment_ratio: float | None = None   # last stage's l_max-token / 1-token lm_head (placement)
-    tree: TreeCosts | None = None                # what flowspec's tree is sized from (None: no draft)
-
-    @staticmethod
-    def free() -> "CostModel":
-        return CostModel(lambda node, c: 0.0, lambda a, b, n: 0.0)
 
 
 @dataclass

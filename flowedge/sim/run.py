@@ -5,21 +5,21 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from flowedge.engine.config import SpecConfig
-from flowedge.engine.draft_batch import DraftBatcher
+from flowedge.core.config import SpecConfig
+from flowedge.costs.pipeline import CostModel, draft_quant_for, profile_costs
 from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
+from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.head import Head
-from flowedge.engine.scheduler import Scheduler
+from flowedge.engine.jobs import KvBudget
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
+from flowedge.engine.scheduler import Scheduler
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
-from flowedge.engine.jobs import KvBudget
-from flowedge.sim.cluster import BatchConfig, CostModel, SimCluster, SimRequest, StageFault
+from flowedge.sim.cluster import BatchConfig, SimCluster, SimRequest, StageFault
 from flowedge.sim.oracle import PathOracle, ShapeOnlyStage
-from flowedge.sim.sizing import tree_costs
 
 log = logging.getLogger(__name__)
 
@@ -37,63 +37,7 @@ def balanced(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def profile_costs(base_config, draft_config, ranges, device: str, link: str | None,
-                  stage_path: str | None = None, draft_quantized: bool = False,
-                  l_max: int = SpecConfig().l_max, topk: int = SpecConfig().topk) -> CostModel:
-    """Costs on `device`; `stage_path` picks the stages' kernel family from the profile (default: its
-    default_path: torch int4 on the Jetsons, what flowedge runs there; `hf-bnb4` is FlowSpec's testbed).
-    `draft_quantized`: the draft's lm_head is 4-bit too (see `draft_quant_for`)."""
-    from flowedge.sim.costs import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
-                                    shape_of_layers, transfer_time_s)
-    from flowedge.sim.profiles import load_device, load_link
-
-    dev = load_device(device)
-    lnk = load_link(link or dev.default_link)
-    stage_shapes = [shape_of_layers(base_config, a, b) for a, b in ranges]
-    draft_path = draft_path_for(dev, stage_path)
-
-    def compute_s(node: int, c) -> float:
-        if c.what == "lm_head":   # on node 0, or on the last stage when it chooses tokens
-            return lm_head_time_s(dev, base_config, c.tokens, stage_path)
-        if node == 0:
-            if c.what == "draft":
-                return draft_time_s(dev, draft_config, c.tokens, c.context, draft_path, draft_quantized)
-            return 0.0
-        return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path, c.attended)
-
-    costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
-    costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
-    if draft_config is not None:   # for sized_spec
-        costs.tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
-                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
-    return costs
-
-
 VERIFY_MODES = ("stages", "oracle")
-
-
-def draft_path_for(dev, stage_path: str | None = None) -> str | None:
-    """Node 0 runs its draft on the stages' kernels, except a dequantizing family (bitsandbytes
-    `-single`/`-multi`): drafting runs k tokens a call, where bnb is slower than plain fp16."""
-    path = stage_path or dev.draft_path or dev.default_path
-    if path not in dev.paths and dev.has_path("hf-fp16"):
-        return "hf-fp16"
-    return path
-
-
-# Profile paths whose kernels node 0 also runs its draft on, and the quantization that gives the draft
-# those kernels' numerics (flowedge quantizes all of a draft, lm_head included: engine/drafter.py).
-DRAFT_QUANT_OF_PATH = {"torch-int4": "int4"}
-
-
-def draft_quant_for(device: str | None, stage_path: str | None = None) -> str:
-    """How the simulated draft is quantized, so its proposals are the ones the charged kernels would
-    make: a real int4 draft on int4 paths; fp32 elsewhere (fp32 stands in for fp16, as for the stages)."""
-    if device is None:
-        return "none"
-    from flowedge.sim.profiles import load_device
-
-    return DRAFT_QUANT_OF_PATH.get(draft_path_for(load_device(device), stage_path) or "", "none")
 
 
 class Cluster:
@@ -129,7 +73,7 @@ class Cluster:
         self.prompt_oracles: dict[tuple[int, ...], PathOracle] = {}
         self.draft_model = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
         self.spec = spec
-        self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (sim/sizing.py)
+        self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (costs/sizing.py)
 
     def build(self, strategy_name: str, costs: CostModel | None = None) -> tuple[Head, list[StageWorker]]:
         make_head, _ = self.head_factory(strategy_name, costs, own_oracle=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowedge.engine.config import MAX_SEGMENT_NODES   # the engine never builds larger segments
+from flowedge.core.config import MAX_SEGMENT_NODES   # the engine never builds larger segments
 from flowedge.errors import InvalidMessage
 from flowedge.transport import protocol as proto
 

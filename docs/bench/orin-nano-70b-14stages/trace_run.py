@@ -5,8 +5,9 @@ import sys, time, json, argparse, logging
 from dataclasses import replace
 from flowedge.plan.cluster import plan_cluster
 from flowedge.plan.predict import cost_model, _stage_path
-from flowedge.engine.config import SpecConfig
-from flowedge.sim.run import Cluster, draft_quant_for
+from flowedge.core.config import SpecConfig
+from flowedge.sim.run import Cluster
+from flowedge.costs.pipeline import draft_quant_for
 from flowedge.sim.cluster import SimCluster
 from flowedge.core.sampling import SamplingParams
 from flowedge.runner import encode_prompt, load_tokenizer

@@ -4,7 +4,7 @@ second board in parallel, at no time to node 0 and nothing lost to shipping draf
 import os
 import sys
 
-import flowedge.sim.costs as costs
+import flowedge.costs.model as costs
 
 node0_rows = int(os.environ["NODE0_ROWS"])
 original = costs.draft_time_s

@@ -14,7 +14,7 @@ class FlowSpec(PrunedPP):
     name = "flowspec"
     order = "score"
     expands = True
-    sizes_from_costs = True   # the simulator may size its initial tree from the profile (sim/sizing.py)
+    sizes_from_costs = True   # the simulator may size its initial tree from the profile (costs/sizing.py)
     uses_lookup = True        # flowedge's addition: draft calls carry prompt-lookup guesses (core/lookup.py)
 
     def initial_segments(self, view: RoundView) -> list:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flowedge.costs.profiles import ComputePath, DeviceProfile, LinkProfile
 from flowedge.errors import ConfigError
-from flowedge.sim.profiles import ComputePath, DeviceProfile, LinkProfile
 
 SMALL_TOKENS = 128  # at or below: eta_flops_small (GEMV-like, tensor cores half idle)
 LARGE_TOKENS = 512  # at or above: eta_flops_large

@@ -5,12 +5,13 @@ import math
 
 import pytest
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.config import SpecConfig
-from flowedge.sim.profiles import load_device
-from flowedge.sim.run import Cluster, balanced, draft_path_for
-from flowedge.sim.sizing import (FLAT, MIN_DEPTH, flat_draft_width, prefill_chunk_for, sized_spec, sized_spec_for,
-                                 tree_costs)
+from flowedge.costs.pipeline import draft_path_for
+from flowedge.costs.profiles import load_device
+from flowedge.costs.sizing import (FLAT, MIN_DEPTH, flat_draft_width, prefill_chunk_for, sized_spec, sized_spec_for,
+                                   tree_costs)
+from flowedge.sim.run import Cluster, balanced
 
 
 @pytest.mark.parametrize(("latency_s", "draft_s", "depth", "nodes"), [

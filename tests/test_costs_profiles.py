@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from flowedge.costs.profiles import list_devices, list_links, load_device, load_link, load_named_device
 from flowedge.errors import ConfigError
-from flowedge.sim.profiles import list_devices, list_links, load_device, load_link, load_named_device
 
 REQUIRED = {"orin-nano-8gb", "orin-nano-super", "orin-nx-16gb", "agx-orin-64gb", "rpi5-8gb", "x86-cpu"}
 

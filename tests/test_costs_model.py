@@ -6,8 +6,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig, Qwen2Config
 
-from flowedge.errors import ConfigError
-from flowedge.sim.costs import (
+from flowedge.costs.model import (
     decode_time_s,
     draft_time_s,
     forward_time_s,
@@ -19,7 +18,8 @@ from flowedge.sim.costs import (
     shape_of_model,
     transfer_time_s,
 )
-from flowedge.sim.profiles import list_devices, load_device, load_link
+from flowedge.costs.profiles import list_devices, load_device, load_link
+from flowedge.errors import ConfigError
 
 
 def _llama(h: int, i: int, n: int, heads: int, kv: int, vocab: int, tie: bool = False) -> LlamaConfig:
@@ -152,17 +152,8 @@ def test_a_quantized_draft_head_is_charged_on_the_draft_kernels() -> None:
     assert fp16_head - int4_head == pytest.approx(saved, rel=0.02)
 
 
-def test_the_simulated_draft_runs_the_numerics_it_is_charged_for() -> None:
-    from flowedge.sim.run import draft_quant_for
-
-    assert draft_quant_for("orin-nano-8gb") == "int4"             # torch-int4 stages and draft
-    assert draft_quant_for("orin-nano-8gb", "hf-bnb4") == "none"  # bnb testbed: the draft runs fp16
-    assert draft_quant_for("x86-cpu") == "none"                   # fp32 CPU path
-    assert draft_quant_for(None) == "none"
-
-
 def test_auto_lm_head_placement_follows_the_last_stage_profile() -> None:
-    from flowedge.engine.config import SpecConfig
+    from flowedge.core.config import SpecConfig
     from flowedge.engine.strategies import make_strategy
 
     flowspec, naive = make_strategy("flowspec"), make_strategy("naive-pp")

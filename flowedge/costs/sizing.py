@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flowedge.engine.auto_policy import Prediction
-from flowedge.engine.config import SpecConfig
-from flowedge.sim.costs import DeviceProfile, draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers
+from flowedge.core.config import SpecConfig
+from flowedge.costs.model import draft_time_s, forward_time_s, lm_head_time_s, shape_of_layers
+from flowedge.costs.profiles import DeviceProfile
 
 MIN_DEPTH = 2
 FLAT = 1.02         # a wider draft call, or a fuller segment, is "free" while it costs at most 2% more
@@ -176,11 +176,3 @@ def tree_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[int, 
 def sized_spec_for(spec: SpecConfig, costs: TreeCosts) -> SpecConfig:
     return sized_spec(spec, costs.pipeline_latency_s, costs.draft_call_s, costs.draft_width,
                       costs.stage_segment_ratio, costs.flat_segment)
-
-
-def predict_from_costs(costs: TreeCosts) -> Prediction | None:
-    """What strategy `auto` starts from: each strategy's tok/s on these costs (engine/auto_policy.py)."""
-    return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
-                                 pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
-                                 n_stages=costs.n_stages, ar_batch_s=costs.ar_batch_s,
-                                 draft_batch_s=costs.draft_batch_s, flow_batch_s=costs.flow_batch_s)
