@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 
 import click
 
 from flowedge.core.config import LM_HEAD_PLACES
-from flowedge.errors import FlowedgeError
+from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.threads import set_threads
 
 log = logging.getLogger("flowedge")
 
@@ -49,12 +49,6 @@ def main(verbose: int) -> None:
     """flowedge: serve an LLM split across edge devices with pipelined tree speculation."""
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def set_threads(threads: int | None) -> None:
-    import torch
-
-    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
 
 
 sampling_options = [
@@ -164,29 +158,14 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
-    from flowedge.bench.datasets import load_prompt_file, load_prompts
-    from flowedge.bench.runner import ORACLE_SUFFIX, BenchConfig, run_bench
+    from flowedge.bench.runner import BenchConfig, run_bench
     from flowedge.core.config import SpecConfig
-    from flowedge.engine.strategies import make_strategy
-    from flowedge.errors import ConfigError
 
     set_threads(threads)
-    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    for name in names:
-        make_strategy(name.removesuffix(ORACLE_SUFFIX))
-    if any(n.endswith(ORACLE_SUFFIX) for n in names) and temperature != 0:
-        raise ConfigError(f"<strategy>{ORACLE_SUFFIX} needs --temperature 0 (its proposals are the reference answer)")
-    if draft == ORACLE_DRAFT:   # each drafting strategy also runs with perfect proposals (sim/oracle_draft.py)
-        if driver != "sim" or temperature != 0:
-            raise ConfigError("--draft oracle needs the sim driver and --temperature 0 (its proposals are the "
-                              "reference answer)")
+    names = _bench_strategies(strategies, temperature, oracle_draft=draft == ORACLE_DRAFT, driver=driver)
+    if draft == ORACLE_DRAFT:
         draft = DEFAULT_DRAFT
-        names += tuple(f"{n}{ORACLE_SUFFIX}" for n in names if make_strategy(n).needs_draft)
-    prompts = list(load_prompt_file(prompt_file)) if prompt_file else []
-    for ds in datasets:
-        prompts += load_prompts(ds, samples)
-    if not prompts:
-        raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
+    prompts = _bench_prompts(prompt_file, datasets, samples)
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
                               draft_width=draft_width, lookup_tokens=lookup_tokens, lm_head_at=lm_head_at)
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
@@ -217,9 +196,37 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
                err=True)
 
 
-def _levels(text: str) -> tuple[int, ...]:
-    from flowedge.errors import ConfigError
+def _bench_strategies(text: str, temperature: float, *, oracle_draft: bool, driver: str) -> tuple[str, ...]:
+    """The strategies `bench` runs, each checked; with `--draft oracle` each drafting one also runs with
+    perfect proposals (sim/oracle_draft.py)."""
+    from flowedge.bench.runner import ORACLE_SUFFIX
+    from flowedge.engine.strategies import make_strategy
 
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    for name in names:
+        make_strategy(name.removesuffix(ORACLE_SUFFIX))
+    if any(n.endswith(ORACLE_SUFFIX) for n in names) and temperature != 0:
+        raise ConfigError(f"<strategy>{ORACLE_SUFFIX} needs --temperature 0 (its proposals are the reference answer)")
+    if not oracle_draft:
+        return names
+    if driver != "sim" or temperature != 0:
+        raise ConfigError("--draft oracle needs the sim driver and --temperature 0 (its proposals are the "
+                          "reference answer)")
+    return names + tuple(f"{n}{ORACLE_SUFFIX}" for n in names if make_strategy(n).needs_draft)
+
+
+def _bench_prompts(prompt_file: str | None, datasets: tuple[str, ...], samples: int) -> list:
+    from flowedge.datasets import load_prompt_file, load_prompts
+
+    prompts = list(load_prompt_file(prompt_file)) if prompt_file else []
+    for ds in datasets:
+        prompts += load_prompts(ds, samples)
+    if not prompts:
+        raise ConfigError("no prompts: give --prompts FILE.jsonl and/or --dataset mt-bench|humaneval")
+    return prompts
+
+
+def _levels(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -234,12 +241,14 @@ ORACLE_DRAFT = "oracle"
 
 def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
+    from flowedge.api.commands import http
     from flowedge.daemon.commands import COMMANDS
     from flowedge.models.commands import models, split
     from flowedge.plan.commands import plan
+    from flowedge.systemd.commands import systemd_group
     from flowedge.transport.commands import keys
 
-    for command in (models, split, keys, plan, *COMMANDS):
+    for command in (models, split, keys, plan, *COMMANDS, http, systemd_group):
         main.add_command(command)
 
 

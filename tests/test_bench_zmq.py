@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from daemon_helpers import flowedge_home, free_port_pair
-from flowedge.bench.datasets import Prompt
 from flowedge.bench.runner import BenchConfig
 from flowedge.bench.zmq_driver import run_bench_zmq
+from flowedge.datasets import Prompt
 
 
 def test_zmq_bench_runs_strategies_on_real_processes_and_checks_them_against_ar(tiny_pair, tmp_path):

@@ -14,7 +14,7 @@ import zmq
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import SIDE_FILES, stage_files
 from flowedge.daemon.stage_node import StageNode
-from flowedge.models.shards import split_model
+from flowedge.models.split import split_model
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
 

@@ -16,7 +16,8 @@ import pytest
 from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.daemon.client import Client, RequestFailed, wait_ready
 from flowedge.models.shard_refs import RefFile, resolve_file
-from flowedge.models.shards import Manifest, file_sha256, split_model
+from flowedge.models.shards import Manifest, file_sha256
+from flowedge.models.split import split_model
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import security
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.core.config import SpecConfig
+from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.engine.events import Emit, Finish, Prune, Segment
 from flowedge.engine.local import generate_ar, stop_ids
 from flowedge.engine.jobs import FromEngine, Job, ResetStages, kv_need, tree_reserve

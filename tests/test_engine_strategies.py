@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.core.config import SpecConfig
+from flowedge.core.sampling import SamplingParams, warp_probs
 from flowedge.engine.local import generate_ar, stop_ids
 from flowedge.engine.strategies import STRATEGIES
 from flowedge.models.quant import Int4Linear
@@ -46,7 +46,7 @@ def test_every_strategy_matches_greedy_ar(tiny_pair, references, nodes, lm_head_
 @pytest.fixture(scope="module")
 def packed_base(tiny_pair, tmp_path_factory):
     """The base model as a W4A16 checkpoint (flowedge's default storage): every stage runs int4."""
-    from flowedge.models.shards import split_model
+    from flowedge.models.split import split_model
 
     out = tmp_path_factory.mktemp("w4a16") / "base"
     split_model(tiny_pair[0], 1, out, quant="int4")

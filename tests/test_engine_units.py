@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.prune import PruneSet
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.assembly import build_head
-from flowedge.core.config import SpecConfig
 from flowedge.engine.events import Compute, Done, Emit, Finish, Prune, Segment, Send
 from flowedge.engine.local import generate_ar, stop_ids
 from flowedge.engine.stage_worker import StageWorker

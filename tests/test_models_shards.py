@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from flowedge.errors import ChecksumError, ConfigError, ModelError
 from flowedge.models.shard_refs import resolve_file
-from flowedge.models.shards import Manifest, balanced_layers, load_shard, split_model
+from flowedge.models.shards import Manifest, load_shard
+from flowedge.models.split import balanced_layers, split_model
 from flowedge.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)

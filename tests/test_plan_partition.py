@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
+from flowedge.costs.profiles import list_devices, load_device, load_link
 from flowedge.plan.cluster import plan_cluster
 from flowedge.plan.memory import GiB
 from flowedge.plan.partition import IDLE_GAIN, PlanError, PlanInputs, plan_partition, stage_devices
 from flowedge.plan.shapes import list_shapes, load_shape, shape_from_dict
-from flowedge.costs.profiles import list_devices, load_device, load_link
 
 MIXED = ["agx-orin-64gb", "orin-nano-8gb", "orin-nano-8gb", "rpi5-8gb"]
 

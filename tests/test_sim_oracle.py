@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowedge.core.sampling import SamplingParams
 from flowedge.core.config import SpecConfig
+from flowedge.core.sampling import SamplingParams
 from flowedge.engine.strategies import STRATEGIES
 from flowedge.errors import ConfigError
 from flowedge.sim.oracle import LengthOnlyCache, PathOracle, ShapeOnlyStage

@@ -205,7 +205,7 @@ class LocalCluster:
 
 def load_cases(datasets: list[str], samples: int, model: str) -> list[Case]:
     """The first `samples` prompts of each dataset, tokenized as `flowedge generate` does (chat template)."""
-    from flowedge.bench.datasets import load_prompts
+    from flowedge.datasets import load_prompts
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import encode_prompt, load_tokenizer
 

@@ -82,7 +82,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _cache_report() -> None:
-    from flowedge.models.registry import flowedge_home
+    from flowedge.home import flowedge_home
 
     home = flowedge_home()
     print(f"model cache {home}:")

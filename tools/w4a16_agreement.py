@@ -17,8 +17,8 @@ import time
 import torch
 
 from flowedge.bench.agreement import stage_logits, top1_agreement, transformers_logits
-from flowedge.bench.datasets import load_prompts
 from flowedge.core.sampling import SamplingParams
+from flowedge.datasets import load_prompts
 from flowedge.engine.local import generate_ar_staged
 from flowedge.models import registry
 from flowedge.models.resolve import resolve_model

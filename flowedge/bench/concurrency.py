@@ -16,9 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from flowedge.bench.datasets import Prompt
 from flowedge.bench.runner import BenchConfig, sim_cluster
 from flowedge.core.sampling import SamplingParams
+from flowedge.datasets import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from flowedge.bench.datasets import Prompt
-from flowedge.core.sampling import SamplingParams
 from flowedge.core.config import SpecConfig
+from flowedge.core.sampling import SamplingParams
+from flowedge.datasets import Prompt
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -103,24 +103,7 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
         for j, name in enumerate(cfg.strategies):
             t0 = time.monotonic()
             res, head, _ = _generate(cluster, name, ids, ref, cfg, params)
-            stats = res.done.stats
-            run = {
-                "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
-                "token_ids": res.done.token_ids,
-                "tokens_per_s": len(res.done.token_ids) / res.sim_time_s,
-                "sim_time_s": res.sim_time_s,
-                "mean_accept_len": sum(stats.accept_lens) / max(1, len(stats.accept_lens)),
-                "restarts": max(0, stats.rounds - 1),
-                "steps": stats.steps,
-                "draft_forwards": stats.draft_forwards,
-                "head_overhead_ms": 1000 * sum(stats.overhead_s) / max(1, len(stats.overhead_s)),
-                "tree_build_ms": 1000 * sum(stats.tree_build_s) / max(1, len(stats.tree_build_s)),
-                "busy_fraction": res.trace.busy_fraction(),
-                "matches_ar": (res.done.token_ids == ref) if ref is not None else None,
-                "wall_s": time.monotonic() - t0,
-            }
-            if stats.auto:
-                run["auto"] = stats.auto
+            run = _sim_run(prompt, name, res, ref, time.monotonic() - t0)
             if i == 0:
                 traces[name] = res.trace
             say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
@@ -134,6 +117,29 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
                           title=f"{prompt.dataset}/{prompt.prompt_id} on {cfg.nodes}x {cfg.profile}")
     write_table(results, out)
     return results
+
+
+def _sim_run(prompt: Prompt, name: str, res, ref: list[int] | None, wall_s: float) -> dict:
+    """One simulated run's record (results.json): speed on the virtual clock, acceptance, overheads."""
+    stats = res.done.stats
+    run = {
+        "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
+        "token_ids": res.done.token_ids,
+        "tokens_per_s": len(res.done.token_ids) / res.sim_time_s,
+        "sim_time_s": res.sim_time_s,
+        "mean_accept_len": sum(stats.accept_lens) / max(1, len(stats.accept_lens)),
+        "restarts": max(0, stats.rounds - 1),
+        "steps": stats.steps,
+        "draft_forwards": stats.draft_forwards,
+        "head_overhead_ms": 1000 * sum(stats.overhead_s) / max(1, len(stats.overhead_s)),
+        "tree_build_ms": 1000 * sum(stats.tree_build_s) / max(1, len(stats.tree_build_s)),
+        "busy_fraction": res.trace.busy_fraction(),
+        "matches_ar": (res.done.token_ids == ref) if ref is not None else None,
+        "wall_s": wall_s,
+    }
+    if stats.auto:
+        run["auto"] = stats.auto
+    return run
 
 
 def _generate(cluster, name: str, ids: list[int], ref: list[int] | None, cfg: BenchConfig, params):

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from flowedge.bench.concurrency import concurrency_table, percentile, plot_concurrency
-from flowedge.bench.datasets import Prompt
 from flowedge.bench.runner import BenchConfig
+from flowedge.datasets import Prompt
 
 
 def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> None:

@@ -7,9 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from flowedge.bench.datasets import Prompt
 from flowedge.bench.runner import BenchConfig, record_run, write_table
 from flowedge.core.sampling import SamplingParams
+from flowedge.datasets import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                 for j, name in enumerate(cfg.strategies):
                     res = client.generate(prompt.text, max_new_tokens=cfg.max_new_tokens,
                                           temperature=cfg.temperature, seed=params.seed, strategy=name)
-                    nodes = client.status()
-                    run = {
-                        "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
-                        "token_ids": res["token_ids"], "tokens_per_s": res["tokens_per_s"],
-                        "wall_tokens_per_s": res["wall_tokens_per_s"], "wall_s": res["wall_s"],
-                        "mean_accept_len": res.get("mean_accept_len", 1.0),
-                        "restarts": res.get("round_restarts", 0), "steps": res.get("steps"),
-                        "head_overhead_ms": res.get("head_overhead_ms_per_step"),
-                        "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:]],
-                        "matches_ar": (res["token_ids"] == ref) if ref is not None else None,
-                    }
-                    if res.get("auto"):   # strategy auto: its choice and reason
-                        run["auto"] = res["auto"]
+                    run = _zmq_run(prompt, name, res, client.status(), ref)
                     say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
                         f"{run['tokens_per_s']:.2f} tok/s (wall), accept {run['mean_accept_len']:.2f}"
                         + ("" if ref is None else f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar"))
@@ -73,3 +61,20 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
         cluster.stop()
     write_table(results, out)
     return results
+
+
+def _zmq_run(prompt: Prompt, name: str, res: dict, nodes: list[dict], ref: list[int] | None) -> dict:
+    """One run's record (results.json) from the head's result stats and the nodes' status after it."""
+    run = {
+        "prompt_id": prompt.prompt_id, "dataset": prompt.dataset, "strategy": name,
+        "token_ids": res["token_ids"], "tokens_per_s": res["tokens_per_s"],
+        "wall_tokens_per_s": res["wall_tokens_per_s"], "wall_s": res["wall_s"],
+        "mean_accept_len": res.get("mean_accept_len", 1.0),
+        "restarts": res.get("round_restarts", 0), "steps": res.get("steps"),
+        "head_overhead_ms": res.get("head_overhead_ms_per_step"),
+        "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:]],
+        "matches_ar": (res["token_ids"] == ref) if ref is not None else None,
+    }
+    if res.get("auto"):   # strategy auto: its choice and reason
+        run["auto"] = res["auto"]
+    return run

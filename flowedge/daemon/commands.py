@@ -1,21 +1,20 @@
-"""`flowedge serve | join | up | down | prompt | status` (wired into the CLI by flowedge/cli.py)."""
+"""`flowedge serve | join | up | down | prompt | status` (wired into the CLI by flowedge/cli.py; `http` is
+in api/commands.py, `systemd` in systemd/commands.py)."""
 from __future__ import annotations
 
 import json
 import logging
 import signal
-import sys
 import threading
 import time
 from contextlib import contextmanager
 
 import click
 
-from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config, split_addr
 from flowedge.core.config import DRAFT_QUANTS
+from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config
 from flowedge.errors import ConfigError, FlowedgeError
-
-EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
+from flowedge.threads import set_threads
 
 log = logging.getLogger("flowedge")
 
@@ -26,7 +25,7 @@ KEYS_OPTION = click.option("--keys", "keys_dir", default=None, help="Cluster key
 INSECURE_OPTION = click.option("--insecure", is_flag=True, help="No CurveZMQ (lab use only; logs a warning).")
 
 
-def _daemon_logging() -> None:
+def daemon_logging() -> None:
     """Daemons log at INFO unless -v/-vv asked for more."""
     root = logging.getLogger()
     if root.level > logging.INFO:
@@ -47,7 +46,6 @@ def _stop_on_signals() -> threading.Event:
 
 def _run_node(cfg) -> None:
     from flowedge.allocator import HeapTrimmer, limit_arenas
-    from flowedge.cli import set_threads
 
     limit_arenas()   # before torch and zmq start their threads
     set_threads(cfg.threads or None)
@@ -101,7 +99,7 @@ def liveness_options(head: bool):
 def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage_timeout, client_timeout, recovery,
           stall_timeout, max_concurrent, kv_budget_tokens) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
-    _daemon_logging()
+    daemon_logging()
     _run_node(load_node_config(config_path, role=role, threads=threads, cluster=cluster,
                                discovery=False if no_discovery else None, heartbeat_ms=heartbeat_ms,
                                stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
@@ -130,7 +128,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
          same_host, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
     its shard and serves its layers."""
-    _daemon_logging()
+    daemon_logging()
     if not head_addr:
         try:
             from flowedge.daemon.discovery import find_head
@@ -178,7 +176,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
        kv_budget_tokens, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
-    from flowedge.daemon.client import Client, wait_ready
+    from flowedge.daemon.client import wait_ready
 
     spec = local_cluster.LocalClusterSpec(
         nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
@@ -203,13 +201,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
             click.echo(f"detached; stop it with `{down_cmd}`", err=True)
             return
         if prompt is not None:
-            with Client(spec.addr, insecure=insecure) as client:
-                for piece in client.stream(prompt, max_new_tokens=max_new_tokens):
-                    click.echo(piece, nl=False)
-                res = client.last_result
-            click.echo()
-            click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s{_first_token(res)}, "
-                       f"{res['wall_tokens_per_s']:.2f} tok/s, strategy {res['strategy']}, {nodes} nodes]", err=True)
+            _answer_once(spec, prompt, max_new_tokens)
             return
         click.echo("serving; Ctrl-C stops every node", err=True)
         while cluster.alive():
@@ -227,6 +219,19 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
             dead = [d for d in cluster.dead() if "exit 0" not in d and "exit -15" not in d]
             if dead:
                 click.echo("nodes that did not stop cleanly: " + "; ".join(dead), err=True)
+
+
+def _answer_once(spec, prompt: str, max_new_tokens: int) -> None:
+    """`up --prompt`: stream one answer from the cluster just started, then a summary line."""
+    from flowedge.daemon.client import Client
+
+    with Client(spec.addr, insecure=spec.insecure) as client:
+        for piece in client.stream(prompt, max_new_tokens=max_new_tokens):
+            click.echo(piece, nl=False)
+        res = client.last_result
+    click.echo()
+    click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s{_first_token(res)}, "
+               f"{res['wall_tokens_per_s']:.2f} tok/s, strategy {res['strategy']}, {spec.nodes} nodes]", err=True)
 
 
 @click.command()
@@ -322,68 +327,6 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
     click.echo(status_view.render(nodes))
 
 
-@click.command("http")
-@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT for the HTTP API.")
-@HEAD_OPTION
-@click.option("--api-key", "api_keys", multiple=True,
-              help="A bearer key clients must send (repeatable; also FLOWEDGE_API_KEYS=k1,k2). Required "
-                   "whenever --listen is not a loopback address.")
-@click.option("--api-key-file", default=None, type=click.Path(dir_okay=False),
-              help="A file of API keys, one a line.")
-@click.option("--read-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds a client has to send a whole request body (one deadline, not per piece).")
-@click.option("--request-timeout", default=300.0, show_default=True, type=float,
-              help="Seconds of silence from the head before an answer fails.")
-@click.option("--header-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds a client has to send a whole request head (request line + headers).")
-@click.option("--max-connections", default=128, show_default=True, type=int,
-              help="Open connections + running requests; beyond it new ones get 503.")
-@click.option("--max-connections-per-address", default=16, show_default=True, type=int,
-              help="Connections one client address may hold without a complete request head; past it its "
-                   "oldest such connection is closed (three quarters of --max-connections in all).")
-@click.option("--max-requests-per-s", default=20.0, show_default=True, type=float,
-              help="Requests a second one client address may send (after a burst of twice that); past it 429. "
-                   "0: no limit. /health is never limited.")
-@KEYS_OPTION
-@INSECURE_OPTION
-def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
-         max_connections_per_address, max_requests_per_s, keys_dir, insecure) -> None:
-    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
-    /metrics) in front of a head. A configuration error exits with status 78 (EX_CONFIG)."""
-    _daemon_logging()
-    try:
-        _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, read_timeout_s=read_timeout,
-                    request_timeout_s=request_timeout, header_timeout_s=header_timeout,
-                    max_connections=max_connections, max_connections_per_address=max_connections_per_address,
-                    requests_per_s_per_address=max_requests_per_s,
-                    request_burst_per_address=max(1, round(2 * max_requests_per_s)))
-    except ConfigError as err:   # EX_CONFIG: the unit's RestartPreventExitStatus=78, no restart loop
-        click.echo(f"error: {err}", err=True)
-        sys.exit(EX_CONFIG)
-
-
-def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limits) -> None:
-    """`limits`: ApiSettings fields (timeouts, connection and request-rate caps)."""
-    from flowedge.allocator import HeapTrimmer, limit_arenas
-    from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
-
-    limit_arenas()
-    host, port = split_listen(listen)
-    split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
-    settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
-                           api_keys=load_api_keys(api_keys, api_key_file), **limits)
-    from flowedge.api.server import build_server
-
-    HeapTrimmer(threading.Event()).start()   # a daemon thread: ends with the process
-
-    server = build_server(settings, host, port)
-    log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,
-             f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key: loopback only")
-    server.run()
-    if not server.started:
-        raise ConfigError(f"cannot listen on {listen} (see the log above)")
-
-
 @contextmanager
 def _showing_progress(cluster):
     """While a local cluster starts: follow its logs' progress lines (download, conversion, split,
@@ -417,21 +360,4 @@ def _int_list(text: str | None) -> list[int]:
         raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
 
 
-@click.group("systemd")
-def systemd_group() -> None:
-    """The systemd units shipped in the package (see flowedge/systemd/systemd.md)."""
-
-
-@systemd_group.command("install")
-@click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False),
-              help="Install under this directory instead of / (for packaging).")
-def systemd_install(root) -> None:
-    """Install the units, the sysusers.d file and their notes (ExecStart: this install's flowedge)."""
-    from flowedge import systemd
-
-    for path in systemd.install(root):
-        click.echo(f"wrote {path}")
-    click.echo("next: systemd-sysusers && systemctl daemon-reload (see /usr/share/doc/flowedge/systemd.md)")
-
-
-COMMANDS = [serve, join, up, down, prompt, status, http, systemd_group]
+COMMANDS = [serve, join, up, down, prompt, status]

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from flowedge.core.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
-from flowedge.errors import ConfigError
-from flowedge.models.registry import MODELS, flowedge_home  # (the one $FLOWEDGE_HOME resolver)
 from flowedge.costs.profiles import list_devices
+from flowedge.errors import ConfigError
+from flowedge.home import flowedge_home   # (the one $FLOWEDGE_HOME resolver)
+from flowedge.models.registry import MODELS
 
 DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 # the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit

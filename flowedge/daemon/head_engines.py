@@ -12,6 +12,7 @@ import time
 from functools import partial
 from typing import Callable
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import kv_budget, wire
 from flowedge.daemon.config import NodeConfig
@@ -20,7 +21,6 @@ from flowedge.daemon.membership import Membership
 from flowedge.daemon.prompting import check_vocab, prompt_ids
 from flowedge.daemon.requests import ClientRequest, Prepared
 from flowedge.engine import assembly
-from flowedge.core.config import SpecConfig
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done
 from flowedge.engine.jobs import kv_need

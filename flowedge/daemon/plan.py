@@ -23,7 +23,8 @@ from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.packing import storage_quant
-from flowedge.models.shards import MANIFEST, Manifest, _layer_counts, is_referenced, split_model
+from flowedge.models.shards import MANIFEST, Manifest, is_referenced
+from flowedge.models.split import layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
 
     base_dir = resolve_model(config.model, quant=config.quant)
     n_layers = int(load_config(base_dir).num_hidden_layers)
-    counts = _layer_counts(n_layers, config.stages, list(config.layers) or None)
+    counts = layer_counts(n_layers, config.stages, list(config.layers) or None)
     stored = storage_quant(config.quant)
     out = split_dir_for(home, base_dir, counts, stored)
     manifest = ensure_split(base_dir, counts, out, config.model, stored)

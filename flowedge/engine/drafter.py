@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flowedge.core.config import DRAFT_QUANTS
 from flowedge.core.lookup import lookup_continuation
 from flowedge.core.tree import DraftTree, find_path, subtree
-from flowedge.core.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask, is_packed
 

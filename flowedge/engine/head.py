@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flowedge.core.config import SpecConfig
 from flowedge.core.prune import PruneSet, apply_alive, prune_after_walk
 from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import DraftTree
 from flowedge.core.verify import WalkResult, walk_chosen
-from flowedge.core.config import SpecConfig
 from flowedge.engine.drafter import Drafter
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.round_view import RoundView

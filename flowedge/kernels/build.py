@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowedge.errors import BuildError
-from flowedge.models.registry import flowedge_home
+from flowedge.home import flowedge_home
 
 log = logging.getLogger(__name__)
 

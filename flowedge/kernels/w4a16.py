@@ -30,18 +30,32 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from flowedge.kernels import build
 
-if TYPE_CHECKING:   # quant imports this module: no import back at run time
-    from flowedge.models.quant import PackedInt4
-
 SOURCE = Path(__file__).with_name("w4a16.c")
 TILE = 16
 REPACK_ROWS = 4096   # outputs repacked at once (bounds the temporaries for a vocabulary-sized lm_head)
+
+
+class PackedWeight(Protocol):
+    """The portable W4A16 layout the kernel repacks (`models.quant.PackedInt4` is one), described here
+    so the kernels stay below the model code that imports them."""
+    qweight: torch.Tensor   # uint8 [N, K / 2]
+    scales: torch.Tensor    # bfloat16 [N, K / G]
+    zeros: torch.Tensor     # bfloat16 [N, K / G]
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def group_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +99,7 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
             and in_features % group_size == 0)
 
 
-def prepare(w: PackedInt4) -> W4A16Weight:
+def prepare(w: PackedWeight) -> W4A16Weight:
     """Repack the portable layout into tiles (one pass, REPACK_ROWS outputs at a time)."""
     n, k, g = w.out_features, w.in_features, w.group_size
     if not supports(n, k, g):

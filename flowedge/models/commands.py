@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from flowedge.errors import ConfigError
+from flowedge.home import flowedge_home
 from flowedge.models import registry
 
 
@@ -27,7 +28,7 @@ def list_cmd() -> None:
         cached = "yes" if r["cached"] else "no"
         click.echo(f"{r['name']:<{width}}  {r['role']:<5}  {r['size'] / 1e6:7.1f} MB  {cached:<6}  "
                    f"{r['description']}")
-    click.echo(f"cache: {registry.flowedge_home()}")
+    click.echo(f"cache: {flowedge_home()}")
 
 
 @models.command("pull")
@@ -64,7 +65,7 @@ def parse_layers(text: str | None) -> list[int] | None:
 def split(model: str, stages: int, out: Path, layers: str | None, quant: str, copy: bool) -> None:
     """Cut MODEL (registry name, HF directory or .gguf file) into per-stage shard files."""
     from flowedge.models.resolve import resolve_model
-    from flowedge.models.shards import split_model
+    from flowedge.models.split import split_model
 
     counts = parse_layers(layers)
     model_dir = resolve_model(model, quant=quant)

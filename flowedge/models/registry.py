@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from flowedge.errors import ChecksumError, ModelError
+from flowedge.home import flowedge_home
 from flowedge.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,6 @@ MODELS: dict[str, RegistryEntry] = {
         ),
     )
 }
-
-
-def flowedge_home() -> Path:
-    """Cache root: $FLOWEDGE_HOME, else ~/.cache/flowedge."""
-    env = os.environ.get("FLOWEDGE_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "flowedge"
 
 
 def get_entry(name: str) -> RegistryEntry:

@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 
 from flowedge.errors import ModelError
+from flowedge.home import flowedge_home
 from flowedge.models import gguf_tensors, registry
 from flowedge.models.convert import CHECKPOINT_KEY, CONVERT_FORMAT, CONVERTED_MARKER, convert_gguf
 from flowedge.models.packing import storage_quant
@@ -39,7 +40,7 @@ def resolve_model(spec: str, *, home: Path | None = None, quant: str = "int4") -
 
     `quant` picks the stored format of a converted GGUF (int4 and auto: W4A16; none and nf4: 16-bit,
     which nf4 quantizes while loading); a Hugging Face directory is returned as it is."""
-    home = Path(home) if home is not None else registry.flowedge_home()
+    home = Path(home) if home is not None else flowedge_home()
     fmt = storage_quant(quant)
     if spec in registry.MODELS:
         return _resolve_registry(spec, home, fmt)

@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flowedge.core.config import SpecConfig
+from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
 from flowedge.plan.memory import GiB, MemoryNeed, head_need, usable_bytes
 from flowedge.plan.partition import (IDLE_GAIN, PartitionPlan, PlanError, PlanInputs, StageDevice,
                                      plan_partition, stage_devices)
 from flowedge.plan.shapes import load_shape
-from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
 
 DRAFT_SHAPE = "qwen2.5-coder-0.5b"   # node 0's draft (the real pair's) unless told otherwise
 

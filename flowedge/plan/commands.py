@@ -77,7 +77,7 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
 
 def _simulated(cluster, strategies: list[str], datasets, samples: int, max_new_tokens: int,
                pair: tuple[str, str], report: dict) -> dict:
-    from flowedge.bench.datasets import load_prompts
+    from flowedge.datasets import load_prompts
     from flowedge.models import registry
     from flowedge.models.resolve import resolve_model
     from flowedge.plan.predict import simulate

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flowedge.errors import ConfigError
 from flowedge.costs.model import resolve_path, shape_of_head, shape_of_layers, shape_of_model
 from flowedge.costs.profiles import DeviceProfile
+from flowedge.errors import ConfigError
 
 GiB = 1 << 30
 # Weight bytes per parameter at rest and in memory. int4 (W4A16): 4-bit codes + a 16-bit scale and zero

@@ -39,7 +39,7 @@ def ar_pp_tokens_per_s(cluster: ClusterSpec, context: int = SIZING_CONTEXT) -> f
 
 
 def _stage_path(cluster: ClusterSpec) -> str | None:
-    """The stages' kernel path when node 0 has it too (it drafts on the same kernels, as in sim/run.py)."""
+    """The stages' kernel path when node 0 has it too (it drafts on the same kernels: costs/pipeline.draft_path_for)."""
     path = cluster.devices[0].path
     return path if path and cluster.head_device.has_path(path) else None
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from flowedge import errors
 from flowedge.errors import ProtocolError
 
 # A peer cannot make us allocate more than this for one tensor.
@@ -18,6 +19,12 @@ MAX_DIMS = 8
 TOKEN_WIRE_DTYPES = {"int16": np.int16, "int32": np.int32}
 _INT16_MAX = (1 << 15) - 1
 _INT31_LIMIT = 1 << 31
+MAX_QUOTE_CHARS = 60         # how much of a peer's value an error message quotes
+
+
+def quote(value: Any) -> str:
+    """A short repr of a peer's value for an error message (frames.py and codec.py both quote)."""
+    return errors.bounded(repr(value), MAX_QUOTE_CHARS)
 
 
 def frame_buffer(frame: Any) -> memoryview:

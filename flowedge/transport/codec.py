@@ -3,7 +3,8 @@
 A message is a frozen dataclass; `Message.to_frames` turns its scalar fields into a msgpack header
 and its tensor fields (named in `WIRE`) into raw frames; `decode` does the reverse and validates
 every field through the dataclass's `__post_init__`, so malformed peer input becomes one
-ProtocolError and never a crash. Concrete messages live in protocol.py and register themselves here.
+ProtocolError and never a crash. Concrete messages live in msg_control.py, msg_data.py and
+msg_client.py (protocol.py gathers them) and register themselves here.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from flowedge.transport.buffers import (
     as_token_ids,
     frame_buffer,
     frame_to_tokens,
+    quote,
     tokens_to_frame,
 )
 
@@ -33,7 +35,6 @@ SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
 MAX_LIST_ITEMS = 4096
 MAX_TEXT_CHARS = 4096        # free-text fields (reasons, error messages): longer text is cut, not refused
-MAX_QUOTE_CHARS = 60         # how much of a peer's value an error message quotes
 ROLES = ("head", "stage", "client")
 # The engine's segment phases (flowedge.engine.events.Segment.phase).
 SEGMENT_KINDS = ("prefill", "draft", "init-segment", "expansion", "ar", "level")
@@ -70,11 +71,6 @@ def bounded(text: str, max_chars: int = MAX_TEXT_CHARS) -> str:
     """`text` cut to at most `max_chars` characters (an ellipsis marks the cut). Every error text that
     may quote peer input goes through this before it becomes a Refuse or ErrorReply."""
     return errors.bounded(text, max_chars)
-
-
-def quote(value: Any) -> str:
-    """A short repr of a peer's value for an error message."""
-    return bounded(repr(value), MAX_QUOTE_CHARS)
 
 
 # ---------------------------------------------------------------- validators (raise ProtocolError)
@@ -169,6 +165,9 @@ def _version(msg: Message) -> None:
 
 
 # ---------------------------------------------------------------- base class and codec
+# Every concrete message is `@dataclass(**MESSAGE_OPTIONS)`: frozen and keyword-only (a reordered field
+# can never silently swap two integers), slotted, compared by identity (tensors have no plain ==).
+MESSAGE_OPTIONS: dict[str, bool] = dict(frozen=True, slots=True, kw_only=True, eq=False)
 MESSAGE_TYPES: dict[str, type["Message"]] = {}
 REFUSE_TYPE = "refuse"  # frozen across major versions
 

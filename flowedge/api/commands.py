@@ -1,0 +1,78 @@
+"""`flowedge http` (wired into the CLI by flowedge/cli.py): the API server's flags, and its exit status."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import click
+
+from flowedge.daemon.commands import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, daemon_logging
+from flowedge.daemon.config import split_addr
+from flowedge.errors import ConfigError
+
+EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
+
+log = logging.getLogger("flowedge")
+
+
+@click.command("http")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT for the HTTP API.")
+@HEAD_OPTION
+@click.option("--api-key", "api_keys", multiple=True,
+              help="A bearer key clients must send (repeatable; also FLOWEDGE_API_KEYS=k1,k2). Required "
+                   "whenever --listen is not a loopback address.")
+@click.option("--api-key-file", default=None, type=click.Path(dir_okay=False),
+              help="A file of API keys, one a line.")
+@click.option("--read-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a client has to send a whole request body (one deadline, not per piece).")
+@click.option("--request-timeout", default=300.0, show_default=True, type=float,
+              help="Seconds of silence from the head before an answer fails.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a client has to send a whole request head (request line + headers).")
+@click.option("--max-connections", default=128, show_default=True, type=int,
+              help="Open connections + running requests; beyond it new ones get 503.")
+@click.option("--max-connections-per-address", default=16, show_default=True, type=int,
+              help="Connections one client address may hold without a complete request head; past it its "
+                   "oldest such connection is closed (three quarters of --max-connections in all).")
+@click.option("--max-requests-per-s", default=20.0, show_default=True, type=float,
+              help="Requests a second one client address may send (after a burst of twice that); past it 429. "
+                   "0: no limit. /health is never limited.")
+@KEYS_OPTION
+@INSECURE_OPTION
+def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, header_timeout, max_connections,
+         max_connections_per_address, max_requests_per_s, keys_dir, insecure) -> None:
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics) in front of a head. A configuration error exits with status 78 (EX_CONFIG)."""
+    daemon_logging()
+    try:
+        _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, read_timeout_s=read_timeout,
+                    request_timeout_s=request_timeout, header_timeout_s=header_timeout,
+                    max_connections=max_connections, max_connections_per_address=max_connections_per_address,
+                    requests_per_s_per_address=max_requests_per_s,
+                    request_burst_per_address=max(1, round(2 * max_requests_per_s)))
+    except ConfigError as err:   # EX_CONFIG: the unit's RestartPreventExitStatus=78, no restart loop
+        click.echo(f"error: {err}", err=True)
+        sys.exit(EX_CONFIG)
+
+
+def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limits) -> None:
+    """`limits`: ApiSettings fields (timeouts, connection and request-rate caps)."""
+    from flowedge.allocator import HeapTrimmer, limit_arenas
+    from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
+
+    limit_arenas()
+    host, port = split_listen(listen)
+    split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
+    settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
+                           api_keys=load_api_keys(api_keys, api_key_file), **limits)
+    from flowedge.api.server import build_server
+
+    HeapTrimmer(threading.Event()).start()   # a daemon thread: ends with the process
+
+    server = build_server(settings, host, port)
+    log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,
+             f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key: loopback only")
+    server.run()
+    if not server.started:
+        raise ConfigError(f"cannot listen on {listen} (see the log above)")
