@@ -24,18 +24,31 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from flowedge.kernels import build
 
-if TYPE_CHECKING:   # quant8 imports this module: no import back at run time
-    from flowedge.models.quant8 import PackedInt8
-
 SOURCE = Path(__file__).with_name("w8a16.c")
 TILE = 16
 REPACK_ROWS = 4096
+
+
+class PackedWeight8(Protocol):
+    """The portable W8A16 layout the kernel repacks (`models.quant8.PackedInt8` is one), described here
+    so the kernels stay below the model code that imports them."""
+    qweight: torch.Tensor   # int8 [N, K]
+    scales: torch.Tensor    # float32 [N, K / G]
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def group_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +92,7 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
             and in_features % group_size == 0)
 
 
-def prepare(w: PackedInt8) -> W8A16Weight:
+def prepare(w: PackedWeight8) -> W8A16Weight:
     """Repack the portable layout into tiles (REPACK_ROWS outputs at a time)."""
     n, k, g = w.out_features, w.in_features, w.group_size
     if not supports(n, k, g):
