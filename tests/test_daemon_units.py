@@ -90,20 +90,22 @@ def test_stage_chosen_tokens_and_sampling_params_survive_the_wire():
     from flowedge.core.sampling import SamplingParams
 
     seg = events.Segment(1, 0, 1, 0, torch.tensor([0, 3]), torch.tensor([0, 0]), torch.tensor([5, 6]),
-                         torch.zeros(2, 0), "init-segment", tokens=torch.tensor([42, 0]),
+                         None, "init-segment", tokens=torch.tensor([42, 0]),
                          roots=torch.tensor([True, False]))
     msg = wire.to_wire(seg, "float16")
     assert msg.hidden is None and msg.token_ids.tolist() == [42, 0]    # token 0 is a token, not "none"
     back = wire.from_wire(proto.decode([bytes(f) for f in msg.to_frames()]), torch.float32)
-    assert back.tokens.tolist() == [42, 0] and back.hidden.shape == (2, 0) and back.sampling is None
+    assert back.tokens.tolist() == [42, 0] and back.hidden is None and back.sampling is None
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11)
     pre = events.Segment.prefill(1, 1, torch.arange(2), torch.randn(2, 4), params)
     back = wire.from_wire(proto.decode([bytes(f) for f in wire.to_wire(pre, "float32").to_frames()]), torch.float32)
     assert back.sampling == params and back.tokens is None
-    chosen = events.Segment.prefill(1, 1, torch.arange(2), torch.zeros(2, 0)).select(
-        torch.ones(2, dtype=torch.bool), tokens=torch.tensor([9]))   # the one choice after the chunk
+    chosen = events.Segment.prefill(1, 1, torch.arange(2), torch.randn(2, 4)).chosen(
+        torch.tensor([9]))   # the one choice after the chunk, no hidden states
     back = wire.from_wire(proto.decode(wire.to_wire(chosen, "float16").to_frames()), torch.float32)
-    assert back.tokens.tolist() == [9] and back.hidden.shape == (2, 0)
+    assert back.tokens.tolist() == [9] and back.hidden is None and len(back) == 2
+    with pytest.raises(ProtocolError, match="token choices"):   # neither hidden states nor tokens
+        wire.to_wire(chosen.chosen(None), "float16")
 
 
 def test_bad_sampling_fields_are_protocol_errors():

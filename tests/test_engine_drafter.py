@@ -35,7 +35,7 @@ def check_children_scores(drafter: Drafter, model: StageModel) -> int:
     """Every run node's children carry its score + the draft's log-prob of their token; returns how
     many run nodes were checked."""
     tree, checked = drafter.base, 0
-    run = (drafter._slot[: len(tree)] >= 0).nonzero().reshape(-1).tolist()
+    run = drafter._slots.ran[: len(tree)].nonzero().reshape(-1).tolist()
     for node in run:
         kids = tree.children(node)
         if kids.numel() == 0:
@@ -97,7 +97,7 @@ def test_a_new_tree_runs_the_guess_after_its_root_in_the_same_call(draft_model, 
     drafter.build(CONTEXT, TreeShape(topk=3, depth=2), lookup=2)
     assert drafter.forwards == 2                                   # root + guess, then one level
     assert int(drafter.base.depths.max()) == 3                     # the chain's two levels + one more
-    run = drafter._slot[: len(drafter.base)] >= 0
+    run = drafter._slots.ran[: len(drafter.base)]
     assert int(run.sum()) == 2 + 3 - 1                             # 2 adopted + the level's 3 minus the one already run
     assert check_children_scores(drafter, draft_model) == 4
     assert drafter.committed == len(CONTEXT)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+ROOT = 0   # the root's id in every tree; callers test `id == ROOT`, never the root's parent entry
+
 
 @dataclass(eq=False)
 class DraftTree:

@@ -24,7 +24,7 @@ def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
         seed=seg.sampling.seed)
     if seg.tokens is not None:
         payload = dict(token_ids=seg.tokens)
-    elif seg.hidden.shape[-1] == 0 and len(seg):
+    elif seg.hidden is None:
         raise ProtocolError("a segment without hidden states must carry token choices")
     else:
         payload = dict(hidden=seg.hidden)
@@ -38,7 +38,7 @@ def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
 def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
     sampling = None if msg.temperature is None else SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
     if msg.hidden is None:   # the last stage's token choices: no hidden states to carry
-        hidden, tokens = torch.empty(len(msg), 0, dtype=dtype), msg.token_ids
+        hidden, tokens = None, msg.token_ids
     else:   # hidden states arrive in the wire dtype; the cast to the compute dtype is the only copy
         hidden, tokens = msg.hidden.to(dtype), None
     roots = None

@@ -14,7 +14,8 @@ import torch
 
 from flowedge.core.config import DRAFT_QUANTS
 from flowedge.core.lookup import lookup_continuation
-from flowedge.core.tree import DraftTree, find_path, subtree
+from flowedge.core.tree import ROOT, DraftTree, find_path, subtree
+from flowedge.engine.draft_slots import CacheSlots
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask, is_packed
 
@@ -81,7 +82,7 @@ class Drafter:
         self.committed = 0                 # cache entries that are committed context
         self.context: list[int] = []       # tokens behind those entries
         self.base: DraftTree | None = None
-        self._slot = torch.empty(0, dtype=torch.long)   # base node -> cache slot, -1 if not run
+        self._slots = CacheSlots.none_run()   # base node -> draft cache entry, for the nodes run
         self.frontier = torch.empty(0, dtype=torch.long)
         self.shape = TreeShape()
 
@@ -101,7 +102,7 @@ class Drafter:
         top = logp.topk(shape.level_width if not shape.keep_all else shape.topk)
         kids = tree.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self.base = tree
-        self._slot = torch.full((len(tree),), -1, dtype=torch.long)
+        self._slots = CacheSlots.none_run(len(tree))
         if guess.numel():   # the guess rows sit right after the committed context, where tree entries go
             self._adopt_chain(kids, guess, logp_all[new.numel():], self.committed)
         self.frontier = kids[: shape.level_width]
@@ -117,7 +118,7 @@ class Drafter:
         for _ in range(levels):
             self._grow_slots()
             f = self.frontier
-            keep = self._slot[f] < 0            # nodes a guessed chain already ran are not run twice
+            keep = ~self._slots.ran[f]          # nodes a guessed chain already ran are not run twice
             if alive is not None:
                 keep &= alive[f]
             self.frontier = f[keep]
@@ -158,7 +159,7 @@ class Drafter:
             self._reroot(node, context)
         for _ in range(forwards):
             self._grow_slots()
-            open_nodes = (self._slot < 0).nonzero().reshape(-1)
+            open_nodes = self._slots.not_run()
             open_nodes = open_nodes[open_nodes > 0]
             if open_nodes.numel() == 0:
                 break
@@ -180,20 +181,21 @@ class Drafter:
         outside its subtree are dropped, and the node itself is run if it never was."""
         self._grow_slots()
         path = self.base.path(node)[1:]                      # below the old root, ending at `node`
-        slots = self._slot[torch.tensor(path)]
-        anc = slots[:-1]
+        on_path = torch.tensor(path)
+        slots = self._slots.slot[on_path]
+        anc = slots[:-1]                                     # every ancestor ran: it has children
         sub_tree, ids = subtree(self.base, node)
-        sub_slots = self._slot[ids[1:]]
-        inner = sub_slots[sub_slots >= 0]
+        sub_ran = self._slots.ran[ids[1:]]
+        inner = self._slots.slot[ids[1:]][sub_ran]
         head = torch.arange(self.committed)
-        own = slots[-1:] if int(slots[-1]) >= 0 else slots[:0]
+        own = slots[-1:] if bool(self._slots.ran[on_path[-1]]) else slots[:0]
         self.cache.keep(torch.cat([head, anc, own, inner]))
-        new_slot = torch.full((len(sub_tree),), -1, dtype=torch.long)
+        new_slots = CacheSlots.none_run(len(sub_tree))
         base_len = self.committed + anc.numel() + own.numel()
-        new_slot[1:][sub_slots >= 0] = torch.arange(base_len, base_len + inner.numel())
+        new_slots.put(torch.arange(1, len(sub_tree))[sub_ran], torch.arange(base_len, base_len + inner.numel()))
         self.committed = self.committed + anc.numel() + own.numel()
         self.context = list(context)
-        self.base, self._slot = sub_tree, new_slot
+        self.base, self._slots = sub_tree, new_slots
         if own.numel() == 0:   # the new root was never run: run it now, as committed context
             self._run_new_root()
 
@@ -209,7 +211,7 @@ class Drafter:
         order = torch.cat([torch.arange(self.committed), torch.tensor([past]),
                            torch.arange(self.committed, past)])
         self.cache.keep(order)
-        self._slot = torch.where(self._slot >= 0, self._slot + 1, self._slot)
+        self._slots.shift(1)
         self.committed += 1
         top = logp.topk(self.shape.topk)
         self.base.append(top.indices, torch.zeros_like(top.indices), top.values.float())
@@ -228,7 +230,7 @@ class Drafter:
             tokens_in = torch.cat([tokens_in, guess])
         logp = self._run(tokens_in, positions, allowed)
         self._grow_slots()
-        self._slot[frontier] = torch.arange(past, past + k)
+        self._slots.put(frontier, torch.arange(past, past + k))
         top = logp[:k].topk(shape.topk, dim=-1)                                # [k, topk]
         scores = (tree.log_scores[frontier].unsqueeze(1) + top.values).flatten()
         tokens = top.indices.flatten()
@@ -262,7 +264,7 @@ class Drafter:
                 break
             node = children[int(hit[0])]
             self._grow_slots()
-            self._slot[node] = first_slot + i
+            self._slots.put(node, first_slot + i)
             top = logp[i].topk(topk)
             children = tree.append(top.indices, node.expand(topk), tree.log_scores[node] + top.values.float())
             added.append(children)
@@ -270,9 +272,7 @@ class Drafter:
         return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
 
     def _grow_slots(self) -> None:
-        extra = len(self.base) - self._slot.numel()
-        if extra > 0:
-            self._slot = torch.cat([self._slot, torch.full((extra,), -1, dtype=torch.long)])
+        self._slots.grow(len(self.base))
 
     def _tree_rows(self, nodes: torch.Tensor, past: int, chain: int = 0) -> torch.Tensor:
         # nodes: [k] -> allowed [k + chain, past + k + chain]: committed context, each node's expanded
@@ -282,12 +282,12 @@ class Drafter:
         allowed = torch.zeros(k + chain, past + k + chain, dtype=torch.bool)
         allowed[:, : self.committed] = True
         rows = torch.arange(k)
-        cur = nodes.clone()
+        cur, climbing = nodes.clone(), torch.ones(k, dtype=torch.bool)
         for _ in range(int(tree.depths[nodes].max())):
-            cur = torch.where(cur >= 0, tree.parents[cur.clamp(min=0)], cur)
-            slot = self._slot[cur.clamp(min=0)]
-            ok = (cur >= 0) & (slot >= 0)
-            allowed[rows[ok], slot[ok]] = True
+            climbing &= cur != ROOT                              # the root is committed context
+            cur = torch.where(climbing, tree.parents[cur], cur)
+            ok = climbing & self._slots.ran[cur]
+            allowed[rows[ok], self._slots.slot[cur[ok]]] = True
         allowed[rows, past + rows] = True
         if chain:
             allowed[k:, : past + 1] = allowed[0, : past + 1]

@@ -5,7 +5,7 @@ these values. Node indices: 0 is the head (draft model, embedding, lm_head); 1..
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,9 +26,10 @@ class Segment:
     committed context themselves: its node_ids, parent_ids and roots are empty.
 
     When the last stage holds the lm_head (`lm_head_at = "last-stage"`) it returns no hidden states
-    ([rows, 0]) but `tokens`: the base model's choice at every node, or for a prompt chunk the one
-    choice after its last row, drawn with the request's sampling params (prefill chunks carry them in
-    `sampling`). No choice at all (a shape-only stage in the simulator): `tokens` is None."""
+    (`hidden` is None, `chosen()`) but `tokens`: the base model's choice at every node, or for a prompt
+    chunk the one choice after its last row, drawn with the request's sampling params (prefill chunks
+    carry them in `sampling`). No choice at all (a shape-only stage in the simulator): `tokens` is None
+    too, and the head reads the base logits itself."""
     request_id: int
     round_id: int
     seq: int
@@ -36,7 +37,7 @@ class Segment:
     node_ids: torch.Tensor      # [n] int64 (prefill: [0])
     parent_ids: torch.Tensor    # [n] int64, where not a root
     positions: torch.Tensor     # [rows] int64
-    hidden: torch.Tensor        # [rows, H]
+    hidden: torch.Tensor | None   # [rows, H]; None: the last stage chose tokens instead
     phase: str = "draft"        # "prefill" | "init-segment" | "expansion" | "ar" | "level"
     tokens: torch.Tensor | None = None          # [n] int64 base-model choices ([1] on prefill), last stage only
     sampling: SamplingParams | None = None      # on prefill chunks: how the last stage chooses tokens
@@ -56,11 +57,15 @@ class Segment:
         """[n] bool: the nodes whose parent is the committed context."""
         return self.roots if self.roots is not None else torch.zeros(self.node_ids.numel(), dtype=torch.bool)
 
+    def chosen(self, tokens: torch.Tensor | None) -> "Segment":
+        """The same rows going back to the head as the last stage's token choices, without hidden states."""
+        return replace(self, hidden=None, tokens=tokens)
+
     def select(self, keep: torch.Tensor, hidden: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> "Segment":
         """Same segment restricted to rows `keep` (bool mask), optionally with new hidden states or
         chosen tokens."""
-        h = self.hidden[keep] if hidden is None else hidden
+        h = hidden if hidden is not None else None if self.hidden is None else self.hidden[keep]
         if tokens is None and self.tokens is not None:
             tokens = self.tokens[keep]
         if self.phase == "prefill":   # no tree ids to restrict

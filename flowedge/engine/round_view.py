@@ -57,7 +57,7 @@ class RoundView:
     @property
     def tokens_left(self) -> int:
         """Tokens the answer may still have (it may stop sooner)."""
-        return self._head.max_new - len(self._head.outputs)
+        return self._head.answer.max_new - len(self._head.outputs)
 
     def context(self) -> list[int]:
         """Prompt + answered tokens (a fresh list)."""
@@ -79,22 +79,22 @@ class RoundView:
     # ---- the round (read only) ----------------------------------------------------------------------
     @property
     def tree(self) -> DraftTree:
-        return self._head.tree
+        return self._head.round.tree
 
     @property
     def alive(self) -> torch.Tensor:
         """[len(tree)] bool: nodes not pruned yet."""
-        return self._head.alive
+        return self._head.round.alive
 
     @property
     def cur(self) -> int:
         """The node the next verification walks from."""
-        return self._head.cur
+        return self._head.round.cur
 
     @property
     def in_flight(self) -> int:
         """Segments of this round sent and not back yet."""
-        return self._head.in_flight
+        return self._head.round.in_flight
 
     @property
     def finished(self) -> bool:
@@ -102,7 +102,7 @@ class RoundView:
 
     @property
     def round_ended(self) -> bool:
-        return self._head.round_ended
+        return self._head.round.ended
 
     # ---- actions ------------------------------------------------------------------------------------
     def send_nodes(self, ids: torch.Tensor, phase: str) -> list:

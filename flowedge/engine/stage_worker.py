@@ -317,7 +317,7 @@ class StageWorker:
             slot.draft_ids = torch.cat([slot.draft_ids, seg.node_ids])
             if not slot.chooses_tokens:
                 return seg.select(everything, hidden), 0
-            return seg.select(everything, hidden[:, :0], self._choose(slot, hidden)), n
+            return seg.chosen(self._choose(slot, hidden)), n
         slot.prefix_len += n
         if int(seg.positions[0]) == 0:   # first chunk: does the head want this stage's token choices?
             slot.chooses_tokens = self.can_choose and seg.sampling is not None
@@ -326,7 +326,7 @@ class StageWorker:
         if not slot.chooses_tokens:
             return seg.select(everything, hidden), 0
         tokens = self._choose(slot, hidden[-1:])   # the token after the chunk's last row: [1] (or None)
-        return seg.select(everything, hidden[:, :0], tokens), 1
+        return seg.chosen(tokens), 1
 
     def _choose(self, slot: RequestSlot, hidden: torch.Tensor) -> torch.Tensor | None:
         """[n, H] final hidden states -> [n] tokens drawn from the base distribution (one independent

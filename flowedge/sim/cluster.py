@@ -35,8 +35,8 @@ def message_bytes(msg) -> int:
     """On-wire size of a message: header + payload at wire dtypes (int16/int32 ids, 16-bit hidden)."""
     if isinstance(msg, Segment):
         n = len(msg)
-        hidden = msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES if msg.hidden.dim() == 2 else 0
-        chose = msg.hidden.dim() == 2 and msg.hidden.shape[-1] == 0   # the last stage chose tokens
+        chose = msg.hidden is None   # the last stage chose tokens
+        hidden = 0 if chose else msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES
         tokens = 4 * n if chose else 0    # chosen tokens travel as int32 (charged per row, as before 1.4)
         return HEADER_BYTES + hidden + tokens + 3 * n * 4
     if isinstance(msg, Prune):
