@@ -119,3 +119,15 @@ class ApiError(FlowedgeError):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.outcome, self.code, self.param = status, kind, outcome, code, param
+
+
+class LinkError(FlowedgeError):
+    """The transport cannot do what was asked (an address taken, a peer gone, the link closed)."""
+
+
+class AddressInUse(LinkError):
+    """No port of the asked range could be listened on."""
+
+
+class PeerUnreachable(LinkError):
+    """A send found no peer to take it (gone, never there, or not taking more): the message is dropped."""

@@ -13,7 +13,7 @@ import zmq
 
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import SIDE_FILES, stage_files
-from flowedge.daemon.stage_node import StageNode
+from flowedge.daemon.roots import build_stage
 from flowedge.models.split import split_model
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
@@ -98,8 +98,8 @@ def test_a_failing_assign_leaves_the_stage_up_and_a_later_one_is_served(split, t
     port = free_port_pair()
     head = ScriptedHead(port)
     stop = threading.Event()
-    node = StageNode(NodeConfig(role="stage", head=f"127.0.0.1:{port}", node_id="edge-1", insecure=True,
-                                same_host=True, heartbeat_ms=100, stage_timeout_s=5.0, threads=1), stop)
+    node = build_stage(NodeConfig(role="stage", head=f"127.0.0.1:{port}", node_id="edge-1", insecure=True,
+                                  same_host=True, heartbeat_ms=100, stage_timeout_s=5.0, threads=1), stop)
     thread = threading.Thread(target=node.run, daemon=True)
     thread.start()
     try:

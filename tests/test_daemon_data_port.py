@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import pytest
-import zmq
 
 from daemon_helpers import flowedge_home, free_port_pair
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.data_port import bind_data_port
 from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.stage_node import StageNode
+from flowedge.daemon.roots import build_stage
 from flowedge.errors import ConfigError
-
-
-def _endpoint(sock: zmq.Socket) -> str:
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+from flowedge.transport.zmq_link import ZmqLink
 
 
 def test_a_stage_of_a_loopback_cluster_listens_on_loopback_only(tmp_path):
     with flowedge_home(tmp_path):
-        node = StageNode(NodeConfig(role="stage", head="127.0.0.1:5999", insecure=True, node_id="s"))
+        node = build_stage(NodeConfig(role="stage", head="127.0.0.1:5999", insecure=True, node_id="s"))
         try:
-            bound = _endpoint(node.data_in)
+            bound = node.data_in.address
             assert bound.startswith("tcp://127.0.0.1:"), bound   # was tcp://0.0.0.0:PORT
             assert node.data_addr == bound
         finally:
@@ -29,42 +25,34 @@ def test_a_stage_of_a_loopback_cluster_listens_on_loopback_only(tmp_path):
 
 
 @pytest.fixture
-def sockets():
-    ctx = zmq.Context()
-    made: list[zmq.Socket] = []
-
-    def make() -> zmq.Socket:
-        made.append(ctx.socket(zmq.PULL))
-        made[-1].linger = 0
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close(0)
-    ctx.term()
+def link():
+    made = ZmqLink(insecure=True)
+    yield made
+    made.close()
 
 
-def test_a_pinned_range_gives_each_stage_the_first_free_port_then_one_clear_error(sockets):
+def _bind(link, cfg: NodeConfig, head_host: str) -> str:
+    return bind_data_port(link, cfg, head_host)[1]
+
+
+def test_a_pinned_range_gives_each_stage_the_first_free_port_then_one_clear_error(link):
     p = free_port_pair()
     cfg = NodeConfig(role="stage", head="127.0.0.1:5999", data_port=f"{p}-{p + 1}")
-    assert bind_data_port(sockets(), cfg, "127.0.0.1") == f"tcp://127.0.0.1:{p}"
-    assert bind_data_port(sockets(), cfg, "127.0.0.1") == f"tcp://127.0.0.1:{p + 1}"
+    assert _bind(link, cfg, "127.0.0.1") == f"tcp://127.0.0.1:{p}"
+    assert _bind(link, cfg, "127.0.0.1") == f"tcp://127.0.0.1:{p + 1}"
     with pytest.raises(ConfigError, match=f"any port of {p}-{p + 1}"):
-        bind_data_port(sockets(), cfg, "127.0.0.1")
+        _bind(link, cfg, "127.0.0.1")
     one = NodeConfig(role="stage", head="127.0.0.1:5999", data_port=p)
     with pytest.raises(ConfigError, match=f"port {p}:"):
-        bind_data_port(sockets(), one, "127.0.0.1")
+        _bind(link, one, "127.0.0.1")
 
 
-def test_advertise_names_the_interface_when_it_is_ours_and_every_interface_behind_a_nat(sockets):
-    ours = sockets()
-    assert bind_data_port(ours, NodeConfig(role="stage", advertise="127.0.0.1"), "10.0.0.1").startswith(
-        "tcp://127.0.0.1:")
-    assert _endpoint(ours).startswith("tcp://127.0.0.1:")
-    nat = sockets()   # TEST-NET-3: not an address of this host
-    assert bind_data_port(nat, NodeConfig(role="stage", advertise="203.0.113.7"), "127.0.0.1").startswith(
-        "tcp://203.0.113.7:")
-    assert _endpoint(nat).startswith("tcp://0.0.0.0:")
+def test_advertise_names_the_interface_when_it_is_ours_and_every_interface_behind_a_nat(link):
+    ours, announced = bind_data_port(link, NodeConfig(role="stage", advertise="127.0.0.1"), "10.0.0.1")
+    assert announced.startswith("tcp://127.0.0.1:") and ours.address.startswith("tcp://127.0.0.1:")
+    nat, announced = bind_data_port(link, NodeConfig(role="stage", advertise="203.0.113.7"), "127.0.0.1")
+    assert announced.startswith("tcp://203.0.113.7:")   # TEST-NET-3: not an address of this host
+    assert nat.address.startswith("tcp://0.0.0.0:")
 
 
 @pytest.mark.parametrize("value,want", [(0, (0, 0)), ("0", (0, 0)), (5560, (5560, 5560)), ("5560", (5560, 5560)),

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from daemon_helpers import flowedge_home, free_port_pair
 from flowedge.daemon.client import Client, wait_ready
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.head_node import HeadNode
-from flowedge.daemon.stage_node import StageNode
+from flowedge.daemon.roots import build_head, build_stage
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
@@ -37,8 +36,8 @@ class Cluster:
     def __init__(self, base, draft, port: int) -> None:
         common = dict(head=f"127.0.0.1:{port}", model=str(base), draft=str(draft), stages=1, insecure=True,
                       threads=1, wire_dtype="float32", quant="none", stage_timeout_s=10.0, client_timeout_s=10.0)
-        self.head = HeadNode(NodeConfig(role="head", node_id="fz-head", **common))
-        self.stage = StageNode(NodeConfig(role="stage", node_id="fz-stage", same_host=True, **common))
+        self.head = build_head(NodeConfig(role="head", node_id="fz-head", **common))
+        self.stage = build_stage(NodeConfig(role="stage", node_id="fz-stage", same_host=True, **common))
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in (self.head, self.stage)]
         for t in self.threads:

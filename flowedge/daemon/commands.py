@@ -51,14 +51,9 @@ def _run_node(cfg) -> None:
     set_threads(cfg.threads or None)
     stop = _stop_on_signals()
     HeapTrimmer(stop).start()
-    if cfg.role == "head":
-        from flowedge.daemon.head_node import HeadNode
+    from flowedge.daemon.roots import build_head, build_stage
 
-        HeadNode(cfg, stop).run()
-    else:
-        from flowedge.daemon.stage_node import StageNode
-
-        StageNode(cfg, stop).run()
+    (build_head if cfg.role == "head" else build_stage)(cfg, stop).run()
 
 
 def liveness_options(head: bool):

@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import socket
 
-import zmq
-
 from flowedge.daemon.config import NodeConfig, tcp
-from flowedge.errors import ConfigError
+from flowedge.errors import AddressInUse, ConfigError
+from flowedge.transport.link import Endpoint, Kind, Link, port_of
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,8 @@ def local_address(host: str) -> str | None:
         return None
 
 
-def bind_data_port(sock: zmq.Socket, config: NodeConfig, head_host: str) -> str:
-    """Bind `sock` (the stage's PULL) as the module docstring says; returns the address to announce."""
+def bind_data_port(link: Link, config: NodeConfig, head_host: str) -> tuple[Endpoint, str]:
+    """The stage's INBOUND, listening as the module docstring says, and the address to announce."""
     local = reachable_ip(head_host)
     interface = local
     if config.advertise:
@@ -53,21 +52,9 @@ def bind_data_port(sock: zmq.Socket, config: NodeConfig, head_host: str) -> str:
         if interface == "*":
             log.info("advertised address %s is not this host's: the data port listens on every interface",
                      config.advertise)
-    lo, hi = config.data_ports()
-    port = _bind(sock, interface, lo, hi)
-    return tcp(config.advertise or local, port)
-
-
-def _bind(sock: zmq.Socket, interface: str, lo: int, hi: int) -> int:
-    """The first free port of lo..hi (0..0: any free port the kernel picks)."""
-    if lo == 0:
-        return sock.bind_to_random_port(f"tcp://{interface}")
-    for port in range(lo, hi + 1):
-        try:
-            sock.bind(tcp(interface, port))
-            return port
-        except zmq.ZMQError as err:
-            last = err
-    where = f"port {lo}" if lo == hi else f"any port of {lo}-{hi}"
-    raise ConfigError(f"cannot listen for segments on {interface}, {where}: {last} "
-                      f"(another stage or program holds it; set data_port to a free port or range)")
+    try:
+        endpoint = link.listen(Kind.INBOUND, interface, config.data_ports())
+    except AddressInUse as err:
+        raise ConfigError(f"cannot listen for segments on {err} "
+                          f"(another stage or program holds it; set data_port to a free port or range)") from None
+    return endpoint, tcp(config.advertise or local, port_of(endpoint.address))

@@ -3,10 +3,10 @@
 request lifecycle: queue, pause, replay, cancel, deadlines) and `head_engines` (prompts, KV budgets and
 engine heads, built by `engine.assembly` as the simulator builds them).
 
-Sockets: `ctrl` (ROUTER, bound at `head`): every stage's and client's DEALER; `ret` (PULL, bound at
-port + 1): hidden states coming back from the last stage; `to_stage1` (PUSH): segments into the
-pipeline; `monitor`: the ROUTER's socket events (a closed connection ends its peer at once). One
-poll loop owns the sockets; the engine's work (a turn of every running request, starting queued ones)
+Endpoints (on the link `roots.build_head` opened and handed in with every other part): `ctrl` (a
+ROUTER at `head`): every stage's and client's DEALER, with peer events (a closed connection ends its
+peer at once); `ret` (INBOUND at port + 1): hidden states coming back from the last stage; segments
+go into the pipeline through the outbox (`head_ports.py`). One poll loop owns the endpoints; the engine's work (a turn of every running request, starting queued ones)
 runs on a compute thread while the loop waits and keeps heartbeating (daemon/beating.py), so a long
 draft prefill is not mistaken for a dead head. The two never run the engine at once; their sends on
 the control socket share a lock.
@@ -22,78 +22,59 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from flowedge.daemon import memdebug, wire
+from flowedge.daemon import memdebug
 from flowedge.daemon.beating import BeatingWorker
-from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.daemon.connections import ConnectionTracker
-from flowedge.daemon.membership import ClientGone, Membership, Peer, StageLost
-from flowedge.daemon.plan import Replanner, prepare_plan
+from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
+from flowedge.daemon.head_ports import ControlPort, HeadOutbox
+from flowedge.daemon.membership import ClientGone, Membership, Peer
+from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.engine.events import Segment, Send
-from flowedge.engine.jobs import Limits
-from flowedge.errors import ConfigError, ProtocolError
+from flowedge.errors import PeerUnreachable, ProtocolError, StageLost
 from flowedge.transport import protocol as proto
-from flowedge.transport.channel import answer_hello, send_routed
-from flowedge.transport.security import Security
+from flowedge.transport.handshake import answer_hello
+from flowedge.transport.link import Endpoint, Event, Inbound, Link, PeerEvent
 from flowedge.transport.validate import InvalidMessage
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+@dataclass
+class HeadParts:
+    """Everything a head runs with, built from the config by `roots.build_head`."""
+    link: Link
+    ctrl: Endpoint          # ROUTER: stages' and clients' control connections
+    ret: Endpoint           # INBOUND: the last stage's returns
+    port: ControlPort
+    outbox: HeadOutbox
+    members: Membership
+    engines: HeadEngines
+    requests: HeadRequests
+    drops: DropLog
 
 
 class HeadNode:
-    def __init__(self, config: NodeConfig, stop: threading.Event | None = None) -> None:
-        if config.role != "head":
-            raise ConfigError("HeadNode needs role = 'head'")
+    def __init__(self, config: NodeConfig, parts: HeadParts, stop: threading.Event | None = None) -> None:
         self.config = config
         self.stop = stop or threading.Event()
         self.node_id = config.name
         self.host, self.port = split_addr(config.head)
-        self.ctx = zmq.Context()
-        self.security = Security.start(self.ctx, config.keys_path, config.insecure)
-        self.ctrl = self._bind(zmq.ROUTER, self.port)
-        self.ret = self._bind(zmq.PULL, self.port + 1)
-        self.monitor = self.ctrl.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self.connections = ConnectionTracker()
-        self.to_stage1: zmq.Socket | None = None
-        self.stage1: bytes | None = None   # identity the to_stage1 socket was made for
-        self.members = Membership(config, self._send)
-        self.members.replanner = Replanner(config, flowedge_home())   # the split for the devices that joined
-        self.members.on_new_plan = self._use_plan
-        self.drops = DropLog(log)      # messages dropped at the boundary, counted for `flowedge status`
-        self.engines = HeadEngines(config, self.members, self.drops)
-        self.requests = HeadRequests(self.engines, self, Limits(
-            recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
+        self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
+        self.control, self.outbox = parts.port, parts.outbox
+        self.members, self.engines, self.requests, self.drops = parts.members, parts.engines, parts.requests, parts.drops
+        self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
-        self.wire = wire.WireCounter(curve=not config.insecure)   # data plane: segments and prune sets
-        self.notifier = Notifier()   # systemd: READY once the plan is ready and the sockets listen
+        self.notifier = Notifier()   # systemd: READY once the plan is ready and the endpoints listen
         self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
-        self.ctrl_lock = threading.Lock()   # the control socket's sends: the loop's pings, the turn's sends
-        self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control socket)
+        self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control endpoint)
         self.announcer = None   # mDNS, once the plan is ready (run)
-
-    def _bind(self, kind: int, port: int) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.linger = 0
-        if kind == zmq.ROUTER:
-            sock.router_mandatory = True   # a send to a vanished peer raises instead of vanishing
-        self.security.server(sock)
-        try:
-            sock.bind(tcp("*" if self.host in ("0.0.0.0", "*") else self.host, port))
-        except zmq.ZMQError as err:
-            raise ConfigError(f"cannot listen on {self.host}:{port}: {err} (is another head running?)") from None
-        return sock
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -102,7 +83,7 @@ class HeadNode:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")
             plan = self.members.plan = prepare_plan(self.config, flowedge_home())
-            self._use_plan(plan)
+            self._sync_plan()
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in plan.ranges])
             self.members.assign_all()
@@ -130,41 +111,37 @@ class HeadNode:
     def close(self) -> None:
         if self.announcer is not None:
             self.announcer.close()
-        for sock in (self.ctrl, self.ret, self.to_stage1, self.monitor):
-            if sock is not None:
-                sock.close(0)
-        self.security.stop()
-        self.members.replanner.close()
-        self.ctx.term()
+        self.outbox.close()
+        if self.members.replanner is not None:
+            self.members.replanner.close()
+        self.link.close()
         self.compute.close()
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        for sock in (self.ctrl, self.ret, self.monitor):
-            poller.register(sock, zmq.POLLIN)
         while not self.stop.is_set():
-            ready = dict(poller.poll(0 if self.requests.has_work() else 50))
+            ready = self.link.wait([self.ctrl, self.ret], 0 if self.requests.has_work() else 0.05)
             emptied = True
-            if self.monitor in ready:   # first: a closed connection ends its peers before anything else
-                emptied &= self._drain(self.monitor, self._on_monitor)
             if self.ret in ready:
                 self._drain(self.ret, self._on_return)
-            if self.ctrl in ready:
-                emptied &= self._drain(self.ctrl, self._on_ctrl)
+            if self.ctrl in ready:   # peer events come first: a closed connection ends its peers at once
+                emptied = self._drain(self.ctrl, self._on_ctrl)
             self._judge_liveness(emptied)
+            self._sync_plan()
             self._engine_turn()
             self._housekeeping()
             self.drops.tick()
             self.notifier.tick(self.sd_status)
 
-    def _drain(self, sock: zmq.Socket, handler, limit: int = 64) -> bool:
-        """Up to `limit` messages; whether the socket was read empty."""
+    def _drain(self, endpoint: Endpoint, handler, limit: int = 64) -> bool:
+        """Up to `limit` messages or peer events; whether the endpoint was read empty."""
         for _ in range(limit):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = endpoint.receive()
+            if got is None:
                 return True
-            handler(frames)
+            if isinstance(got, PeerEvent):
+                self._on_peer_event(got)
+            else:
+                handler(got)
             self.members.ping(self.requests.busy_clients())   # heartbeats keep going
         return False
 
@@ -198,20 +175,14 @@ class HeadNode:
         self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
 
     # ---- control plane --------------------------------------------------------------------------
-    def _on_ctrl(self, frames: list) -> None:
-        identity, body = frames[0].bytes, frames[1:]
-        if not body:
-            return
-        if not self.connections.knows(identity):   # its connection's ACCEPTED is in the monitor by now
-            while not self._drain(self.monitor, self._on_monitor):
-                pass
-        if not self.connections.bind(frames[0].get(zmq.SRCFD), identity):
-            return   # from a connection already closed: nobody to answer
+    def _on_ctrl(self, got: Inbound) -> None:
+        identity, body = got.peer, got.frames
         peer = self.members.seen(identity)
         if peer is None:
             try:
-                hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), self.members.admit)
-            except zmq.ZMQError:   # the peer hung up before our answer
+                with self.control.lock:
+                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), self.members.admit)
+            except PeerUnreachable:   # the peer hung up before our answer
                 return
             if hello is not None:
                 self._events(self.members.register(identity, hello))
@@ -234,9 +205,11 @@ class HeadNode:
             return
         handler(peer, msg)
 
-    def _use_plan(self, plan) -> None:
-        """The first plan, or a re-plan for the devices that joined: fresh engines and draft batcher."""
-        self.requests.use_handlers(self.engines.use_plan(plan))
+    def _sync_plan(self) -> None:
+        """The first plan, or a re-plan for the devices that joined (membership made it while assigning):
+        fresh engines and draft batcher before the next engine turn."""
+        if self.members.plan is not None and self.members.plan is not self.engines.plan:
+            self.requests.use_handlers(self.engines.use_plan(self.members.plan))
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())
@@ -259,17 +232,13 @@ class HeadNode:
     def _on_cancel(self, peer: Peer, msg: proto.Cancel) -> None:
         self.requests.cancel(peer.identity, msg.request_id)
 
-    def _on_monitor(self, frames: list) -> None:
-        """Connections accepted and closed (connections.py ties them to peer identities), refused handshakes."""
-        event = recv_monitor_message_from(frames)
-        if event["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):
-            track = self.connections.accepted if event["event"] == zmq.EVENT_ACCEPTED else self.connections.closed
-            for identity in track(event["value"]):
-                self._events(self.members.on_disconnect(identity))
-            return
-        log.warning("refused a connection from %s: CurveZMQ handshake failed (event %s) — a node without "
-                    "this cluster's keys, or one running --insecure", event.get("endpoint", b"?"),
-                    event.get("event"))
+    def _on_peer_event(self, event: PeerEvent) -> None:
+        """A peer's connection closed (it ends the peer at once), or a handshake was refused."""
+        if event.kind is Event.DISCONNECTED and event.peer is not None:
+            self._events(self.members.on_disconnect(event.peer))
+        elif event.kind is Event.HANDSHAKE_FAILED:
+            log.warning("refused a connection from %s: CurveZMQ handshake failed — a node without this "
+                        "cluster's keys, or one running --insecure", event.detail)
 
     def _events(self, events: list) -> None:
         """Membership events into the request lifecycle."""
@@ -304,48 +273,11 @@ class HeadNode:
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
         }] + self.members.status_rows()
 
-    # ---- the request lifecycle's way out -------------------------------------------------------------
-    def to_client(self, identity: bytes, msg: proto.Message) -> None:
-        self._send(identity, msg)
-
-    def to_stages(self, action: Send) -> None:
-        msg = wire.to_wire(action.message, self.config.wire_dtype)
-        if isinstance(action.message, Segment):
-            self._to_stage1(msg)
-            return
-        identity = self.members.stage_identity(action.to)
-        if identity is not None:
-            self._send(identity, msg, counted=True)
-
-    def reset_stages(self, engine_id: int) -> None:
-        for identity in self.members.stage_identities():
-            self._send(identity, proto.Reset(request_id=engine_id))
-
-    def _to_stage1(self, msg: proto.Message) -> None:
-        identity = self.members.stage_identity(1)
-        if identity != self.stage1:   # a new stage 1 (or none): drop whatever was queued for the old one
-            if self.to_stage1 is not None:
-                self.to_stage1.close(0)
-                self.to_stage1 = None
-            self.stage1 = identity
-            if identity is not None:
-                self.to_stage1 = self.ctx.socket(zmq.PUSH)
-                self.to_stage1.linger = 0
-                self.to_stage1.sndtimeo = 0   # never block the loop on a dead stage 1
-                self.security.client(self.to_stage1)
-                self.to_stage1.connect(self.members.stage1_addr())
-        if self.to_stage1 is None:
-            return
-        try:
-            self.wire.send(self.to_stage1, msg)
-        except zmq.Again:
-            log.warning("stage 1 is not taking segments; liveness will deal with it")
-
     # ---- data plane and liveness ----------------------------------------------------------------
-    def _on_return(self, frames: list) -> None:
+    def _on_return(self, got: Inbound) -> None:
         """A segment back from the last stage: queued on its request; checked when a step takes it."""
         try:
-            msg = proto.decode(frames)
+            msg = proto.decode(got.frames)
             if not isinstance(msg, proto.Segment):
                 raise InvalidMessage("unexpected_type", f"{msg.TYPE} on the pipeline return port")
         except InvalidMessage as err:
@@ -357,7 +289,7 @@ class HeadNode:
         self.requests.add_segment(msg.request_id, msg, time.monotonic())
 
     def _housekeeping(self) -> None:
-        if self.members.replanner.busy:
+        if self.members.replanner is not None and self.members.replanner.busy:
             self.members.assign_all()
         self.members.ping(self.requests.busy_clients())
         self.members.retry_refused()
@@ -366,24 +298,11 @@ class HeadNode:
             log.info("cluster %s", "ready: accepting prompts" if ready else "not ready")
             self.was_ready = ready
 
-    def _send(self, identity: bytes, msg: proto.Message, counted: bool = False) -> None:
-        """To one peer over the control socket; `counted` adds it to the data-plane byte counters."""
-        try:
-            with self.ctrl_lock:
-                if counted:
-                    self.wire.send(self.ctrl, msg, identity)
-                else:
-                    send_routed(self.ctrl, identity, msg)
-        except zmq.ZMQError as err:   # EHOSTUNREACH: the peer disconnected; liveness deals with it
-            log.debug("send to %r failed: %s", identity, err)
+    def _send(self, identity: bytes, msg: proto.Message) -> None:
+        self.control.send(identity, msg)
 
     def _shutdown_stages(self, reason: str) -> None:
         for identity in self.members.stage_identities():
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
-
-
-def recv_monitor_message_from(frames: list) -> dict:
-    """Parse a socket-monitor message already received as frames (zmq.utils.monitor's layout)."""
-    return parse_monitor_message([f.bytes if hasattr(f, "bytes") else f for f in frames])
 

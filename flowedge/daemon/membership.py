@@ -63,12 +63,11 @@ class ClientGone:
 
 class Membership:
     def __init__(self, config: NodeConfig, send: Callable[[bytes, proto.Message], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, replanner=None) -> None:
         self.config, self.send, self.clock = config, send, clock
         self.node_id = config.name
-        self.plan = None                       # daemon.plan.Plan, once prepared
-        self.replanner = None                  # daemon.plan.Replanner: re-splits for the devices that joined
-        self.on_new_plan: Callable = lambda plan: None
+        self.plan = None                       # daemon.plan.Plan, once prepared; replaced by a re-plan
+        self.replanner = replanner             # daemon.plan.Replanner: re-splits for the devices that joined
         self.peers: dict[bytes, Peer] = {}
         self.slots: list[bytes | None] = [None] * config.stages
         self.sent_assign: dict[int, tuple[bytes, str]] = {}
@@ -162,8 +161,7 @@ class Membership:
             if plan is not self.plan:
                 log.info("plan: layers %s for the stages that joined", [list(r) for r in plan.ranges])
                 self.plan = plan
-                self.sent_assign.clear()
-                self.on_new_plan(plan)
+                self.sent_assign.clear()   # the head takes the new plan before its next engine turn
         plan = self.plan
         for k, identity in enumerate(self.slots, start=1):
             nxt = self.peers[self.slots[k]].data_addr if k < len(self.slots) else ""

@@ -1,10 +1,10 @@
 """A stage node: joins the head, gets its layer range and shard, then runs the stage worker on sockets.
 
-Sockets: `ctrl` (DEALER -> head ROUTER: handshake, assignment, shard chunks, prune sets, resets,
-heartbeats), `data_in` (PULL, bound here: segments from the previous hop), `data_out` (PUSH to the
-next stage's data_in, or to the head's return port for the last stage). The stage worker state
-machine (flowedge.engine.stage_worker) keeps prune sets and segments in order whatever socket they
-came in on, so the two inbound sockets need no coordination.
+Endpoints (on the link `roots.build_stage` opened): `ctrl` (DEALER -> head ROUTER: handshake,
+assignment, shard chunks, prune sets, resets, heartbeats), `data_in` (INBOUND, listening here:
+segments from the previous hop), `data_out` (OUTBOUND to the next stage's data_in, or to the head's
+return port for the last stage). The stage worker state machine (flowedge.engine.stage_worker) keeps
+prune sets and segments in order whatever endpoint they came in on, so the two need no coordination.
 
 Lifecycle: JOIN (HELLO until WELCOME) -> wait ASSIGN -> shard (local, cache or fetch) -> load -> READY
 -> serve. If the head goes silent for `stage_timeout_s` the node goes back to JOIN (the head may have
@@ -20,25 +20,25 @@ import threading
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import psutil
 import torch
-import zmq
 
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.daemon.data_port import bind_data_port
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
-from flowedge.errors import ChecksumError, FlowedgeError, ProtocolError, Rejoin
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.transport import protocol as proto
-from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
-from flowedge.transport.security import Security
+from flowedge.transport.handshake import hello_exchange
+from flowedge.transport.link import Endpoint, Inbound, Kind, Link
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +47,31 @@ MAX_BATCH_MESSAGES = 256   # most messages taken off the sockets for one batched
 HELLO_TIMEOUT_MS = 5000
 
 
+@dataclass
+class StageNodeParts:
+    """What a stage runs with, built from the config by `roots.build_stage`."""
+    link: Link
+    data_in: Endpoint      # INBOUND: segments (and prune sets) from the previous hop
+    data_addr: str         # where the previous hop reaches `data_in` (announced in HELLO)
+    home: Path             # FLOWEDGE_HOME: the shard cache
+    drops: DropLog         # dropped messages and failed requests, counted for `flowedge status`
+
+
 class StageNode:
-    def __init__(self, config: NodeConfig, stop: threading.Event | None = None) -> None:
+    def __init__(self, config: NodeConfig, parts: StageNodeParts, stop: threading.Event | None = None) -> None:
         self.config = config
         self.stop = stop or threading.Event()
         self.node_id = config.name
-        self.home = flowedge_home()
+        self.home = parts.home
         self.repair = shard_fetch.CacheRepair(self.home)   # damaged cache files: deleted, fetched again
         self.head_host, self.head_port = split_addr(config.head)
-        self.ctx = zmq.Context()
-        self.security = Security.start(self.ctx, config.keys_path, config.insecure)
-        self.data_in = self.ctx.socket(zmq.PULL)
-        self.data_in.linger = 0
-        self.security.server(self.data_in)
-        self.data_addr = bind_data_port(self.data_in, config, self.head_host)
-        self.ctrl: zmq.Socket | None = None
-        self.data_out: zmq.Socket | None = None
+        self.link, self.data_in, self.data_addr = parts.link, parts.data_in, parts.data_addr
+        self.ctrl: Endpoint | None = None
+        self.data_out: Endpoint | None = None
         self.assign: proto.Assign | None = None
         self.worker: StageWorker | None = None
         self.inbox: StageInbox | None = None
-        self.drops = DropLog(log)   # dropped messages and failed requests, counted for `flowedge status`
+        self.drops = parts.drops
         self.notifier = Notifier()  # systemd: READY once serving, a watchdog fed by every loop
         self.phase = "starting"     # what STATUS= says the node is doing
         self.step_s: list[float] = []
@@ -91,21 +96,21 @@ class StageNode:
             self.close()
 
     def close(self) -> None:
-        for sock in (self.ctrl, self.data_out, self.data_in):
-            if sock is not None:
-                sock.close(0)
-        self.security.stop()
-        self.ctx.term()
+        self.link.close()
         self.notifier.close()
         self.compute.close()
 
     def _connect_ctrl(self) -> None:
         if self.ctrl is not None:
-            self.ctrl.close(0)
-        self.ctrl = self.ctx.socket(zmq.DEALER)
-        self.ctrl.linger = 0
-        self.security.client(self.ctrl)
-        self.ctrl.connect(tcp(self.head_host, self.head_port))
+            self.ctrl.close()
+        self.ctrl = self.link.connect(Kind.DEALER, tcp(self.head_host, self.head_port))
+
+    def _to_head(self, msg: proto.Message) -> None:
+        """A control message to the head; one the link cannot take is dropped (liveness judges the head)."""
+        try:
+            self.ctrl.send(msg)
+        except PeerUnreachable as err:
+            log.debug("to the head: %s", err)
 
     def _join(self) -> None:
         """HELLO until the head answers, then wait for the assignment and get ready."""
@@ -120,14 +125,14 @@ class StageNode:
             self.notifier.tick(self._sd_status)
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             try:
-                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS)
+                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS / 1000)
                 if not too_old_for_the_data_plane(welcome.version):
                     break
                 log.error("the head speaks flowedge protocol %s; this stage's data plane needs %d.%d or newer: "
                           "upgrade the head", proto.version_text(welcome.version), proto.PROTOCOL_VERSION[0],
                           proto.Segment.MIN_MINOR)
                 time.sleep(5.0)
-            except ProtocolError as err:
+            except (ProtocolError, PeerUnreachable) as err:
                 log.warning("joining %s: %s", self.config.head, err)
                 if "refused" in str(err) or "protocol" in str(err):
                     time.sleep(2.0)
@@ -157,7 +162,7 @@ class StageNode:
             log.error("%s; waiting for another assignment", why, exc_info=not isinstance(err, FlowedgeError))
             self.assign, self.worker, self.inbox = None, None, None
             self.phase = f"assignment failed: {proto.bounded(str(err), 200)}"
-            send_msg(self.ctrl, proto.Refuse(reason=f"assignment failed: {why}"))
+            self._to_head(proto.Refuse(reason=f"assignment failed: {why}"))
             return False
 
     def _apply(self, assign: proto.Assign) -> None:
@@ -178,12 +183,9 @@ class StageNode:
         self.worker.reset()   # request ids are the head's: a (re)assignment starts them afresh
         self.inbox = StageInbox(self.worker, plan_for(self.worker, assign.hidden_wire), self.drops)
         if self.data_out is not None:
-            self.data_out.close(0)
-        self.data_out = self.ctx.socket(zmq.PUSH)
-        self.data_out.linger = 0
-        self.security.client(self.data_out)
-        self.data_out.connect(assign.next_addr or tcp(self.head_host, self.head_port + 1))
-        send_msg(self.ctrl, proto.Ready(stage_index=assign.stage_index))
+            self.data_out.close()
+        self.data_out = self.link.connect(Kind.OUTBOUND, assign.next_addr or tcp(self.head_host, self.head_port + 1))
+        self._to_head(proto.Ready(stage_index=assign.stage_index))
         self.phase = f"serving stage {assign.stage_index}, layers [{assign.layer_start}, {assign.layer_end})"
         self.notifier.ready(self._sd_status())
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
@@ -217,13 +219,13 @@ class StageNode:
             log.info("shard %s… found in the cache (%s); not fetching", assign.shard_sha256[:12], cached)
             return cached
         log.info("fetching shard %s… (%d MB) from the head", assign.shard_sha256[:12], assign.shard_bytes >> 20)
-        return shard_fetch.fetch(assign, self.home, lambda r: send_msg(self.ctrl, r), self._next_chunk)
+        return shard_fetch.fetch(assign, self.home, self._to_head, self._next_chunk)
 
     def _head_file(self, assign: proto.Assign, model_dir: Path) -> None:
         """Make sure the shard directory also holds the head file (fetched from the head if needed)."""
         if Path(assign.source_dir) == model_dir:
             return   # the head's own split directory (same host): it is there
-        shard_fetch.fetch_head_file(assign, model_dir, lambda r: send_msg(self.ctrl, r), self._next_chunk)
+        shard_fetch.fetch_head_file(assign, model_dir, self._to_head, self._next_chunk)
 
     def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
         deadline = time.monotonic() + timeout_s
@@ -238,19 +240,16 @@ class StageNode:
 
     # ---- serving --------------------------------------------------------------------------------
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.ctrl, zmq.POLLIN)
-        poller.register(self.data_in, zmq.POLLIN)
-        wait_ms = min(100, self.config.heartbeat_ms // 2)   # a beat is never late by more than half a period
+        wait_s = min(100, self.config.heartbeat_ms // 2) / 1000   # a beat is never late by more than half a period
         while not self.stop.is_set():
-            ready = dict(poller.poll(wait_ms))
-            if ready:
+            if self.link.wait([self.ctrl, self.data_in], wait_s):
                 self._take_arrived()
             self._beat()
             self.drops.tick()
             # judged on what could be read: the head's heartbeats that came in during a long step are
             # still queued, and a head is dead only if nothing from it is waiting either
-            if time.monotonic() - self.last_head > self.config.stage_timeout_s and not self.ctrl.poll(0):
+            if time.monotonic() - self.last_head > self.config.stage_timeout_s and \
+                    not self.link.wait([self.ctrl], 0):
                 raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:g} s")
 
     def _take_arrived(self) -> None:
@@ -259,29 +258,34 @@ class StageNode:
         events: list = []
         while len(events) < MAX_BATCH_MESSAGES and not self.stop.is_set():
             got = False
-            if self.ctrl.poll(0):
+            ctrl = self.ctrl.next_message(0)
+            if ctrl is not None:
                 got = True
-                msg = self._recv_ctrl(0)
+                msg = self._decode_ctrl(ctrl)
                 if isinstance(msg, proto.Assign) and events:   # a new assignment: finish the old work first
                     self._handle_all(events)
                     events = []
                 events += self._on_ctrl(msg)
-            if self.data_in.poll(0):
+            data = self.data_in.next_message(0)
+            if data is not None:
                 got = True
-                events += self._on_data()
+                events += self._on_data(data)
             if not got:
                 break
         if events:
             self._handle_all(events)
 
     def _recv_ctrl(self, timeout_ms: int) -> proto.Message | None:
+        got = self.ctrl.next_message(timeout_ms / 1000)
+        return None if got is None else self._decode_ctrl(got)
+
+    def _decode_ctrl(self, got: Inbound) -> proto.Message | None:
         try:
-            msg = recv_msg(self.ctrl, timeout_ms)
+            msg = proto.decode(got.frames)
         except ProtocolError as err:
             self.drops.drop("malformed", f"from the head: {err}")
             return None
-        if msg is not None:
-            self.last_head = time.monotonic()
+        self.last_head = time.monotonic()
         if isinstance(msg, proto.Shutdown):
             log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
@@ -301,13 +305,11 @@ class StageNode:
             log.warning("ignoring unexpected %s from the head", msg.TYPE)
         return []
 
-    def _on_data(self) -> list:
+    def _on_data(self, got: Inbound) -> list:
         try:
-            msg = recv_msg(self.data_in, 0)
+            msg = proto.decode(got.frames)
         except ProtocolError as err:
             self.drops.drop("malformed", f"data port: {err}")
-            return []
-        if msg is None:
             return []
         if not isinstance(msg, (proto.Segment, proto.Prune, proto.Reset)):
             self.drops.drop("unexpected_type", f"{msg.TYPE} on the data port")
@@ -329,7 +331,10 @@ class StageNode:
         done = self.compute.run(lambda: inbox.run(events), lambda: self._beat(busy=True),
                                 self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
         for out in done.sends:
-            self.wire.send(self.data_out, out)
+            try:
+                self.wire.send(self.data_out, out)
+            except PeerUnreachable as err:   # the next hop is gone or full: the head's liveness deals with it
+                self.drops.drop("next_hop_unreachable", str(err))
         dt = time.perf_counter() - t0
         self.busy_s += dt
         if done.computed:
@@ -360,7 +365,7 @@ class StageNode:
                           "batched": {"forwards": self.worker.forwards, "requests": self.worker.forward_requests}
                           if self.worker is not None else None,
                           "dropped": self.drops.snapshot()}
-        send_msg(self.ctrl, proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
+        self._to_head(proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
                                             rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))
         if not busy:
             self.busy_s = 0.0

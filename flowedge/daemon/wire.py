@@ -15,6 +15,7 @@ from flowedge.engine import events
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import wire_bytes
+from flowedge.transport.link import Endpoint
 
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
@@ -93,12 +94,13 @@ class WireCounter:
         self.payload: dict[str, int] = {}
         self.count: dict[str, int] = {}
 
-    def send(self, sock, msg: proto.Message, identity: bytes | None = None) -> None:
+    def send(self, endpoint: Endpoint, msg: proto.Message, to: bytes | None = None) -> None:
+        """Count the message, then send it (PeerUnreachable passes through: it was counted as offered)."""
         frames = msg.to_frames()
         self.count[msg.TYPE] = self.count.get(msg.TYPE, 0) + 1
         self.payload[msg.TYPE] = self.payload.get(msg.TYPE, 0) + sum(memoryview(f).nbytes for f in frames[1:])
         self.wire[msg.TYPE] = self.wire.get(msg.TYPE, 0) + wire_bytes(frames, self.curve)
-        sock.send_multipart([identity, *frames] if identity is not None else frames, copy=False)
+        endpoint.send_frames(frames, to)
 
     def snapshot(self) -> dict:
         return {t: {"messages": self.count[t], "wire_bytes": self.wire[t], "payload_bytes": self.payload[t]}

@@ -60,10 +60,14 @@ def recv_routed(sock: zmq.Socket, timeout_ms: int) -> tuple[bytes, list[zmq.Fram
 def hello_exchange(sock: zmq.Socket, hello: Hello, timeout_ms: int) -> Welcome:
     """Client side of the handshake: send HELLO, return the WELCOME; ProtocolError if refused or silent."""
     send_msg(sock, hello)
-    reply = recv_msg(sock, timeout_ms)  # a major-version mismatch raises ProtocolError here
+    return check_welcome(recv_msg(sock, timeout_ms), timeout_ms / 1000)  # a major-version mismatch raises here
+
+
+def check_welcome(reply: Message | None, timeout_s: float) -> Welcome:
+    """The head's answer to a HELLO, or ProtocolError saying why there is none (refused, silent, odd)."""
     if reply is None:
         raise ProtocolError(
-            f"no answer to HELLO within {timeout_ms} ms: is the head up, "
+            f"no answer to HELLO within {round(timeout_s * 1000)} ms: is the head up, "
             "and does this node have the cluster's keys (or do both run --insecure)?"
         )
     if isinstance(reply, Refuse):
@@ -74,17 +78,10 @@ def hello_exchange(sock: zmq.Socket, hello: Hello, timeout_ms: int) -> Welcome:
     return reply
 
 
-def answer_hello(
-    sock: zmq.Socket,
-    identity: bytes,
-    frames: Sequence[Any],
-    welcome: Welcome,
-    admit: Callable[[Hello], str | None] | None = None,
-) -> Hello | None:
-    """Server side (ROUTER): WELCOME a valid HELLO and return it, else REFUSE with the reason (logged).
-
-    `admit(hello)` may return a refusal reason (e.g. "a head is already connected").
-    """
+def judge_hello(frames: Sequence[Any], admit: Callable[[Hello], str | None] | None = None
+                ) -> tuple[Hello | None, str | None]:
+    """(the HELLO, None) to welcome, or (None, why) to refuse. `admit(hello)` may return a refusal reason
+    (e.g. "a head is already connected")."""
     try:
         hello = decode(frames)
         if not isinstance(hello, Hello):
@@ -92,14 +89,29 @@ def answer_hello(
         check_version(hello.version)
         reason = admit(hello) if admit is not None else None
     except ProtocolError as err:
-        reason = str(err)
-    if reason is not None:
+        return None, str(err)
+    return (hello, None) if reason is None else (None, reason)
+
+
+def log_hello(identity: bytes, hello: Hello | None, reason: str | None) -> None:
+    if hello is None:
         log.warning("refused peer %r: %s", identity, reason)
-        send_routed(sock, identity, Refuse(reason=reason))
-        return None
-    send_routed(sock, identity, welcome)
-    (log.debug if hello.role == "client" else log.info)("welcomed %s %s (%s)", hello.role, hello.node_id,
-                                                         hello.device)
+    else:
+        (log.debug if hello.role == "client" else log.info)("welcomed %s %s (%s)", hello.role, hello.node_id,
+                                                             hello.device)
+
+
+def answer_hello(
+    sock: zmq.Socket,
+    identity: bytes,
+    frames: Sequence[Any],
+    welcome: Welcome,
+    admit: Callable[[Hello], str | None] | None = None,
+) -> Hello | None:
+    """Server side (ROUTER): WELCOME a valid HELLO and return it, else REFUSE with the reason (logged)."""
+    hello, reason = judge_hello(frames, admit)
+    log_hello(identity, hello, reason)
+    send_routed(sock, identity, welcome if hello is not None else Refuse(reason=reason))
     return hello
 
 

@@ -1,8 +1,8 @@
-"""daemon/connections.py: a closed connection ends the peers of that connection only, however late
-its socket-monitor event is read. Unit tests on the tracker, then a real HeadNode (real sockets) whose
-descriptors the kernel reuses under churn: once driven by hand in the worst order (the new
-connection's HELLO read before the old connection's DISCONNECTED), once with the head's own loop and
-several clients reconnecting at once."""
+"""transport/connections.py: a closed connection ends the peers of that connection only, however late
+its socket-monitor event is read. Unit tests on the tracker, then a real head (real sockets, the
+ZeroMQ link's ROUTER) whose descriptors the kernel reuses under churn: once driven by hand (the new
+connection's HELLO waiting on the socket while the old connection's DISCONNECTED waits in the
+monitor), once with the head's own loop and several clients reconnecting at once."""
 from __future__ import annotations
 
 import threading
@@ -13,8 +13,8 @@ import zmq
 
 from daemon_helpers import flowedge_home, free_port_pair
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.connections import GONE_REMEMBERED, ConnectionTracker
-from flowedge.daemon.head_node import HeadNode
+from flowedge.daemon.roots import build_head
+from flowedge.transport.connections import GONE_REMEMBERED, ConnectionTracker
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, send_msg
 
@@ -66,7 +66,7 @@ def test_connections_accepted_before_the_monitor_started_are_tracked_and_memory_
 def head(tmp_path):
     with flowedge_home(tmp_path):
         port = free_port_pair()
-        node = HeadNode(NodeConfig(role="head", node_id="conn-head", head=f"127.0.0.1:{port}", insecure=True,
+        node = build_head(NodeConfig(role="head", node_id="conn-head", head=f"127.0.0.1:{port}", insecure=True,
                                    stages=1))
         node.test_addr = f"tcp://127.0.0.1:{port}"
         try:
@@ -85,23 +85,22 @@ def _wait_readable(sock: zmq.Socket, timeout_s: float = 5.0) -> None:
 
 def test_a_reused_descriptor_s_late_disconnect_does_not_remove_the_new_peer(head):
     """Churn by hand: each round a client says HELLO and closes, the next connects (the kernel gives
-    it the closed descriptor) and its HELLO is read before the old DISCONNECTED. The new peer must
-    stay and be answered; the old one must go."""
+    it the closed descriptor) and its HELLO waits on the socket while the old DISCONNECTED waits in
+    the monitor. The new peer must stay and be answered; the old one must go."""
     ctx = zmq.Context.instance()
     fds: list[int] = []
-
-    def on_ctrl(frames):
-        fds.append(frames[0].get(zmq.SRCFD))
-        head._on_ctrl(frames)
 
     def connect(name: str) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(head.test_addr)
+        before = set(head.members.peers)
         send_msg(sock, _hello(name))
-        _wait_readable(head.ctrl)
-        head._drain(head.ctrl, on_ctrl)             # the head reads the HELLO (before any monitor event)
+        _wait_readable(head.ctrl.sock)
+        head._drain(head.ctrl, head._on_ctrl)   # the HELLO, with the monitor's events read before it
         assert isinstance(recv_msg(sock, 5000), p.Welcome)
+        (joined,) = set(head.members.peers) - before
+        fds.append(head.ctrl.connections.connection_of[joined].fd)
         return sock
 
     old = connect("c0")
@@ -109,17 +108,16 @@ def test_a_reused_descriptor_s_late_disconnect_does_not_remove_the_new_peer(head
     for k in range(1, 21):
         before = set(head.members.peers)
         old.close(0)
-        _wait_readable(head.monitor)                # its DISCONNECTED is waiting, unread
+        _wait_readable(head.ctrl.monitor)           # its DISCONNECTED is waiting, unread
         time.sleep(0.05)                            # the head's side of the socket is closed by now
         new = connect(f"c{k}")
         reused += fds[-1] == fds[-2]
-        head._drain(head.monitor, head._on_monitor)   # the late event comes in now
-        joined = set(head.members.peers) - before
-        assert len(joined) == 1, f"round {k}: the new peer was removed by the old connection's late event"
+        head._drain(head.ctrl, head._on_ctrl)
+        assert len(set(head.members.peers) - before) == 1, f"round {k}: the new peer was removed"
         assert not before & set(head.members.peers), f"round {k}: the old peer was not removed"
         send_msg(new, p.StatusRequest())
-        _wait_readable(head.ctrl)
-        head._drain(head.ctrl, on_ctrl)
+        _wait_readable(head.ctrl.sock)
+        head._drain(head.ctrl, head._on_ctrl)
         assert isinstance(recv_msg(new, 5000), p.StatusReply), f"round {k}: the new peer was refused"
         old = new
     old.close(0)

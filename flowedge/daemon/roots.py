@@ -1,0 +1,72 @@
+"""The composition roots of the node processes: each builds every part of one node from its config and
+hands them to the node's constructor, so no node opens sockets or patches its parts itself.
+
+The link is the one thing a caller may give: `ZmqLink` (the default: real sockets, CurveZMQ unless
+`insecure`) for the daemons, a `MemoryLink` for a whole cluster in one test process.
+"""
+from __future__ import annotations
+
+import threading
+
+from flowedge.daemon import head_node, stage_node, wire
+from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
+from flowedge.daemon.data_port import bind_data_port
+from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.head_engines import HeadEngines
+from flowedge.daemon.head_node import HeadNode, HeadParts
+from flowedge.daemon.head_ports import ControlPort, HeadOutbox
+from flowedge.daemon.membership import Membership
+from flowedge.daemon.plan import Replanner
+from flowedge.daemon.requests import HeadRequests
+from flowedge.daemon.stage_node import StageNode, StageNodeParts
+from flowedge.engine.jobs import Limits
+from flowedge.errors import AddressInUse, ConfigError
+from flowedge.transport.link import Endpoint, Kind, Link
+from flowedge.transport.zmq_link import ZmqLink
+
+
+def node_link(config: NodeConfig) -> Link:
+    """The daemons' link: ZeroMQ with the cluster's keys (or without, `insecure`)."""
+    return ZmqLink(config.keys_path, config.insecure)
+
+
+def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> HeadNode:
+    """A head listening at `config.head` (control) and the port after it (the pipeline's return)."""
+    if config.role != "head":
+        raise ConfigError("a head needs role = 'head'")
+    link = link or node_link(config)
+    try:
+        host, port = split_addr(config.head)
+        ctrl = _listen(link, Kind.ROUTER, host, port)
+        ret = _listen(link, Kind.INBOUND, host, port + 1)
+    except BaseException:
+        link.close()
+        raise
+    control = ControlPort(ctrl, wire.WireCounter(curve=not config.insecure))
+    members = Membership(config, control.send, replanner=Replanner(config, flowedge_home()))
+    drops = DropLog(head_node.log)
+    engines = HeadEngines(config, members, drops)
+    outbox = HeadOutbox(link, control, members, config.wire_dtype)
+    requests = HeadRequests(engines, outbox, Limits(
+        recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
+    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops), stop)
+
+
+def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:
+    try:
+        return link.listen(kind, "*" if host in ("0.0.0.0", "*") else host, (port, port))
+    except AddressInUse as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err} (is another head running?)") from None
+
+
+def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> StageNode:
+    """A stage with its data port listening (on the interface the head is reached through)."""
+    link = link or node_link(config)
+    try:
+        data_in, data_addr = bind_data_port(link, config, split_addr(config.head)[0])
+    except BaseException:
+        link.close()
+        raise
+    parts = StageNodeParts(link, data_in, data_addr, flowedge_home(), DropLog(stage_node.log))
+    return StageNode(config, parts, stop)
+
