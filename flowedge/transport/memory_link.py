@@ -116,10 +116,16 @@ class MemoryLink(Link):
     def __init__(self, net: MemoryNetwork) -> None:
         self.net = net
         self.endpoints: list[MemoryEndpoint] = []
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LinkError("this link is closed")
 
     def listen(self, kind: Kind, interface: str, ports: tuple[int, int] = (0, 0)) -> MemoryEndpoint:
         if kind not in (Kind.ROUTER, Kind.INBOUND):
             raise LinkError(f"{kind.value} endpoints connect; they do not listen")
+        self._check_open()
         with self.net.cond:
             lo, hi = ports
             port = next(p for p in self.net.free_ports if p not in self.net.listeners) if lo == 0 else \
@@ -137,6 +143,7 @@ class MemoryLink(Link):
     def connect(self, kind: Kind, address: str) -> MemoryEndpoint:
         if kind not in (Kind.DEALER, Kind.OUTBOUND):
             raise LinkError(f"{kind.value} endpoints listen; they do not connect")
+        self._check_open()
         endpoint = MemoryEndpoint(self.net, kind, address)
         if kind is Kind.DEALER:
             with self.net.cond:
@@ -153,6 +160,7 @@ class MemoryLink(Link):
             return [e for e in endpoints if e.inbox]
 
     def close(self) -> None:
+        self.closed = True
         for endpoint in self.endpoints:
             endpoint.close()
         self.endpoints = []

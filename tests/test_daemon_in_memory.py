@@ -1,0 +1,162 @@
+"""A whole cluster in one process on the in-memory link: a head and 2 stages (threads, built by the
+composition roots exactly as the daemons are, tiny pair, fp32 stages and wire) and a client. The answer
+equals `generate --strategy ar`; then stage 2 is lost mid-answer (its link closed the moment the client
+gets its first tokens) and a new stage joins: the request pauses, replays and completes token-identical,
+with no error to the client."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from daemon_helpers import flowedge_home
+from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.roots import build_head, build_stage
+from flowedge.runner import GenerateRequest, run_generate
+from flowedge.transport import protocol as p
+from flowedge.transport.handshake import hello_exchange
+from flowedge.transport.link import Inbound, Kind
+from flowedge.transport.memory_link import MemoryEndpoint, MemoryLink, MemoryNetwork
+
+PROMPT = "abc def ghi jkl"
+MAX_NEW = 40
+HEAD = "127.0.0.1:5555"
+
+
+class Tripwire(MemoryEndpoint):
+    """A client's DEALER that calls `trip` (once, in the sender's thread) when the first tokens reach it."""
+
+    def __init__(self, net: MemoryNetwork, kind: Kind, address: str, trip) -> None:
+        super().__init__(net, kind, address)
+        self.trip = trip
+
+    def _deliver(self, item) -> None:
+        if isinstance(item, Inbound) and self.trip is not None:
+            msg = p.decode(item.frames)
+            if isinstance(msg, p.TokenChunk) and msg.token_ids and not msg.done:
+                trip, self.trip = self.trip, None
+                trip()
+        super()._deliver(item)
+
+
+class TrippingLink(MemoryLink):
+    """A client's link whose DEALERs are tripwires."""
+
+    def __init__(self, net: MemoryNetwork, trip) -> None:
+        super().__init__(net)
+        self.trip = trip
+
+    def connect(self, kind: Kind, address: str) -> MemoryEndpoint:
+        endpoint = Tripwire(self.net, kind, address, self.trip)
+        with self.net.cond:
+            self.net.dealers.append(endpoint)
+        return self._keep(endpoint)
+
+
+class Cluster:
+    """Nodes in threads of this process; remembers what escaped each node's `run`."""
+
+    def __init__(self, base, draft) -> None:
+        self.net = MemoryNetwork()
+        self.common = dict(head=HEAD, model=str(base), draft=str(draft), stages=2, insecure=True, threads=1,
+                           wire_dtype="float32", quant="none", stage_timeout_s=10.0, client_timeout_s=30.0,
+                           recovery_s=120.0, discovery=False)
+        self.errors: dict[str, BaseException] = {}
+        self.threads: dict[str, threading.Thread] = {}
+        self.head = self._start("head", build_head(NodeConfig(role="head", node_id="head", **self.common),
+                                                   link=self.net.link()))
+        self.stages = {name: self.add_stage(name) for name in ("s1", "s2")}
+
+    def add_stage(self, name: str):
+        node = build_stage(NodeConfig(role="stage", node_id=name, same_host=True, **self.common), link=self.net.link())
+        return self._start(name, node)
+
+    def _start(self, name: str, node):
+        def run() -> None:
+            try:
+                node.run()
+            except BaseException as err:  # noqa: BLE001 - the test reads it
+                self.errors[name] = err
+
+        self.threads[name] = threading.Thread(target=run, name=name, daemon=True)
+        self.threads[name].start()
+        return node
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.head.members.cluster_ready():
+            assert time.monotonic() < deadline and not self.errors, f"not ready: {self.errors}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in [*self.stages.values(), self.head]:
+            node.stop.set()
+        for t in self.threads.values():
+            t.join(15)
+
+
+def ask(link: MemoryLink, prompt: str, rid: int, strategy: str) -> dict:
+    """A client on the link: HELLO, one prompt, the answer folded from its chunks (heartbeats answered)."""
+    dealer = link.connect(Kind.DEALER, f"tcp://{HEAD}")
+    hello = p.Hello(node_id=f"client-{rid}", role="client", device="client", free_memory_bytes=0,
+                    capabilities={"heartbeat": True})
+    hello_exchange(dealer, hello, 10.0)
+    dealer.send(p.PromptRequest(request_id=rid, text=prompt, max_new_tokens=MAX_NEW, strategy=strategy))
+    tokens: list[int] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        got = dealer.next_message(1.0)
+        msg = None if got is None else p.decode(got.frames)
+        if isinstance(msg, p.Heartbeat):
+            dealer.send(p.Heartbeat(node_id=hello.node_id, load=0.0, rss_bytes=0))
+        elif isinstance(msg, p.ErrorReply):
+            raise AssertionError(f"the client got an error: {msg.message}")
+        elif isinstance(msg, p.TokenChunk):
+            tokens += msg.token_ids
+            if msg.done:
+                dealer.close()
+                return {**msg.stats, "token_ids": tokens}
+    raise AssertionError("no answer within 300 s")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    base, draft = tiny_pair
+    return run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", MAX_NEW, quant="none"))["token_ids"]
+
+
+@pytest.fixture
+def cluster(tiny_pair, tmp_path):
+    with flowedge_home(tmp_path):
+        c = Cluster(*tiny_pair)
+        try:
+            c.wait_ready()
+            yield c
+        finally:
+            c.stop()
+
+
+def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_stage_loss(cluster, reference):
+    ids = itertools.count(1)
+    first = ask(cluster.net.link(), PROMPT, next(ids), "flowspec")
+    assert first["token_ids"] == reference and first["replays"] == 0
+    assert len(reference) >= 20   # the comparison covers real decoding
+
+    lost = threading.Event()
+
+    def lose_stage_2() -> None:   # in the head's thread, as its first tokens of the answer leave it
+        cluster.stages["s2"].link.close()
+        lost.set()
+
+    joiner = threading.Thread(target=lambda: lost.wait(300) and cluster.stages.update(s3=cluster.add_stage("s3")))
+    joiner.start()
+    second = ask(TrippingLink(cluster.net, lose_stage_2), PROMPT, next(ids), "flowspec")
+    joiner.join(10)
+    assert lost.is_set(), "the loss never happened"
+    assert second["token_ids"] == reference
+    assert second["replays"] >= 1, second   # the loss landed mid-answer: the request was replayed
+    assert "s2" in cluster.errors and not {"head", "s1", "s3"} & set(cluster.errors), cluster.errors
+    slots = [cluster.head.members.peers[i].name for i in cluster.head.members.stage_identities()]
+    assert slots == ["s1", "s3"]
