@@ -1,22 +1,25 @@
 """A whole cluster in one process on the in-memory link: a head and 2 stages (threads, built by the
-composition roots exactly as the daemons are, tiny pair, fp32 stages and wire) and a client. The answer
+composition roots exactly as the daemons are, tiny pair, fp32 stages and wire) and the clients (the sync
+face, then the asyncio one). The answer
 equals `generate --strategy ar`; then stage 2 is lost mid-answer (its link closed the moment the client
 gets its first tokens) and a new stage joins: the request pauses, replays and completes token-identical,
 with no error to the client."""
 from __future__ import annotations
 
-import itertools
+import asyncio
 import threading
 import time
 
 import pytest
 
 from daemon_helpers import flowedge_home
+from flowedge.daemon.async_client import AsyncClient
+from flowedge.daemon.client import Client
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.roots import build_head, build_stage
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import protocol as p
-from flowedge.transport.handshake import hello_exchange
+from flowedge.transport.async_link import MemoryAsyncLink
 from flowedge.transport.link import Inbound, Kind
 from flowedge.transport.memory_link import MemoryEndpoint, MemoryLink, MemoryNetwork
 
@@ -97,28 +100,19 @@ class Cluster:
             t.join(15)
 
 
-def ask(link: MemoryLink, prompt: str, rid: int, strategy: str) -> dict:
-    """A client on the link: HELLO, one prompt, the answer folded from its chunks (heartbeats answered)."""
-    dealer = link.connect(Kind.DEALER, f"tcp://{HEAD}")
-    hello = p.Hello(node_id=f"client-{rid}", role="client", device="client", free_memory_bytes=0,
-                    capabilities={"heartbeat": True})
-    hello_exchange(dealer, hello, 10.0)
-    dealer.send(p.PromptRequest(request_id=rid, text=prompt, max_new_tokens=MAX_NEW, strategy=strategy))
-    tokens: list[int] = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        got = dealer.next_message(1.0)
-        msg = None if got is None else p.decode(got.frames)
-        if isinstance(msg, p.Heartbeat):
-            dealer.send(p.Heartbeat(node_id=hello.node_id, load=0.0, rss_bytes=0))
-        elif isinstance(msg, p.ErrorReply):
-            raise AssertionError(f"the client got an error: {msg.message}")
-        elif isinstance(msg, p.TokenChunk):
-            tokens += msg.token_ids
-            if msg.done:
-                dealer.close()
-                return {**msg.stats, "token_ids": tokens}
-    raise AssertionError("no answer within 300 s")
+def ask(link, strategy: str = "flowspec") -> dict:
+    """The sync client on `link`: one answer, as `flowedge prompt --json` gets it."""
+    with Client(HEAD, link=link, timeout_s=300) as client:
+        return client.generate(PROMPT, max_new_tokens=MAX_NEW, strategy=strategy)
+
+
+async def ask_async(net: MemoryNetwork) -> dict:
+    link = MemoryAsyncLink(net)
+    try:
+        async with AsyncClient(HEAD, link=link, timeout_s=300) as client:
+            return await client.generate(PROMPT, max_new_tokens=MAX_NEW, strategy="flowspec")
+    finally:
+        link.close()
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +133,7 @@ def cluster(tiny_pair, tmp_path):
 
 
 def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_stage_loss(cluster, reference):
-    ids = itertools.count(1)
-    first = ask(cluster.net.link(), PROMPT, next(ids), "flowspec")
+    first = ask(cluster.net.link())
     assert first["token_ids"] == reference and first["replays"] == 0
     assert len(reference) >= 20   # the comparison covers real decoding
 
@@ -152,7 +145,7 @@ def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_st
 
     joiner = threading.Thread(target=lambda: lost.wait(300) and cluster.stages.update(s3=cluster.add_stage("s3")))
     joiner.start()
-    second = ask(TrippingLink(cluster.net, lose_stage_2), PROMPT, next(ids), "flowspec")
+    second = ask(TrippingLink(cluster.net, lose_stage_2))
     joiner.join(10)
     assert lost.is_set(), "the loss never happened"
     assert second["token_ids"] == reference
@@ -160,3 +153,5 @@ def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_st
     assert "s2" in cluster.errors and not {"head", "s1", "s3"} & set(cluster.errors), cluster.errors
     slots = [cluster.head.members.peers[i].name for i in cluster.head.members.stage_identities()]
     assert slots == ["s1", "s3"]
+    third = asyncio.run(ask_async(cluster.net))   # the asyncio face on the repaired cluster
+    assert third["token_ids"] == reference and third["replays"] == 0

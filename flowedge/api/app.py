@@ -9,7 +9,7 @@
     GET  /v1/status/stream      the same every half second, as server-sent events (the dashboard's feed)
     GET  /                      the live dashboard (flowedge/api/dashboard.py, static files in api/static/)
 
-Each generation request opens its own AsyncClient on one shared zmq.asyncio context, so nothing
+Each generation request opens its own AsyncClient on one shared link to the head, so nothing
 blocks the event loop and the head sees one client per HTTP request. A stream whose HTTP client
 disconnects is cancelled at the head (AsyncClient sends `Cancel`).
 """
@@ -22,7 +22,6 @@ import logging
 from collections.abc import AsyncIterator
 
 import anyio
-import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +32,7 @@ from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon.async_client import AsyncClient
+from flowedge.daemon.async_client import AsyncClient, AsyncLink, client_link
 from flowedge.daemon.client_core import prompt_request
 from flowedge.errors import ApiError, ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
 
@@ -99,18 +98,23 @@ def unavailable(head: str) -> ApiError:
 
 
 class Routes:
-    """The endpoints' handlers, sharing the settings, the metrics and one zmq.asyncio context."""
+    """The endpoints' handlers, sharing the settings, the metrics and one link to the head."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
         self.metrics = ApiMetrics()
-        self.ctx = zmq.asyncio.Context()
+        self._link: AsyncLink | None = None   # made at the first call (missing keys fail that call, as before)
         self._model: str | None = None
 
     def client(self, timeout_s: float | None = None) -> AsyncClient:
         s = self.settings
-        return AsyncClient(s.head, keys_dir=s.keys_dir, insecure=s.insecure,
-                           timeout_s=timeout_s or s.request_timeout_s, context=self.ctx)
+        if self._link is None:
+            self._link = client_link(s.keys_dir, s.insecure)
+        return AsyncClient(s.head, timeout_s=timeout_s or s.request_timeout_s, link=self._link)
+
+    def close_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
 
     async def head_status(self) -> list[dict] | None:
         c = self.client(self.settings.status_timeout_s)
@@ -305,7 +309,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        routes.ctx.destroy(linger=0)
+        routes.close_link()
 
     app = FastAPI(title="flowedge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.routes = routes

@@ -19,53 +19,49 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import zmq
-import zmq.asyncio
-
 from flowedge.daemon.client_core import CONTROL, ClientCore, Done, Event, Failed, Piece, Send, Status, Welcomed
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import ProtocolError
+from flowedge.errors import LinkError, ProtocolError
 from flowedge.transport import protocol as proto
-from flowedge.transport.security import load_keys, secure_client, warn_insecure
+from flowedge.transport.async_link import AsyncLink, ZmqAsyncLink
+from flowedge.transport.link import Inbound
 
 
 class _AsyncSocket:
-    """AsyncClient's socket calls, all of them: one DEALER to the head."""
+    """AsyncClient's link calls, all of them: one DEALER to the head."""
 
-    def __init__(self, addr: str, keys_dir: str | Path | None, insecure: bool,
-                 context: zmq.asyncio.Context | None) -> None:
-        self._own_ctx = context is None
-        self.ctx = context or zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
-        if insecure:
-            warn_insecure()
-        else:
-            secure_client(self.sock, load_keys(keys_dir or flowedge_home() / "keys"))
+    def __init__(self, addr: str, link: AsyncLink, own_link: bool) -> None:
         host, port = split_addr(addr)
-        self.sock.connect(tcp(host, port))
+        self.link, self.own_link = link, own_link
+        self.dealer = link.dealer(tcp(host, port))
 
     async def send(self, msg: proto.Message) -> None:
-        await self.sock.send_multipart(msg.to_frames(), copy=False)
+        await self.dealer.send(msg)
 
     def send_nowait(self, msg: proto.Message) -> None:
-        """Send if possible (a Cancel on the way out): a closed socket or a full queue means no one listens."""
-        if not self.sock.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
+        """Send if possible (a Cancel on the way out): a closed link or a full queue means no one listens."""
+        self.dealer.send_nowait(msg)
 
-    async def recv(self) -> proto.Message | ProtocolError:
-        """The next message, or the ProtocolError of one that would not decode; ZMQError once closed."""
-        frames = await self.sock.recv_multipart(copy=False)
+    async def recv(self) -> proto.Message | ProtocolError | None:
+        """The next message, the ProtocolError of one that would not decode, or None for a peer event;
+        LinkError once closed."""
+        got = await self.dealer.receive()
+        if not isinstance(got, Inbound):
+            return None
         try:
-            return proto.decode(frames)
+            return proto.decode(got.frames)
         except ProtocolError as err:
             return err
 
     def close(self) -> None:
-        self.sock.close(0)
-        if self._own_ctx:
-            self.ctx.term()
+        self.dealer.close()
+        if self.own_link:
+            self.link.close()
+
+
+def client_link(keys_dir: str | Path | None = None, insecure: bool = False) -> AsyncLink:
+    """The link AsyncClients of one process share (ZeroMQ, the cluster's client keys unless `insecure`)."""
+    return ZmqAsyncLink(keys_dir or flowedge_home() / "keys", insecure)
 
 
 class AsyncClient:
@@ -74,10 +70,11 @@ class AsyncClient:
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 link: AsyncLink | None = None) -> None:
         self.addr = addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
-        self._socket = _AsyncSocket(addr, keys_dir, insecure, context)
+        own = link is None
+        self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
         self._control_lock: asyncio.Lock | None = None   # one HELLO or status exchange at a time
         self._queues: dict[int, asyncio.Queue] = {}      # request id (or CONTROL) -> its events
         self._reader: asyncio.Task | None = None
@@ -107,9 +104,11 @@ class AsyncClient:
 
     async def _read(self) -> None:
         """Every message from the head into the core, and its events to their waiters."""
-        with contextlib.suppress(zmq.ZMQError):
+        with contextlib.suppress(LinkError):
             while True:
                 got = await self._socket.recv()
+                if got is None:
+                    continue
                 now = time.monotonic()
                 bad = isinstance(got, ProtocolError)
                 await self._dispatch(self.core.malformed(got, now) if bad else self.core.receive(got, now))

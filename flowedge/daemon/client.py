@@ -10,20 +10,21 @@ Embedding in a gateway app:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-
-import zmq
 
 from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Send, Status, Welcomed,
                                          prompt_request)
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import FlowedgeError, ProtocolError, RequestFailed
+from flowedge.errors import FlowedgeError, LinkError, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
-from flowedge.transport.channel import recv_msg, send_msg
-from flowedge.transport.security import Security
+from flowedge.transport.link import Event as LinkEvent
+from flowedge.transport.link import Inbound, Kind, Link, PeerEvent
+from flowedge.transport.zmq_link import ZmqLink
 
 log = logging.getLogger(__name__)
 
@@ -31,58 +32,47 @@ __all__ = ["Client", "RequestFailed", "prompt_request", "wait_ready"]
 
 
 class _Socket:
-    """The sync client's socket calls, all of them: a DEALER to the head and its disconnect monitor.
+    """The sync client's link calls, all of them: a DEALER to the head, whose DISCONNECTED event says
+    the connection closed. It feeds what arrives to the core and returns the core's events; it decides
+    nothing itself."""
 
-    It feeds what arrives to the core and returns the core's events; it decides nothing itself."""
-
-    def __init__(self, addr: str, keys_dir: str | Path | None, insecure: bool) -> None:
+    def __init__(self, addr: str, link: Link, own_link: bool) -> None:
         host, port = split_addr(addr)
-        self.ctx = zmq.Context()
-        self.security = Security.start(self.ctx, keys_dir or flowedge_home() / "keys", insecure)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
-        self.security.client(self.sock)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(tcp(host, port))
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        self.link, self.own_link = link, own_link
+        self.dealer = link.connect(Kind.DEALER, tcp(host, port))
+        self.held: deque[Inbound] = deque()   # messages read while forgetting old disconnects
 
     def send(self, msg: proto.Message) -> None:
-        send_msg(self.sock, msg)
+        self.dealer.send(msg)
 
     def send_nowait(self, msg: proto.Message) -> None:
-        """Send if possible (a Cancel on the way out): a closed socket or a full queue means no one listens."""
-        if not self.sock.closed:
-            try:
-                self.sock.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        """Send if possible (a Cancel on the way out): a closed link or a gone head means no one listens."""
+        with contextlib.suppress(LinkError):
+            self.dealer.send(msg)
 
     def pump(self, core: ClientCore, timeout_s: float) -> list[Event]:
         """Wait up to `timeout_s` for one thing to happen and tell the core."""
-        ready = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        got = self.held.popleft() if self.held else self.dealer.receive(max(0.0, timeout_s))
         now = time.monotonic()
-        if self.sock in ready:
+        if isinstance(got, Inbound):
             try:
-                return core.receive(recv_msg(self.sock, 0), now)
+                return core.receive(proto.decode(got.frames), now)
             except ProtocolError as err:
                 return core.malformed(err, now)
-        if self.monitor in ready:
-            self.monitor.recv_multipart()
+        if isinstance(got, PeerEvent) and got.kind is LinkEvent.DISCONNECTED:
             return core.lost_connection(now)
         return []
 
     def forget_disconnects(self) -> None:
-        """Disconnects from before the handshake are no news (zmq reconnects by itself)."""
-        while self.monitor.poll(0):
-            self.monitor.recv_multipart()
+        """Disconnects from before the handshake are no news (the link reconnects by itself)."""
+        while (got := self.dealer.receive(0)) is not None:
+            if isinstance(got, Inbound):
+                self.held.append(got)
 
     def close(self) -> None:
-        self.monitor.close(0)
-        self.sock.close(0)
-        self.security.stop()
-        self.ctx.term()
+        self.dealer.close()
+        if self.own_link:
+            self.link.close()
 
 
 class Client:
@@ -93,13 +83,16 @@ class Client:
     connection to the head (the socket monitor) raises FlowedgeError at once, and so does
     `head_timeout_s` without a word from the head while a request is in progress; `timeout_s` bounds
     the wait for any answer. Closing the client (or the stream) mid-answer cancels the request.
-    The protocol is `ClientCore`'s; this face only blocks on the socket."""
+    The protocol is `ClientCore`'s; this face only blocks on the link (its own ZeroMQ link with the
+    cluster's keys, unless given one: a `MemoryLink` puts it in an in-process cluster)."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
-                 insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0) -> None:
+                 insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
+                 link: Link | None = None) -> None:
         self.addr = addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
-        self._socket = _Socket(addr, keys_dir, insecure)
+        own = link is None
+        self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
         self._streaming: int | None = None
         self.last_result: dict | None = None
 
