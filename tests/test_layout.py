@@ -77,6 +77,8 @@ class Forbidden:
 RULES: list[Forbidden] = [
     *(Forbidden(f"flowedge.{driver}", "the engine is sans-IO: drivers drive it, it knows none of them",
                 importers=("engine",)) for driver in ("sim", "daemon", "api", "transport", "cli")),
+    Forbidden("zmq", "ZeroMQ stays behind the link seam (transport/link.py): nodes, clients and the http "
+                     "front hold a Link, never a socket", exempt=("transport",)),
 ]
 
 # Modules ("path") or functions ("path:Qual.name") over a limit while someone splits them, each with a
