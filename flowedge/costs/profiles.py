@@ -1,5 +1,6 @@
-"""Device and link profiles for the simulated cluster, read from `flowedge/device_profiles/*.toml`
-(package data: they ship inside the wheel, so an installed flowedge finds them anywhere).
+"""Device and link profiles for the cost model (the simulator, the planner, the head's tree sizing), read
+from `flowedge/device_profiles/*.toml` (package data: they ship inside the wheel, so an installed
+flowedge finds them anywhere).
 
 The numbers live in data files (with their sources) rather than in code, so a person can add a
 board or re-calibrate one without touching the cost model.
