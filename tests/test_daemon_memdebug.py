@@ -36,3 +36,24 @@ def test_sigusr2_reports_the_site_that_grew(tmp_path, restore_sigusr2):
     top = second["grew"][0]
     assert "test_daemon_memdebug.py" in top["site"] and top["kb"] > 4000, second["grew"][:3]
     assert second["objects"]["list"] - first["objects"]["list"] >= 4500 and len(hoard) == 5000
+
+
+@pytest.mark.skipif(memdebug.heap_figures() is None, reason="not glibc >= 2.33")
+def test_heap_only_reports_glibc_in_use_growth_without_tracing(tmp_path, restore_sigusr2):
+    """FLOWEDGE_MEMDEBUG_PYTHON=0: no tracemalloc (the soak's hour-long mode), and live native allocations
+    show in `in_use_mb`, apart from memory freed but kept."""
+    import ctypes
+
+    out = tmp_path / "mem.jsonl"
+    assert memdebug.install({memdebug.ENV: str(out), memdebug.PYTHON_ENV: "0"}) is not None
+    assert not tracemalloc.is_tracing()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    os.kill(os.getpid(), signal.SIGUSR2)
+    blocks = [libc.malloc(1000) for _ in range(20_000)]   # ~20 MB live, in the arena (not mmapped)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    for b in blocks:
+        libc.free(ctypes.c_void_p(b))
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert second["grew"] == [] and second["traced_mb"] is None
+    assert second["heap"]["in_use_mb"] - first["heap"]["in_use_mb"] > 15, (first["heap"], second["heap"])

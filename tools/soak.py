@@ -125,13 +125,15 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
 
 
 def slopes(rows: list, warmup_s: float) -> dict:
-    """Per process (its latest pid: a restarted stage starts over), after the warm-up: first and last
-    sample and the slope per hour of RSS (MB and % of the mean), fds and threads."""
+    """Per process (its longest-lived pid: a restarted stage starts over, and chaos restarts stages
+    often), after the warm-up: first and last sample and the slope per hour of RSS (MB and % of the
+    mean), fds and threads."""
     out = {}
     for name in sorted({r[1] for r in rows}):
         mine = [r for r in rows if r[1] == name]
-        pid = mine[-1][2]
-        live = [r for r in mine if r[2] == pid]
+        lives = {p: [r for r in mine if r[2] == p] for p in dict.fromkeys(r[2] for r in mine)}
+        pid = max(lives, key=lambda p: lives[p][-1][0] - lives[p][0][0])
+        live = lives[pid]
         after = [r for r in live if r[0] - live[0][0] >= warmup_s] if name.startswith("stage") else \
             [r for r in live if r[0] >= warmup_s]
         if len(after) < 3:
@@ -204,6 +206,7 @@ def soak(args, procs: Processes) -> dict:
         t.join(200)
     return {"duration_s": args.duration, "nodes": args.nodes, "real": args.real, "chaos": chaos_counts,
             **tally.as_dict(), "processes": slopes(rows, args.warmup), "samples": len(rows),
+            "series": [[round(r[0], 1), r[1], r[2], round(r[3], 2)] for r in rows],   # t, name, pid, rss MB
             "run_dir": str(procs.cluster.run_dir), "memdebug": memdebug_summary(args.memdebug)}
 
 
@@ -215,6 +218,8 @@ def memdebug_summary(path: str | None) -> dict | None:
     first, last = lines[0], lines[-1]
     return {"reports": len(lines), "span_s": round(last["t"] - first["t"], 1),
             "rss_mb": [first["rss_mb"], last["rss_mb"]], "traced_mb": [first["traced_mb"], last["traced_mb"]],
+            "heap": [first.get("heap"), last.get("heap")],
+            "heap_series": [(round(x["t"] - first["t"], 1), x["rss_mb"], x.get("heap")) for x in lines],
             "grew": last["grew"][:10],
             "objects_grew": {k: v - first["objects"].get(k, 0) for k, v in last["objects"].items()
                              if v - first["objects"].get(k, 0) > 100}}
@@ -228,6 +233,7 @@ def report(fig: dict) -> None:
         md = fig["memdebug"]
         print(f"head memdebug over {md['span_s']} s: rss {md['rss_mb']} MB, Python-traced {md['traced_mb']} MB; "
               f"objects grew {md['objects_grew']}")
+        print(f"    glibc heap first {md['heap'][0]}\n    glibc heap last  {md['heap'][1]}")
         for g in md["grew"][:5]:
             print(f"    {g['kb']:+10.1f} KB {g['count']:+7d}  {g['site']}")
     for name, p in fig["processes"].items():
@@ -264,6 +270,8 @@ def main() -> None:
                          "--memdebug-every s (daemon/memdebug.py); for finding memory only: tracing slows the "
                          "head enough on 2 cores that clients time out on HELLO (~17%% failed in 5 min)")
     ap.add_argument("--memdebug-every", type=float, default=60.0)
+    ap.add_argument("--memdebug-heap-only", action="store_true",
+                    help="with --memdebug: glibc's heap figures only, no tracemalloc (cheap enough for an hour)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line a request
@@ -272,6 +280,8 @@ def main() -> None:
         os.environ["FLOWEDGE_HOME"] = str(home)   # keys and run dirs of a throwaway tiny cluster
     if args.memdebug:
         os.environ["FLOWEDGE_MEMDEBUG"] = str(Path(args.memdebug).resolve())   # the head installs it
+        if args.memdebug_heap_only:
+            os.environ["FLOWEDGE_MEMDEBUG_PYTHON"] = "0"
     procs = start(args, home)
     try:
         fig = soak(args, procs)
