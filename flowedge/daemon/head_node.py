@@ -286,7 +286,22 @@ class HeadNode:
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
             return
+        if self._round_over_or_unsent(msg):
+            return
         self.requests.add_segment(msg.request_id, msg, time.monotonic())
+
+    def _round_over_or_unsent(self, msg: proto.Segment) -> bool:
+        """Checked on arrival, not when a step takes it: a segment of a round already over is one the
+        engine would skip, and one of a round the engine has not begun was never sent (the engine numbers
+        a round before it sends its first segment). Queued instead, a flood of either grew the request's
+        work one item per turn faster than the turns took them."""
+        current = self.requests.round_of(msg.request_id)
+        if current is None or msg.kind == "prefill" or msg.round_id == current:
+            return False
+        if msg.round_id > current:
+            self.drops.drop("round_id", f"pipeline return: round {msg.round_id} of run {msg.request_id}, "
+                                        f"which is in round {current}")
+        return True
 
     def _housekeeping(self) -> None:
         if self.members.replanner is not None and self.members.replanner.busy:

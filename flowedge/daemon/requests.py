@@ -144,6 +144,10 @@ class HeadRequests:
         client.run = self.scheduler.get(self.keys)
         self._carry_out(actions)
 
+    def round_of(self, engine_id: int) -> int | None:
+        """The round run `engine_id`'s engine is in now; None when it is not running (or has no rounds)."""
+        return getattr(self.scheduler.running_engine(engine_id), "round_id", None)
+
     def add_segment(self, engine_id: int, segment, now: float) -> None:
         """A segment back from the pipeline, queued on its request until a `step` takes it."""
         self.scheduler.add_work(engine_id, segment, now)

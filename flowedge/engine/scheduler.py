@@ -85,6 +85,11 @@ class Scheduler:
             self.queue.append(req)
         return out
 
+    def running_engine(self, engine_id: int):
+        """The engine of run `engine_id` while it runs; None for a cancelled, paused, replayed or ended one."""
+        req = self.by_engine.get(engine_id)
+        return req.engine if req is not None and req.state is State.RUNNING else None
+
     def add_work(self, engine_id: int, item, now: float) -> None:
         """Something back from the pipeline for engine run `engine_id`, queued until a `step` takes it."""
         req = self.by_engine.get(engine_id)
