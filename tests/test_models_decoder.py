@@ -176,27 +176,34 @@ def test_fused_projections_give_the_same_bits(w4a16, monkeypatch):
     assert torch.equal(*outs)
 
 
-def test_w4a16_lm_head_is_4_bit(w4a16):
+def test_w4a16_lm_head_is_8_bit_where_the_kernel_runs_else_4_bit(w4a16):
+    from flowedge.kernels import w8a16
     from flowedge.models.quant import Int4Linear
-
+    from flowedge.models.quant8 import Int8Linear
     from flowedge.models.stage import VocabSlice
 
-    model = StageModel.load(w4a16)
-    head = model.lm_head.inner if isinstance(model.lm_head, VocabSlice) else model.lm_head
-    assert isinstance(head, Int4Linear) and head.out_features % 16 == 0
-    assert model.logits(torch.zeros(2, model.config.hidden_size)).shape == (2, model.config.vocab_size)
+    for wide in (True, False):
+        model = StageModel.load(w4a16, wide_lm_head=wide)
+        head = model.lm_head.inner if isinstance(model.lm_head, VocabSlice) else model.lm_head
+        kind = Int8Linear if wide and w8a16.available() else Int4Linear
+        assert isinstance(head, kind) and head.out_features % 16 == 0
+        assert model.logits(torch.zeros(2, model.config.hidden_size)).shape == (2, model.config.vocab_size)
 
 
 def _with_w4_weights(model):
-    """transformers' float32 model computing with the very 4-bit weights W4A16 stores (dequantised): an
-    oracle for the int4 path that shares none of its code (kernel, layout, decoder)."""
+    """transformers' float32 model computing with the very weights W4A16 stores (4-bit layers, the 8-bit
+    lm_head where its kernel runs; dequantised): an oracle for the quantized path that shares none of
+    its code (kernel, layout, decoder)."""
+    from flowedge.kernels import w8a16
     from flowedge.models.quant import pack_int4
+    from flowedge.models.quant8 import pack_int8
 
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, torch.nn.Linear):
                 pad = torch.zeros((-m.weight.shape[0]) % 16, m.weight.shape[1])   # whole kernel tiles
-                w = pack_int4(torch.cat([m.weight, pad]), 32).dequantize()[: m.weight.shape[0]]
+                pack = pack_int8 if name == "lm_head" and w8a16.available() else lambda w: pack_int4(w, 32)
+                w = pack(torch.cat([m.weight, pad])).dequantize()[: m.weight.shape[0]]
                 m.weight = torch.nn.Parameter(w)                                    # unties the lm_head
     return model
 

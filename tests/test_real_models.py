@@ -36,11 +36,16 @@ def encoded(real_pair):
 @pytest.fixture(scope="module")
 def references(real_pair, encoded):
     from flowedge.engine.local import generate_ar, load_reference
+    from flowedge.kernels import w8a16
     from flowedge.models.quant import Int4Linear
+    from flowedge.models.quant8 import Int8Linear
 
     model = load_reference(real_pair[0])
-    # q/k/v, o, gate/up and down in each layer (fused where the native kernel runs), plus the int4 lm_head
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * model.config.num_hidden_layers + 1
+    # every Linear packed: W8A16 for what the Q4_K_M file keeps at Q6_K (attn_v and ffn_down of half the
+    # 28 layers) and the lm_head where its kernel runs, W4A16 for the rest
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))]
+    assert not any(isinstance(m, torch.nn.Linear) for m in linears)
+    assert sum(isinstance(m, Int8Linear) for m in linears) == 2 * 14 + w8a16.available()
     return [generate_ar(real_pair[0], ids, 24, SamplingParams(), model=model).token_ids for ids in encoded]
 
 

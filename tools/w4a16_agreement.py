@@ -34,6 +34,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="",
+                    help="comma-separated prompt ids: run these of the selection only (the others' rows come from "
+                         "an earlier run: a prompt's sequence and agreement do not depend on the other prompts)")
+    ap.add_argument("--narrow-head", action="store_true",
+                    help="a W4A16 lm_head (what the draft model keeps) instead of the default W8A16 one")
     ap.add_argument("--float-head", action="store_true",
                     help="also measure the W4A16 layers with the lm_head left in float32 (what the head costs)")
     args = ap.parse_args()
@@ -43,7 +48,9 @@ def main() -> None:
     tok = load_tokenizer(base_dir)
     per_kind = -(-args.prompts // len(KINDS))
     prompts = [p for kind in KINDS for p in load_prompts(kind, per_kind)][: args.prompts]
-    w4 = StageModel.load(base_dir)
+    if args.only:
+        prompts = [p for p in prompts if p.prompt_id in args.only.split(",")]
+    w4 = StageModel.load(base_dir, wide_lm_head=not args.narrow_head)
     sequences, firsts = [], []
     for p in prompts:
         ids = encode_prompt(tok, p.text, chat=True)
@@ -58,7 +65,7 @@ def main() -> None:
     logging.info("float32 oracle loaded in %.0f s", time.monotonic() - t0)
     variants = {"w4a16": w4}
     if args.float_head:
-        variants["w4a16-float-head"] = _with_float_head(StageModel.load(base_dir), fp32)
+        variants["w4a16-float-head"] = _with_float_head(StageModel.load(base_dir, wide_lm_head=False), fp32)
     for label, model in variants.items():
         rows = []
         for p, seq, first in zip(prompts, sequences, firsts):

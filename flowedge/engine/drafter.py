@@ -46,7 +46,8 @@ def load_draft_model(model_dir, quant: str = "auto") -> StageModel:
         # proposals (and speed), not outputs. Resolve the draft with the same quant for a 16-bit one.
         log.warning("the draft at %s is stored W4A16: running it int4, not %s", model_dir, quant)
         quant = "int4"
-    return StageModel.load(model_dir, quant=quant, quant_lm_head=True)
+    # a 4-bit lm_head: the draft call sets node 0's rate, and the draft's precision moves acceptance only
+    return StageModel.load(model_dir, quant=quant, quant_lm_head=True, wide_lm_head=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,16 +91,17 @@ class StageModel(nn.Module):
     @classmethod
     def load(cls, model_dir: Path | str, parts: StageParts | None = None,
              dtype: torch.dtype = torch.float32, quant: str | None = None,
-             quant_lm_head: bool = False) -> "StageModel":
+             quant_lm_head: bool = False, wide_lm_head: bool = True) -> "StageModel":
         """Build the requested parts from an HF model dir or a flowedge shard dir (same tensor names).
 
         `quant` None loads the weights as stored: a W4A16 checkpoint (packed layers, see
         models/packing.py) as int4, anything else as `dtype`. none | int4 | nf4 | auto quantize the
         decoder layers' Linears of a 16-bit checkpoint while loading, one layer at a time, so no
         full-precision copy of the stage is ever held; a packed checkpoint loads only as int4/auto.
-        Norms, biases and activations are `dtype`. With int4 layers the lm_head is int4 too (packed a
-        few thousand rows at a time, never held in float32) and the embedding stays at its stored 16
-        bits (a lookup); `quant_lm_head` also quantizes it for nf4 (a draft model)."""
+        Norms, biases and activations are `dtype`. With int4 layers the lm_head is W8A16 where
+        flowedge's kernel runs (`wide_lm_head`; else, and for a draft, W4A16), packed a few thousand
+        rows at a time, never held in float32; the embedding stays at its stored 16 bits (a lookup);
+        `quant_lm_head` also quantizes the lm_head for nf4 (a draft model)."""
         t0 = time.monotonic()
         model_dir = Path(model_dir)
         config = load_config(model_dir)
@@ -128,7 +129,7 @@ class StageModel(nn.Module):
             with torch.device("meta"):
                 norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             _load_into(norm, {"weight": _read_one(index, "model.norm.weight", dtype)}, "final norm")
-            lm_head = _load_lm_head(config, embed, index, dtype, head_backend)
+            lm_head = _load_lm_head(config, embed, index, dtype, head_backend, wide_lm_head)
         model = cls(config, parts, layers, embed, norm, lm_head).eval()
         model.compute_dtype = dtype
         trim_heap()   # the transient buffers of loading: ~230 MB on a 14-layer 1.5B stage
@@ -255,7 +256,7 @@ def _load_embedding(config: ModelConfig, index: dict[str, Path], dtype: torch.dt
 
 
 def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
-                  backend: str, wide: bool = False) -> nn.Module:
+                  backend: str, wide: bool) -> nn.Module:
     """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
     a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix):
     W8A16 where `wide` and flowedge's kernel runs (every GGUF flowedge ships keeps its output matrix
