@@ -1,10 +1,11 @@
 """Time node 0's draft call and a stage step at 1 and 16 rows on the real pair (before/after comparisons).
 
-    python tools/bench_steps.py [--threads 1] [--context 200] [--repeats 20]
+    python tools/bench_steps.py [--threads 1] [--context 200] [--repeats 20] [--what draft,stage,last]
 
 Draft call: the whole 0.5B draft model as node 0 loads it (`engine.drafter.load_draft_model`), embedding
 to logits, `rows` new tokens as one tree level over a `context`-token cache. Stage step: the 1.5B base
-model's layers [0, 14) alone (a 2-stage split's first stage), hidden in, hidden out. Each figure is the
+model's layers [0, 14) alone (a 2-stage split's first stage), hidden in, hidden out. Last stage (`last`,
+not by default): layers [14, 28) plus the final norm and lm_head, hidden in, logits out. Each figure is the
 median of `repeats` calls after warm-up. Works on older checkouts too (only StageModel's public API).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _bench(model: StageModel, context: int, rows: int, repeats: int, head: bool)
     model.forward_layers(hidden[:context], torch.arange(context), bool_to_float_mask(causal_mask(context, 0)), cache)
 
     def step() -> None:
-        x = model.embed(ids[context:]) if head else hidden[context:]
+        x = model.embed(ids[context:]) if head and model.embed_tokens is not None else hidden[context:]
         h = model.forward_layers(x, torch.full((rows,), context), _tree_mask(rows, context), cache)
         if head:
             model.logits(h)
@@ -57,16 +58,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--what", default="draft,stage", help="comma-separated: draft, stage, last")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    draft = load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
+    what = args.what.split(",")
     out = {"threads": args.threads, "context": args.context}
-    for rows in (1, 16):
-        out[f"draft_call_{rows}_ms"] = round(1000 * _bench(draft, args.context, rows, args.repeats, head=True), 2)
-    del draft
-    stage = StageModel.load(resolve_model("qwen2.5-coder-1.5b"), StageParts(0, 14))
-    for rows in (1, 16):
-        out[f"stage_step_{rows}_ms"] = round(1000 * _bench(stage, args.context, rows, args.repeats, head=False), 2)
+    if "draft" in what:
+        draft = load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
+        for rows in (1, 16):
+            out[f"draft_call_{rows}_ms"] = round(1000 * _bench(draft, args.context, rows, args.repeats, head=True), 2)
+        del draft
+    if "stage" in what:
+        stage = StageModel.load(resolve_model("qwen2.5-coder-1.5b"), StageParts(0, 14))
+        for rows in (1, 16):
+            out[f"stage_step_{rows}_ms"] = round(1000 * _bench(stage, args.context, rows, args.repeats, head=False), 2)
+        del stage
+    if "last" in what:
+        last = StageModel.load(resolve_model("qwen2.5-coder-1.5b"), StageParts(14, 28, head=True))
+        for rows in (1, 16):
+            out[f"last_step_{rows}_ms"] = round(1000 * _bench(last, args.context, rows, args.repeats, head=True), 2)
     print(json.dumps(out))
 
 
