@@ -55,8 +55,12 @@ class Scheduler:
     def __init__(self, make_engine: Callable[[Request], object], limits: Limits = Limits(),
                  kv_budget: Callable[[], KvBudget | None] = lambda: None,
                  accept: Callable[[object, object], object] = lambda engine, item: item,
-                 batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True) -> None:
+                 batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True,
+                 keep_ended_engines: bool = False) -> None:
+        """`keep_ended_engines`: the simulator inspects the engines of ended requests (its reports and
+        tests); a daemon drops them (`_release_ended`)."""
         self.make_engine, self.limits, self.kv_budget, self.accept = make_engine, limits, kv_budget, accept
+        self.keep_ended_engines = keep_ended_engines
         self.batcher = batcher
         self.run_handlers = run_handlers or (batcher.run_step if batcher is not None else run_in_turn)
         self.contain_errors = contain_errors
@@ -64,6 +68,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}     # key -> running or paused request
         self.by_engine: dict[int, Request] = {}   # engine id -> running request
         self.ended: dict[int, Request] = {}       # recently ended (bounded)
+        self.releasing: list[Request] = []        # ended since the last call: their engines still held
         self.now_s = 0.0                          # the latest time passed in: the engines' clock
         self.ever_ready = False
         self.lost_why = ""
@@ -100,6 +105,7 @@ class Scheduler:
 
     def step(self, now: float) -> list[Action]:
         """One piece of work per running request, their handlers side by side; actions request by request."""
+        self._release_ended()
         self.now_s = now
         batch = [(req, ev) for req in list(self.running.values()) if (ev := self._next_event(req)) is not None]
         out: list[Action] = []
@@ -137,6 +143,7 @@ class Scheduler:
 
     def tick(self, now: float, ready: bool) -> list[Action]:
         """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones."""
+        self._release_ended()
         self.now_s = now
         self.ever_ready |= ready
         out = self._expire(now, ready)
@@ -259,17 +266,27 @@ class Scheduler:
     def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ") -> list[Action]:
         """End a request that did not complete: its stages reset, its asker told (not for a cancel)."""
         out: list[Action] = [ResetStages(req.key, req.engine_id)] if req.state is State.RUNNING else []
+        stats = getattr(req.engine, "stats", None) or Stats()
         self._forget(req)
         req.state = state
         if state is State.CANCELLED:
             log.info("request %d %s", req.key, why)
-            stats = getattr(req.engine, "stats", None) or Stats()
             return out + [Cancelled(req.key, Done(list(req.emitted), stats, req.key, cancelled=True))]
         log.error("request %d failed: %s", req.key, why)
         return out + [Failed(req.key, prefix + why)]
 
+    def _release_ended(self) -> None:
+        for req in self.releasing:
+            req.engine = None
+        self.releasing.clear()
+
     def _forget(self, req: Request) -> None:
+        """Out of every list; kept in `ended`, its engine only until the driver has read the actions
+        that end it (`_release_ended`, at the next call): 256 ended engines (trees, draft caches) held
+        ~150 KB each on the tiny pair, far more on a real one, for nothing but inspection."""
         req.work.clear()
+        if not self.keep_ended_engines:
+            self.releasing.append(req)
         self.running.pop(req.key, None)
         self.by_engine.pop(req.engine_id, None)
         if req in self.queue:

@@ -117,7 +117,8 @@ class Cluster:
         n = len(self.stage_models)
         budget = None if batch.kv_budget_tokens is None else \
             KvBudget(batch.kv_budget_tokens, 0, f"kv_budget_tokens = {batch.kv_budget_tokens}")
-        sched = Scheduler(make_head, batch.limits(), lambda: budget, batcher=batcher, contain_errors=False)
+        sched = Scheduler(make_head, batch.limits(), lambda: budget, batcher=batcher, contain_errors=False,
+                          keep_ended_engines=True)
         return sched, [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)], spec
 
     def generate_many(self, strategy: str, requests: list[SimRequest], batch: BatchConfig,
