@@ -50,3 +50,15 @@ def test_the_trimmer_trims_until_stopped():
     stop.set()
     trimmer.thread.join(timeout=5)
     assert trimmer.trims >= 3 and not trimmer.thread.is_alive()
+
+
+def test_settle_freezes_what_a_load_left_so_a_full_collection_skips_it():
+    code = """
+import gc
+from flowedge.allocator import settle
+loaded = [{"w": [i]} for i in range(300_000)]       # a model's worth of Python objects
+settle()
+print(gc.get_freeze_count() >= 300_000, len(gc.get_objects(generation=2)) < 10_000)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True"], out

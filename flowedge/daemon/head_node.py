@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from flowedge.allocator import settle
 from flowedge.daemon import memdebug
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
@@ -87,6 +88,7 @@ class HeadNode:
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in plan.ranges])
             self.members.assign_all()
+            settle()   # the models are loaded: freeze them out of the collector's passes
             self._announce()
             self.notifier.ready(self.sd_status())
             self._loop()

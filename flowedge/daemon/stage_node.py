@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from flowedge.allocator import settle
 from flowedge.daemon import shard_fetch, wire
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
@@ -205,7 +206,9 @@ class StageNode:
     def _load_beating(self, model_dir: Path, parts: StageParts, quant: str) -> StageModel:
         """Load in a worker thread while this one keeps heartbeating: repacking a W4A16 shard takes tens
         of seconds on a slow device, which must not look like a dead stage to the head."""
-        return self.compute.run(lambda: StageModel.load(model_dir, parts, quant=quant), self._beat, 0.2)
+        model = self.compute.run(lambda: StageModel.load(model_dir, parts, quant=quant), self._beat, 0.2)
+        settle()   # freeze the loaded model out of the collector's passes
+        return model
 
     def _shard_dir(self, assign: proto.Assign) -> Path:
         """A directory holding this stage's verified shard: the head's own files, the cache, or a fetch."""
