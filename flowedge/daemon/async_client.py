@@ -72,6 +72,7 @@ class AsyncClient:
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
                  link: AsyncLink | None = None) -> None:
         self.addr = addr
+        split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
         own = link is None
         self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)

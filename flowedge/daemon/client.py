@@ -90,6 +90,7 @@ class Client:
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
                  link: Link | None = None) -> None:
         self.addr = addr
+        split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
         own = link is None
         self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
