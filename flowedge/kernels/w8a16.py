@@ -21,17 +21,16 @@ k = 2j + e. Tiles are independent: concatenating two prepared weights along dim 
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from flowedge.kernels import build
+from flowedge.kernels import tiled
+from flowedge.kernels.tiled import TILE, TiledKernel
 
 SOURCE = Path(__file__).with_name("w8a16.c")
-TILE = 16
 REPACK_ROWS = 4096
 
 
@@ -61,35 +60,18 @@ class W8A16Weight:
     group_size: int
 
 
-def _library() -> ctypes.CDLL | None:
-    built = build.load(SOURCE)
-    if built is None:
-        return None
-    lib = built.lib
-    if not getattr(lib, "_flowedge_typed", False):
-        lib.w8a16_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int]
-        lib.w8a16_linear.restype = ctypes.c_int
-        lib.w8a16_isa.restype = ctypes.c_char_p
-        lib._flowedge_typed = True
-    return lib
+KERNEL = TiledKernel(SOURCE, "w8a16")
+supports = tiled.supports
 
 
 def available() -> bool:
     """True when the native kernel is built and loaded here (and not switched off)."""
-    return _library() is not None
+    return KERNEL.available()
 
 
 def isa() -> str | None:
     """'avx512bf16' or 'portable' (the code path compiled in), None when unavailable."""
-    lib = _library()
-    return None if lib is None else lib.w8a16_isa().decode()
-
-
-def supports(out_features: int, in_features: int, group_size: int) -> bool:
-    return (out_features % TILE == 0 and group_size % 16 == 0 and 16 <= group_size <= 256
-            and in_features % group_size == 0)
+    return KERNEL.isa()
 
 
 def prepare(w: PackedWeight8) -> W8A16Weight:
@@ -121,23 +103,7 @@ def linear(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None = Non
 
 
 def _call(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("native W8A16 kernel unavailable (see the log for why)")
-    m, k = x.shape
-    if k != weight.in_features or x.dtype != torch.float32:
-        raise ValueError(f"x must be float32 [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
-    out = torch.empty(m, weight.out_features, dtype=torch.float32)
-    if m == 0:
-        return out
-    x = x.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    rc = lib.w8a16_linear(x.data_ptr(), m, k, weight.tiles.data_ptr(), weight.out_features, weight.group_size,
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), threads)
-    if rc != 0:
-        raise RuntimeError(f"w8a16_linear failed (M={m}, K={k}, N={weight.out_features})")
-    return out
+    return KERNEL.call(x, weight.tiles, weight.out_features, weight.in_features, weight.group_size, bias, threads)
 
 
 @torch.library.custom_op("flowedge::w8a16_linear", mutates_args=())
