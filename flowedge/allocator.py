@@ -16,6 +16,7 @@ box), and the trimmer runs a full pass before every trim.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import threading
@@ -27,6 +28,7 @@ DEFAULT_ARENAS = 2
 DEFAULT_TRIM_EVERY_S = 30.0
 
 
+@functools.cache   # looked up once, not at every trim
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
