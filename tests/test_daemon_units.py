@@ -83,7 +83,7 @@ def test_prefill_segments_carry_no_tree_ids_and_prune_keeps_end_round():
 
 def test_node_config_defaults_are_valid():
     cfg = NodeConfig()
-    assert cfg.role == "head" and cfg.wire_dtype == "float16" and cfg.keys_path.name == "keys"
+    assert cfg.role == "head" and cfg.wire_dtype == "float32" and cfg.keys_path.name == "keys"
 
 
 def test_stage_chosen_tokens_and_sampling_params_survive_the_wire():

@@ -35,7 +35,7 @@ def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> 
 
 
 def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
-                        say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = "float16",
+                        say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = "float32",
                         threads: int = 0, port: int = 5585) -> dict:
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import wait_ready

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Callable[[str], None] = lambda s: None,
-                  *, wire_dtype: str = "float16", threads: int = 0, port: int = 5575) -> dict:
+                  *, wire_dtype: str = "float32", threads: int = 0, port: int = 5575) -> dict:
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
     from flowedge.engine.local import generate_ar

@@ -150,8 +150,9 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @click.option("--strategy", default="auto", show_default=True)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
 @click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
-@click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
-              show_default=True, help="Hidden states on the wire (float32: bit-exact to one process).")
+@click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float32",
+              show_default=True, help="Hidden states on the wire: float32 (the stages' activations: exact) or a "
+              "16-bit dtype (half the bytes; may flip a greedy token at a near-tie).")
 @click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="int4", show_default=True,
               help="Stage weights: int4 = W4A16 shards, none = 16-bit shards, nf4 = bitsandbytes at load.")
 @click.option("--draft-quant", type=click.Choice(DRAFT_QUANTS), default="auto", show_default=True,

@@ -59,7 +59,8 @@ class NodeConfig:
                                               # stages' devices and free memory (flowedge/plan/)
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
     strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
-    wire_dtype: str = "float16"               # hidden states on the wire
+    wire_dtype: str = "float32"               # hidden states on the wire: the stages' activations dtype, so
+                                              # exact; float16/bfloat16 halve the bytes but round between stages
     quant: str = "int4"                       # stage weights: int4 (W4A16 shards, the default) | none (16-bit
                                               # shards) | nf4 (16-bit shards, bitsandbytes at load) | auto
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |

@@ -36,7 +36,7 @@ class LocalClusterSpec:
     port: int = DEFAULT_PORT
     threads: int = 0                 # per process; 0 = cores / nodes
     insecure: bool = False
-    wire_dtype: str = "float16"
+    wire_dtype: str = "float32"
     quant: str = "int4"
     draft_quant: str = "auto"
     layers: list[int] = field(default_factory=list)
