@@ -11,8 +11,8 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.costs.pipeline import CostModel, draft_path_for
 from flowedge.costs.profiles import list_devices, load_device
 from flowedge.costs.sizing import tree_costs
-from flowedge.engine.auto_policy import (AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction,
-                                         predict_from_costs)
+from flowedge.engine.auto_policy import (AR_PP, FLOWSPEC, PIPEDEC, START_TOKENS, AutoPolicy, Chooser,
+                                         DrafterCosts, Prediction, predict_from_costs)
 from flowedge.engine.local import generate_ar
 from flowedge.sim.cluster import SimCluster
 from flowedge.sim.run import Cluster, balanced
@@ -26,12 +26,12 @@ DRAFT = SimpleNamespace(hidden_size=896, num_hidden_layers=24, num_attention_hea
 COMPUTE_BOUND = {"x86-cpu", "rpi5-8gb"}   # stage cost grows with a segment's tokens: speculation cannot pay
 
 
-def _prediction(device: str, nodes: int) -> Prediction:
+def _prediction(device: str, nodes: int, drafter: DrafterCosts | None = None) -> Prediction:
     dev = load_device(device)
     ranges = balanced(BASE.num_hidden_layers, nodes - 1)
     path = draft_path_for(dev)
     return predict_from_costs(tree_costs(BASE, DRAFT, ranges, [dev] * len(ranges), dev, draft_path=path,
-                                         draft_quantized=path == "torch-int4"))
+                                         draft_quantized=path == "torch-int4"), drafter)
 
 
 @pytest.mark.parametrize("device", list_devices())
@@ -72,7 +72,7 @@ def test_under_load_auto_starts_with_ar_pp_from_some_load_on_and_never_goes_back
     """Under enough load ar-pp is the first choice (node 0's draft calls batch less than the stages' tokens
     do), and stays so above; on the GPU profiles flowspec keeps paying at a few concurrent requests."""
     prediction = _prediction(device, 5)
-    choices = [Chooser(prediction, load=lambda c=c: c).choice for c in range(1, 17)]
+    choices = [Chooser(prediction, load=lambda c=c: c, tokens_left=47).choice for c in range(1, 17)]
     if choices[0] == AR_PP:
         assert set(choices) == {AR_PP}
     else:
@@ -80,14 +80,14 @@ def test_under_load_auto_starts_with_ar_pp_from_some_load_on_and_never_goes_back
         assert set(choices[first_ar:]) <= {AR_PP}, choices
         # a GPU's draft call costs about as much for several requests' rows as for one's
         assert device in COMPUTE_BOUND or first_ar >= 4, choices
-    if device == "orin-nano-8gb":
-        assert choices[3] == FLOWSPEC and choices[7] == AR_PP   # the sweep: flowspec 1.23x at 4, 0.94x at 8
-        assert "each of 8 requests" in Chooser(prediction, load=lambda: 8).reason
+    if device == "orin-nano-8gb":   # 48-token answers: flowspec 1.23x at 4, 0.94x at 8
+        assert choices[3] == FLOWSPEC and choices[7] == AR_PP
+        assert "each of 8 requests" in Chooser(prediction, load=lambda: 8, tokens_left=47).reason
 
 
 def test_a_request_started_on_ar_pp_for_load_goes_speculative_once_the_load_falls():
     running = [8]
-    chooser = Chooser(_prediction("orin-nano-8gb", 5), load=lambda: running[0])
+    chooser = Chooser(_prediction("orin-nano-8gb", 5), load=lambda: running[0], tokens_left=47)
     assert chooser.choice == AR_PP and chooser.report()["requests_running"] == 8
     chooser.observe(5, 0.5)
     assert chooser.decide() == AR_PP   # still 8 running
@@ -171,6 +171,87 @@ def test_flowspecs_prediction_follows_ar_pps_measured_speed():
     chooser.meters[FLOWSPEC].clear()
     rate, how = chooser.rate(FLOWSPEC)
     assert how == "predicted" and rate == pytest.approx(30.0 * 8 / 10)
+
+
+# ---- answer length -----------------------------------------------------------------------------------
+def test_a_speculative_start_is_paid_over_the_tokens_left():
+    """flowspec's rate over n tokens left is rate x n / (n + START_TOKENS): its start amortized."""
+    assert START_TOKENS == 8
+    assert Chooser.over(30.0, 8) == pytest.approx(15.0)
+    assert Chooser.over(30.0, 120) == pytest.approx(30.0 * 120 / 128)
+    assert Chooser.over(30.0, None) == 30.0          # no length known: as long as it takes
+    assert Chooser.over(30.0, 0) == pytest.approx(30.0 / 9)
+    policy = AutoPolicy(margin=1.0)
+    prediction = Prediction({FLOWSPEC: 12.0, AR_PP: 10.0})   # 1.2x: pays from 40 tokens left on
+    assert Chooser(prediction, policy, tokens_left=39).choice == AR_PP
+    assert Chooser(prediction, policy, tokens_left=40).choice == FLOWSPEC
+    assert Chooser(prediction, AutoPolicy(margin=1.1), tokens_left=40).choice == AR_PP   # 1.2 x 40/48 < 1.1
+
+
+def test_at_8_concurrent_on_orin_short_answers_take_ar_pp_and_long_ones_flowspec():
+    """docs/bench/orin-nano-concurrency-8: at 8 concurrent ar-pp leads by 7% on 48-token answers and flowspec
+    by 11% on 128-token ones; at 1-4 concurrent flowspec leads at both lengths."""
+    prediction = _prediction("orin-nano-8gb", 5)
+    for n, want in ((31, AR_PP), (47, AR_PP), (127, FLOWSPEC), (255, FLOWSPEC)):
+        chooser = Chooser(prediction, load=lambda: 8, tokens_left=n)
+        assert chooser.choice == want, chooser.reason
+        assert f"over {n} tokens left, its start included" in chooser.reason
+        assert chooser.report()["tokens_left"] == n
+    for running in (1, 2, 4):
+        for n in (31, 47, 127):
+            assert Chooser(prediction, load=lambda r=running: r, tokens_left=n).choice == FLOWSPEC
+    assert Chooser(prediction, tokens_left=2).choice == AR_PP   # two tokens cannot pay for a tree
+
+
+def test_a_measured_window_within_the_margin_does_not_fall_back():
+    chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, margin=1.08))
+    chooser.observe(19, 2.0)                        # 9.5 tok/s: 5% under ar-pp, noise
+    assert chooser.decide(100) == FLOWSPEC
+    chooser.observe(1, 0.2)                         # 20 tokens in 2.2 s: 9.09 tok/s, 10% under
+    assert chooser.decide(100) == AR_PP and "/ 1.08" in chooser.reason
+
+
+def test_a_probe_is_tried_only_where_the_tokens_left_pay_for_its_start():
+    chooser = Chooser(Prediction({FLOWSPEC: 15.0, AR_PP: 10.0}), AutoPolicy(window_tokens=2, probe_tokens=4))
+    chooser.observe(4, 1.0)                         # flowspec measured 4 tok/s
+    assert chooser.decide(100) == AR_PP
+    chooser.observe(4, 0.4)                         # 4 ar-pp tokens as predicted: probe time
+    # 15 tok/s over 10 tokens left is 8.33 < 1.08 x 10: no probe near the end, no doubling either
+    assert chooser.decide(10) == AR_PP and chooser.probe_after == 4
+    assert chooser.decide(40) == FLOWSPEC and chooser.probe_after == 8
+    assert "over 40 tokens left" in chooser.reason and "measured 4.00 before" in chooser.reason
+
+
+# ---- a drafter board --------------------------------------------------------------------------------------
+def test_a_drafter_leaves_the_link_on_a_hit_and_the_call_on_a_miss():
+    drafter = DrafterCosts(link_rtt_s=0.002, hit_rate=0.75)
+    assert drafter.call_s(0.040) == pytest.approx(0.75 * 0.002 + 0.25 * 0.040)
+    assert drafter.call_s(0.001) == pytest.approx(0.001)   # a link slower than the call: node 0 drafts
+    assert DrafterCosts(0.002, 0.0).call_s(0.040) == 0.040
+    with pytest.raises(ValueError):
+        DrafterCosts(0.002, 1.5)
+
+
+def test_without_a_drafter_the_prediction_is_unchanged_and_with_one_it_is_on_the_numbers():
+    """Orin Nano, 5 nodes: node 0's draft call (35.6 ms) limits flowspec's step, a stage's mean segment
+    costs 20.4 ms. A drafter hitting 80% at a 2 ms link leaves 8.7 ms of call: the stage sets the step."""
+    plain = _prediction("orin-nano-8gb", 5)
+    assert plain.undrafted is None
+    missed = _prediction("orin-nano-8gb", 5, DrafterCosts(0.002, 0.0))
+    for c in (1, 2, 4, 8):
+        assert missed.at_load(c) == pytest.approx(plain.at_load(c))
+    drafted = _prediction("orin-nano-8gb", 5, DrafterCosts(0.002, 0.8))
+    load = plain.load
+    step_s, trip_s = max(load.flow_batch_s[0], 0.8 * 0.002 + 0.2 * load.draft_batch_s[0]), load.pipeline_latency_s
+    assert drafted.rates[FLOWSPEC] == pytest.approx(1 / (step_s / 1.73 + trip_s / 8))
+    assert drafted.rates[FLOWSPEC] > 1.4 * plain.rates[FLOWSPEC]
+    assert drafted.rates[AR_PP] == plain.rates[AR_PP] and drafted.rates[PIPEDEC] == plain.rates[PIPEDEC]
+    for c in range(1, 17):   # never below node 0 drafting alone
+        assert drafted.at_load(c)[FLOWSPEC] >= plain.at_load(c)[FLOWSPEC] - 1e-9
+    assert drafted.at_load(2)[FLOWSPEC] > 1.2 * plain.at_load(2)[FLOWSPEC]
+    # 12 tokens left among 2 requests: the start does not pay alone, with the drafter it does
+    assert Chooser(plain, load=lambda: 2, tokens_left=12).choice == AR_PP
+    assert Chooser(drafted, load=lambda: 2, tokens_left=12).choice == FLOWSPEC
 
 
 # ---- switching on the simulated cluster --------------------------------------------------------------

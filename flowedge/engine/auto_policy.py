@@ -12,6 +12,13 @@ Two sources, in this order of trust:
    (flowspec's) is scaled by how far ar-pp's measurement is from its own prediction (profiles may be off
    in absolute speed, as real processes here are, but the ratio holds better).
 
+**Answer length.** Every choice weighs the tokens the answer still has to go (`RoundView.tokens_left`): a
+speculative start (the draft's prefill, the first tree, its first trip through the pipeline; none of which
+ar-pp pays) costs about `START_TOKENS` of its own tokens, so over n tokens left flowspec runs at
+rate x n / (n + START_TOKENS). Short answers favour ar-pp, long ones flowspec: on the Orin profile at 8
+concurrent requests flowspec is predicted 1.18x ar-pp per request, which pays from ~90 tokens on (the sweep:
+ar-pp 7% ahead at 48 tokens, flowspec 11% ahead at 128; docs/bench/orin-nano-concurrency-8/length-aware).
+
 A fall-back from flowspec to ar-pp is tried again after `probe_tokens` tokens, then twice as many after
 each try that did not pay; where the profiles already predict ar-pp, flowspec is never probed (a probe
 would cost the request time on exactly the devices where speculation cannot pay).
@@ -41,6 +48,10 @@ SPECULATIVE = (FLOWSPEC, PIPEDEC)   # what auto may run instead of ar-pp (same l
 # was 1.2 tokens per step with no restart term: the same on 5 nodes, where a restart costs two steps.
 ACCEPT_PER_STEP = 1.73
 ROUND_TOKENS = 8.0
+# A speculative start costs about as long as this many of its own tokens at the same load (fitted to the Orin
+# sweep at 8 concurrent: flowspec's first token 0.26 s after ar-pp's, and its last request ending later);
+# one round's worth: the rate above charges a trip through the pipeline every ROUND_TOKENS.
+START_TOKENS = ROUND_TOKENS
 # pipedec: the chance the base's token is in the level that comes back (one level per step; a miss costs
 # a trip through the pipeline), fitted on the same 70B runs.
 PIPEDEC_HIT = 0.84
@@ -52,6 +63,24 @@ def _at(costs: tuple[float, ...], k: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(costs))
     return costs[lo - 1] + (k - lo) * (costs[hi - 1] - costs[lo - 1])
+
+
+@dataclass(frozen=True)
+class DrafterCosts:
+    """A drafter board that pre-drafts for node 0 (issue 26). Node 0's draft call is what limits flowspec's
+    step; with a drafter, a returning segment whose outcome was pre-drafted (a hit) costs node 0 only the
+    drafter's answer over the link, and a miss still costs node 0 its own call."""
+    link_rtt_s: float      # node 0 -> drafter -> node 0 for one pre-drafted expansion
+    hit_rate: float        # returning segments whose outcome the drafter had pre-drafted
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.hit_rate <= 1.0) or self.link_rtt_s < 0:
+            raise ValueError(f"hit_rate in [0, 1] and link_rtt_s >= 0, got {self.hit_rate}, {self.link_rtt_s}")
+
+    def call_s(self, call_s: float) -> float:
+        """What node 0's `call_s` draft call leaves on flowspec's critical path: the link on a hit, the call
+        itself on a miss."""
+        return self.hit_rate * min(self.link_rtt_s, call_s) + (1.0 - self.hit_rate) * call_s
 
 
 @dataclass(frozen=True)
@@ -72,11 +101,14 @@ class LoadModel:
     pipeline_latency_s: float = 0.0     # an l_max segment through every stage
     draft_batch_s: tuple[float, ...] = ()   # one draft call for 1, 2, ... requests' expansions
     flow_batch_s: tuple[float, ...] = ()    # the slowest stage on 1, 2, ... requests' mean segments
+    drafter: DrafterCosts | None = None   # flowspec's draft calls pre-drafted on a drafter board
 
     def factor(self, strategy: str, load: int) -> float:
         if load <= 1:
             return 1.0
-        return self._ar(load) if strategy == AR_PP else self._drafting(load)
+        if strategy == AR_PP:
+            return self._ar(load)
+        return self._drafting(load, self.drafter if strategy == FLOWSPEC else None)
 
     def _ar(self, load: int) -> float:
         if self.token_latency_s <= 0 or not self.ar_batch_s or self.ar_batch_s[0] <= 0:
@@ -85,13 +117,17 @@ class LoadModel:
         aggregate = min(load / self.token_latency_s, batch / _at(self.ar_batch_s, batch))
         return min(1.0, aggregate * self.token_latency_s / load)
 
-    def _drafting(self, load: int) -> float:
+    def _drafting(self, load: int, drafter: DrafterCosts | None = None) -> float:
+        """(A drafter leaves each call's requests as they were, the calls run on it, and only the part of
+        the call node 0 waits for in the step.)"""
         calls, stages = self.draft_batch_s, self.flow_batch_s
         if not calls or calls[0] <= 0 or self.pipeline_latency_s <= 0:
             return 1.0
 
         def step_s(requests: float) -> float:   # node 0's batched call or the slowest stage's, the slower
-            return max(_at(calls, requests), _at(stages, requests) if stages else 0.0)
+            call_s = _at(calls, requests)
+            call_s = drafter.call_s(call_s) if drafter is not None else call_s
+            return max(call_s, _at(stages, requests) if stages else 0.0)
 
         k = 1.0 + (load - 1) * min(1.0, calls[0] / self.pipeline_latency_s)
         speedup = min(float(load), max(1.0, k * step_s(1.0) / step_s(k)))   # the aggregate over one alone
@@ -105,13 +141,18 @@ class Prediction:
     rates: dict[str, float]
     source: str = "profiles"
     load: LoadModel | None = None
+    undrafted: "Prediction | None" = None   # with a drafter: the same cluster's prediction without it
 
     def load_factor(self, strategy: str, running: int) -> float:
         return self.load.factor(strategy, running) if self.load is not None else 1.0
 
     def at_load(self, running: int) -> dict[str, float]:
-        """Each strategy's predicted rate for one request among `running` ones."""
-        return {s: r * self.load_factor(s, running) for s, r in self.rates.items()}
+        """Each strategy's predicted rate for one request among `running` ones. Never below the rate without
+        the drafter: one that lags leaves node 0 drafting alone (issue 26)."""
+        rates = {s: r * self.load_factor(s, running) for s, r in self.rates.items()}
+        if self.undrafted is not None:
+            rates = {s: max(r, self.undrafted.at_load(running)[s]) for s, r in rates.items()}
+        return rates
 
     @property
     def speculative(self) -> str:
@@ -122,38 +163,50 @@ class Prediction:
     def from_costs(token_latency_s: float, flow_step_s: float, draft_call_s: float,
                    accept_per_step: float = ACCEPT_PER_STEP, *, pipeline_latency_s: float = 0.0,
                    segment_step_s: float = 0.0, n_stages: int = 0, ar_batch_s: tuple[float, ...] = (),
-                   draft_batch_s: tuple[float, ...] = (),
-                   flow_batch_s: tuple[float, ...] = ()) -> "Prediction | None":
+                   draft_batch_s: tuple[float, ...] = (), flow_batch_s: tuple[float, ...] = (),
+                   drafter: DrafterCosts | None = None) -> "Prediction | None":
         """From the profile costs (costs/sizing.TreeCosts); None where the costs are unknown (free).
 
         Seconds per token: flowspec step / accept_per_step + pipeline latency / ROUND_TOKENS; pipedec
         (where `segment_step_s`, a stage's l_max-token segment, is known) one level per step of the
         slower of that and the draft call when it hits, a trip through the pipeline when it misses.
-        `n_stages` and the batched costs (where known) give the load model (`LoadModel`)."""
-        step_s = max(flow_step_s, draft_call_s)
-        if token_latency_s <= 0 or step_s <= 0:
+        `n_stages` and the batched costs (where known) give the load model (`LoadModel`). A `drafter`
+        takes node 0's draft call off flowspec's step where it pre-drafted the outcome (`DrafterCosts`);
+        pipedec's levels are not pre-drafted."""
+        if token_latency_s <= 0 or max(flow_step_s, draft_call_s) <= 0:
             return None
+        kwargs = dict(pipeline_latency_s=pipeline_latency_s, segment_step_s=segment_step_s, n_stages=n_stages,
+                      ar_batch_s=ar_batch_s, draft_batch_s=draft_batch_s, flow_batch_s=flow_batch_s)
+        undrafted = (Prediction.from_costs(token_latency_s, flow_step_s, draft_call_s, accept_per_step, **kwargs)
+                     if drafter is not None else None)
+        step_s = max(flow_step_s, drafter.call_s(draft_call_s) if drafter is not None else draft_call_s)
         rates = {AR_PP: 1.0 / token_latency_s,
                  FLOWSPEC: 1.0 / (step_s / accept_per_step + pipeline_latency_s / ROUND_TOKENS)}
         if segment_step_s > 0:
             level_s = max(segment_step_s, draft_call_s)
             rates[PIPEDEC] = 1.0 / (PIPEDEC_HIT * level_s + (1 - PIPEDEC_HIT) * (pipeline_latency_s + draft_call_s))
         load = (LoadModel(token_latency_s, n_stages, tuple(ar_batch_s), pipeline_latency_s, tuple(draft_batch_s),
-                          tuple(flow_batch_s)) if ar_batch_s and n_stages else None)
-        return Prediction(rates, load=load)
+                          tuple(flow_batch_s), drafter) if ar_batch_s and n_stages else None)
+        return Prediction(rates, load=load, undrafted=undrafted)
 
 
-def predict_from_costs(costs: TreeCosts) -> Prediction | None:
-    """What strategy `auto` starts from: each strategy's tok/s on these costs."""
+def predict_from_costs(costs: TreeCosts, drafter: DrafterCosts | None = None) -> Prediction | None:
+    """What strategy `auto` starts from: each strategy's tok/s on these costs (with a drafter board, where
+    one pre-drafts for node 0)."""
     return Prediction.from_costs(costs.token_latency_s, costs.flow_step_s, costs.draft_call_s,
                                  pipeline_latency_s=costs.pipeline_latency_s, segment_step_s=costs.segment_step_s,
                                  n_stages=costs.n_stages, ar_batch_s=costs.ar_batch_s,
-                                 draft_batch_s=costs.draft_batch_s, flow_batch_s=costs.flow_batch_s)
+                                 draft_batch_s=costs.draft_batch_s, flow_batch_s=costs.flow_batch_s,
+                                 drafter=drafter)
 
 
 @dataclass(frozen=True)
 class AutoPolicy:
-    margin: float = 1.2          # flowspec is started only if predicted this much faster than ar-pp
+    # flowspec is started only if predicted this much faster than ar-pp over the tokens left, its start
+    # included (and a measured flowspec falls back only this much slower): the simulator and real
+    # processes agree on the flowspec / ar-pp ratio within 7% (docs/design.md). 1.2 before the start was
+    # priced; that kept ar-pp at 8 concurrent on the Orin profile, where flowspec is 11% faster at 128 tokens.
+    margin: float = 1.08
     window_tokens: int = 16      # a measured rate counts after this many tokens
     probe_tokens: int = 32       # ar-pp tokens before flowspec is tried again after a fall-back
     max_probe_tokens: int = 512  # the doubling stops here
@@ -191,9 +244,10 @@ class Chooser:
     """Per request: the current choice, the reason for it, and the switches made."""
 
     def __init__(self, prediction: Prediction | None, policy: AutoPolicy = AutoPolicy(),
-                 load: Callable[[], int] = lambda: 1) -> None:
+                 load: Callable[[], int] = lambda: 1, tokens_left: int | None = None) -> None:
         self.prediction, self.policy = prediction, policy
         self.load = load   # requests running on the pipeline now, this one included
+        self.tokens_left = tokens_left   # of the answer, when the first choice is made (None: unbounded)
         self.spec = prediction.speculative if prediction is not None else FLOWSPEC   # the one tried
         self.meters = {s: _Meter(4 * policy.window_tokens) for s in (self.spec, AR_PP)}
         self.tokens = {self.spec: 0, AR_PP: 0}
@@ -209,19 +263,34 @@ class Chooser:
         if self.prediction is None:
             return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
         running = self.initial_load
-        speculate, words = self._profiles_speculate(running)
+        speculate, words = self._profiles_speculate(running, self.tokens_left)
         among = "" if running <= 1 else f" (each of {running} requests)"
         return (self.spec if speculate else AR_PP), words + among
 
-    def _profiles_speculate(self, running: int) -> tuple[bool, str]:
-        """Whether the profiles predict the speculative strategy `margin` times ar-pp's rate or more, for
-        each of `running` requests; and that comparison in words."""
-        rates = self.prediction.at_load(running)
+    @staticmethod
+    def over(rate: float, tokens_left: int | None) -> float:
+        """A speculative `rate` over the `tokens_left` of an answer, its start (`START_TOKENS`) included."""
+        if tokens_left is None:
+            return rate
+        n = max(tokens_left, 1)
+        return rate * n / (n + START_TOKENS)
+
+    def _pays(self, rates: dict[str, float], tokens_left: int | None) -> tuple[bool, str]:
+        """Whether starting the speculative strategy at `rates` pays over `tokens_left`; the comparison in words."""
         fs, ar = rates[self.spec], rates[AR_PP]
-        speculate = fs >= self.policy.margin * ar
+        fs_left = self.over(fs, tokens_left)
+        speculate = fs_left >= self.policy.margin * ar
+        left = "" if tokens_left is None else f" ({fs_left:.2f} over {tokens_left} tokens left, its start included)"
+        return speculate, (f"{self.spec} {fs:.2f} tok/s{left} {'>=' if speculate else '<'} "
+                           f"{self.policy.margin}x ar-pp {ar:.2f}")
+
+    def _profiles_speculate(self, running: int, tokens_left: int | None) -> tuple[bool, str]:
+        """Whether the profiles predict the speculative strategy `margin` times ar-pp's rate or more, for
+        each of `running` requests over the `tokens_left` of the answer; and that comparison in words."""
+        rates = self.prediction.at_load(running)
+        speculate, words = self._pays(rates, tokens_left)
         others = "".join(f", {s} {r:.2f}" for s, r in rates.items() if s not in (self.spec, AR_PP))
-        return speculate, (f"profiles predict {self.spec} {fs:.2f} tok/s {'>=' if speculate else '<'} "
-                           f"{self.policy.margin}x ar-pp {ar:.2f}{others}")
+        return speculate, f"profiles predict {words}{others}"
 
     def observe(self, tokens: int, seconds: float) -> None:
         """`tokens` were emitted over `seconds` while the current choice ran."""
@@ -237,6 +306,10 @@ class Chooser:
         measured = self.meters[strategy].rate(self.policy.window_tokens)
         if measured is not None:
             return measured, "measured"
+        return self._predicted(strategy)
+
+    def _predicted(self, strategy: str) -> tuple[float | None, str]:
+        """The prediction at the current load, scaled by ar-pp's measurement where there is one."""
         if self.prediction is None:
             return None, "unknown"
         running = self.load()
@@ -253,39 +326,51 @@ class Chooser:
         if self.choice != AR_PP:
             self._maybe_fall_back()
         elif self.fell_back:
-            self._maybe_probe()
+            self._maybe_probe(tokens_left)
         elif tokens_left is None or tokens_left >= self.policy.unload_tokens:
-            self._maybe_unload()
+            self._maybe_unload(tokens_left)
         return self.choice
 
     def _maybe_fall_back(self) -> None:
+        """A measured window `margin` times slower than ar-pp ends the speculation (within the margin the
+        difference is the measurement's noise, and a fall-back costs a restart and a probe later)."""
         fs, _ = self.rate(self.spec)
         ar, how = self.rate(AR_PP)
-        if self.meters[self.spec].rate(self.policy.window_tokens) is None or ar is None or fs >= ar:
+        if (self.meters[self.spec].rate(self.policy.window_tokens) is None or ar is None
+                or self.policy.margin * fs >= ar):
             return
         self.fell_back = True
-        self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < {how} ar-pp {ar:.2f}")
+        self._switch(AR_PP, f"measured {self.spec} {fs:.2f} tok/s < ar-pp {how} {ar:.2f} / {self.policy.margin}")
 
-    def _maybe_probe(self) -> None:
+    def _maybe_probe(self, tokens_left: int | None) -> None:
+        """Try the speculative strategy again, if its prediction (at ar-pp's measured speed) would pay for a
+        new start over the tokens left: near the end of an answer a probe cannot."""
         if self.since_switch < self.probe_after:
             return
-        fs, how = self.rate(self.spec)
+        fs, how = self._predicted(self.spec)
         ar, _ = self.rate(AR_PP)
+        words = f"{self.spec} {how} {fs}, ar-pp {ar}"
+        if fs is not None and ar is not None:
+            pays, words = self._pays({self.spec: fs, AR_PP: ar}, tokens_left)
+            if not pays:
+                return
+        measured = self.meters[self.spec].rate(self.policy.window_tokens)
         self.meters[self.spec].clear()   # a fresh window: the last one was another part of the answer
         self.probe_after = min(2 * self.probe_after, self.policy.max_probe_tokens)
-        self._switch(self.spec, f"probe after {self.since_switch} ar-pp tokens ({self.spec} {how} "
-                                f"{fs:.2f} tok/s, ar-pp {ar:.2f})")
+        last = f"; measured {measured:.2f} before" if measured is not None else ""
+        self._switch(self.spec, f"probe after {self.since_switch} ar-pp tokens ({how} {words}{last})")
 
-    def _maybe_unload(self) -> None:
+    def _maybe_unload(self, tokens_left: int | None) -> None:
         """ar-pp was predicted at the load there was: go speculative if the profiles predict it at the
-        load there is now (requests ended). Where ar-pp is predicted alone this never switches. Only with
-        `unload_tokens` of the answer left: a switch starts a round, a trip through the pipeline (measured
+        load there is now (requests ended), over the tokens left. Where ar-pp is predicted alone this never
+        switches. Only with `unload_tokens` of the answer left: a switch starts a round, a trip through the
+        pipeline, and the draft's prefill of the whole context so far (measured
         on a burst of 8 x 48-token answers on the Orin profile: switching for the last tokens as the others
         ended took the aggregate from 64.46 to 59.08 tok/s)."""
         running = self.load()
         if self.prediction is None or running >= self.initial_load:
             return
-        speculate, words = self._profiles_speculate(running)
+        speculate, words = self._profiles_speculate(running, tokens_left)
         if speculate:   # from here a slow measurement falls back and probes, as after any other start
             self._switch(self.spec, f"{running} requests running now: {words}")
 
@@ -299,6 +384,8 @@ class Chooser:
                "tokens": dict(self.tokens), "switches": list(self.switches)}
         if self.prediction is not None:
             out["predicted_tok_s"] = {k: round(v, 3) for k, v in self.prediction.rates.items()}
+            if self.tokens_left is not None:
+                out["tokens_left"] = self.tokens_left
             if self.initial_load > 1:   # what the first choice was made on
                 out["requests_running"] = self.initial_load
                 out["predicted_tok_s_each"] = {k: round(v, 3)
