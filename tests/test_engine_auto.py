@@ -123,14 +123,17 @@ def test_under_load_flowspec_is_weighed_against_ar_pp_at_the_same_load():
     running = [4]
     policy = AutoPolicy(window_tokens=16)
     loaded = Chooser(prediction, policy, load=lambda: running[0])
+    loaded.observe(1, 1.0)
     loaded.observe(24, 24 / 11.98)
     assert loaded.decide() == FLOWSPEC
     alone = Chooser(prediction, policy)
+    alone.observe(1, 1.0)   # the start: counted, not measured
     alone.observe(24, 24 / 11.98)
     assert alone.decide() == AR_PP   # alone, 12 tok/s of flowspec is slower than ar-pp would be
     running[0] = 6
     busier = Chooser(prediction, policy, load=lambda: running[0])
     assert busier.choice == FLOWSPEC
+    busier.observe(1, 1.0)
     busier.observe(24, 24 / 7.0)
     assert busier.decide() == AR_PP and "at 6 requests" in busier.reason
 
@@ -141,6 +144,7 @@ def test_without_a_profile_auto_runs_flowspec():
 
 def test_measured_slow_flowspec_falls_back_then_probes_with_doubling():
     chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, probe_tokens=8))
+    chooser.observe(1, 5.0)                        # the start
     chooser.observe(3, 1.0)
     assert chooser.decide() == FLOWSPEC           # not a window yet
     chooser.observe(2, 1.0)                        # 5 tokens in 2 s: 2.5 tok/s < predicted ar-pp 10
@@ -149,6 +153,7 @@ def test_measured_slow_flowspec_falls_back_then_probes_with_doubling():
     assert chooser.decide() == AR_PP
     chooser.observe(1, 0.1)                        # 8 ar-pp tokens: probe flowspec again
     assert chooser.decide() == FLOWSPEC and "probe" in chooser.reason
+    chooser.observe(1, 1.0)
     chooser.observe(4, 2.0)
     assert chooser.decide() == AR_PP               # measured ar-pp (~15 tok/s) beats it again
     assert chooser.probe_after == 16
@@ -203,8 +208,26 @@ def test_at_8_concurrent_on_orin_short_answers_take_ar_pp_and_long_ones_flowspec
     assert Chooser(prediction, tokens_left=2).choice == AR_PP   # two tokens cannot pay for a tree
 
 
+def test_a_speculative_start_is_counted_but_not_measured():
+    """Up to its first tokens a start is paid (prefill, first tree, first trip): a fall-back weighs the rate
+    after it. After a probe the same."""
+    chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, probe_tokens=2))
+    chooser.observe(0, 0.5)                         # the tree grows: nothing yet
+    chooser.observe(2, 1.5)                         # the first segment's tokens: 1 tok/s with the start
+    assert chooser.meters[FLOWSPEC].tokens == 0 and chooser.tokens[FLOWSPEC] == 2
+    chooser.observe(4, 0.2)                         # 20 tok/s from there on
+    assert chooser.decide(100) == FLOWSPEC
+    chooser.observe(8, 4.0)                         # slower: 12 tokens in 4.2 s, 2.9 tok/s
+    assert chooser.decide(100) == AR_PP
+    chooser.observe(2, 0.2)
+    assert chooser.decide(100) == FLOWSPEC and chooser.starting   # the probe's start, not measured either
+    chooser.observe(3, 3.0)
+    assert chooser.meters[FLOWSPEC].tokens == 0 and not chooser.starting
+
+
 def test_a_measured_window_within_the_margin_does_not_fall_back():
     chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, margin=1.08))
+    chooser.observe(1, 1.0)
     chooser.observe(19, 2.0)                        # 9.5 tok/s: 5% under ar-pp, noise
     assert chooser.decide(100) == FLOWSPEC
     chooser.observe(1, 0.2)                         # 20 tokens in 2.2 s: 9.09 tok/s, 10% under
@@ -213,6 +236,7 @@ def test_a_measured_window_within_the_margin_does_not_fall_back():
 
 def test_a_probe_is_tried_only_where_the_tokens_left_pay_for_its_start():
     chooser = Chooser(Prediction({FLOWSPEC: 15.0, AR_PP: 10.0}), AutoPolicy(window_tokens=2, probe_tokens=4))
+    chooser.observe(1, 1.0)
     chooser.observe(4, 1.0)                         # flowspec measured 4 tok/s
     assert chooser.decide(100) == AR_PP
     chooser.observe(4, 0.4)                         # 4 ar-pp tokens as predicted: probe time

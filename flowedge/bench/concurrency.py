@@ -64,7 +64,8 @@ def _auto_summary(reports: list[dict]) -> dict:
     for r in reports:
         for name, n in r.get("tokens", {}).items():
             tokens[name] = tokens.get(name, 0) + n
-    return {"auto_tokens": tokens, "auto_switches": sum(len(r.get("switches", [])) for r in reports)}
+    return {"auto_tokens": tokens, "auto_switches": sum(len(r.get("switches", [])) for r in reports),
+            "auto": reports}   # each request's choice, reason and switches, in the order of the prompts
 
 
 def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
