@@ -135,7 +135,12 @@ def test_under_load_flowspec_is_weighed_against_ar_pp_at_the_same_load():
     assert busier.choice == FLOWSPEC
     busier.observe(1, 1.0)
     busier.observe(24, 24 / 7.0)
-    assert busier.decide() == AR_PP and "at 6 requests" in busier.reason
+    # 7 tok/s: slower than all six on ar-pp (9.1) but faster than this one alone on ar-pp among five
+    # speculating requests (~4.4): it stays
+    assert busier.decide() == FLOWSPEC
+    assert prediction.ar_among_speculating(6) == pytest.approx(4.4, abs=0.3)
+    busier.observe(24, 24 / 2.5)
+    assert busier.decide() == AR_PP and "among 5 speculating requests" in busier.reason
 
 
 def test_without_a_profile_auto_runs_flowspec():
@@ -232,6 +237,20 @@ def test_a_measured_window_within_the_margin_does_not_fall_back():
     assert chooser.decide(100) == FLOWSPEC
     chooser.observe(1, 0.2)                         # 20 tokens in 2.2 s: 9.09 tok/s, 10% under
     assert chooser.decide(100) == AR_PP and "/ 1.08" in chooser.reason
+
+
+def test_one_request_falling_back_among_speculating_ones_gets_their_stage_steps():
+    """Orin, 128-token answers: a request that fell back while the others ran flowspec measured ar-pp at
+    6.7 tok/s at 2 concurrent and 4.1 at 8, not the 13.6 and 9.1 of all on ar-pp."""
+    prediction = _prediction("orin-nano-8gb", 5)
+    assert prediction.ar_among_speculating(1) is None
+    assert prediction.ar_among_speculating(2) == pytest.approx(6.7, rel=0.15)
+    assert prediction.ar_among_speculating(8) == pytest.approx(4.1, rel=0.15)
+    chooser = Chooser(prediction, load=lambda: 8, tokens_left=127)
+    chooser.observe(1, 1.0)
+    chooser.observe(17, 17 / 6.34)                  # the window that made it fall back before
+    assert chooser.decide(110) == FLOWSPEC
+    assert Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0})).prediction.ar_among_speculating(4) is None
 
 
 def test_a_probe_is_tried_only_where_the_tokens_left_pay_for_its_start():
