@@ -77,7 +77,7 @@ class TreeCosts:
     flat_segment: int | None = None    # most tokens a segment carries at about an l_max one's cost (flat only)
     segment_step_s: float = 0.0   # the slowest stage on an l_max segment (a pipedec level's step)
     n_stages: int = 0
-    # under load (engine/auto_policy.LoadModel), for 1, 2, ... MAX_LOAD requests at once:
+    # under load (engine/auto_load.LoadModel), for 1, 2, ... MAX_LOAD requests at once:
     ar_batch_s: tuple[float, ...] = ()      # the slowest stage's ar-pp step (the last with its lm_head)
     draft_batch_s: tuple[float, ...] = ()   # one draft call (`draft_width` rows per request)
     flow_batch_s: tuple[float, ...] = ()    # the slowest stage on their mean flowspec segments
