@@ -230,6 +230,18 @@ def test_a_speculative_start_is_counted_but_not_measured():
     assert chooser.meters[FLOWSPEC].tokens == 0 and not chooser.starting
 
 
+def test_the_first_decide_makes_the_first_choice_with_the_answers_length():
+    """Strategy `auto` builds its Chooser, then asks with `RoundView.tokens_left`: the first choice is made
+    again, with the length, before any token; later calls never redo it."""
+    chooser = Chooser(_prediction("orin-nano-8gb", 5), load=lambda: 8)
+    assert chooser.choice == FLOWSPEC                  # unbounded: 1.18x >= 1.08x
+    assert chooser.decide(47) == AR_PP and chooser.initial[0] == AR_PP and "over 47 tokens left" in chooser.reason
+    assert chooser.report()["tokens_left"] == 47 and not chooser.switches
+    later = Chooser(_prediction("orin-nano-8gb", 5), load=lambda: 8)
+    later.observe(1, 1.0)
+    assert later.decide(47) == FLOWSPEC and later.tokens_left is None
+
+
 def test_a_measured_window_within_the_margin_does_not_fall_back():
     chooser = Chooser(Prediction({FLOWSPEC: 30.0, AR_PP: 10.0}), AutoPolicy(window_tokens=4, margin=1.08))
     chooser.observe(1, 1.0)

@@ -16,8 +16,9 @@ Two sources, in this order of trust:
 speculative start (the draft's prefill, the first tree, its first trip through the pipeline; none of which
 ar-pp pays) costs about `START_TOKENS` of its own tokens, so over n tokens left flowspec runs at
 rate x n / (n + START_TOKENS). Short answers favour ar-pp, long ones flowspec: on the Orin profile at 8
-concurrent requests flowspec is predicted 1.18x ar-pp per request, which pays from ~90 tokens on (the sweep:
-ar-pp 7% ahead at 48 tokens, flowspec 11% ahead at 128; docs/bench/orin-nano-concurrency-8/length-aware).
+concurrent requests flowspec is predicted 1.18x ar-pp per request, which pays from ~90 tokens left on (the
+sweep, docs/bench/orin-nano-concurrency-8/length-aware: ar-pp 10% ahead at 64 tokens, flowspec 1% ahead at 128;
+an earlier build had flowspec 11% ahead at 128 while `auto`, without the length, stayed on ar-pp).
 
 A fall-back from flowspec to ar-pp is tried again after `probe_tokens` tokens, then twice as many after
 each try that did not pay; where the profiles already predict ar-pp, flowspec is never probed (a probe
@@ -136,7 +137,7 @@ class AutoPolicy:
     # flowspec is started only if predicted this much faster than ar-pp over the tokens left, its start
     # included (and a measured flowspec falls back only this much slower): the simulator and real
     # processes agree on the flowspec / ar-pp ratio within 7% (docs/design.md). 1.2 before the start was
-    # priced; that kept ar-pp at 8 concurrent on the Orin profile, where flowspec is 11% faster at 128 tokens.
+    # priced; that kept ar-pp at 8 concurrent on the Orin profile at any length (predicted 1.18x there).
     margin: float = 1.08
     window_tokens: int = 16      # a measured rate counts after this many tokens
     probe_tokens: int = 32       # ar-pp tokens before flowspec is tried again after a fall-back
@@ -260,7 +261,15 @@ class Chooser:
         return rates[strategy] * scale, how
 
     def decide(self, tokens_left: int | None = None) -> str:
-        """The strategy to run from here (may switch; the reason says why). `tokens_left`: of the answer."""
+        """The strategy to run from here (may switch; the reason says why). `tokens_left`: of the answer.
+        The first call, before any token, makes the first choice again where the length was not known
+        at construction (strategy `auto` builds its Chooser before it asks)."""
+        fresh = not self.switches and not any(self.tokens.values())
+        if fresh and self.tokens_left is None and tokens_left is not None:
+            self.tokens_left = tokens_left
+            self.choice, self.reason = self.initial = self._initial()
+            self.starting = self.choice != AR_PP
+            return self.choice
         if self.choice != AR_PP:
             self._maybe_fall_back()
         elif self.fell_back:

@@ -39,8 +39,7 @@ class Auto(Strategy):
         now, emitted = view.clock(), view.emitted
         if self._stats is not view.stats:
             self._stats = view.stats   # a new answer: fresh measurements (prompts differ)
-            self.chooser = Chooser(self.prediction, self.policy, load=view.running_requests,
-                                   tokens_left=view.tokens_left)
+            self.chooser = Chooser(self.prediction, self.policy, load=view.running_requests)
             view.stats.auto = self.chooser.report()
         else:
             self.chooser.observe(emitted - self._last[1], now - self._last[0])
