@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from flowedge.core.config import LM_HEAD_PLACES
+from flowedge.core.config import LM_HEAD_PLACES, PREDRAFT_MODES
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -146,6 +146,10 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @click.option("--lm-head-at", default="auto", show_default=True, type=click.Choice(LM_HEAD_PLACES),
               help="Where the base lm_head chooses tokens; auto = each strategy's choice "
                    "(last stage, except naive-pp's one batched call on node 0).")
+@click.option("--predraft", default="off", show_default=True, type=click.Choice(PREDRAFT_MODES),
+              help="flowspec/auto: draft the next expansion while segments are in flight, in node 0's idle gaps "
+                   "(idle) or on a drafter device beside node 0 (drafter: sim driver only).")
+@click.option("--predraft-calls", default=None, type=int, help="Draft calls per pre-draft job (default 2).")
 @click.option("--out", "out_dir", default="bench-out", show_default=True, type=click.Path(file_okay=False))
 @click.option("--threads", default=None, type=int)
 @click.option("--concurrency", default=None,
@@ -154,7 +158,8 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
                    "table.md and concurrency.png.")
 def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_tokens, temperature, seed,
           nodes, profile, link, compute_path, driver, wire_dtype, verify, tree_size, tree_nodes, tree_depth, tree_topk,
-          segment_size, draft_width, lookup_tokens, lm_head_at, out_dir, threads, concurrency):
+          segment_size, draft_width, lookup_tokens, lm_head_at, predraft, predraft_calls, out_dir, threads,
+          concurrency):
     """Run strategies side by side on the same prompts and cluster; write results.json, table.md, timeline.png."""
     from pathlib import Path
 
@@ -167,7 +172,10 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
         draft = DEFAULT_DRAFT
     prompts = _bench_prompts(prompt_file, datasets, samples)
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
-                              draft_width=draft_width, lookup_tokens=lookup_tokens, lm_head_at=lm_head_at)
+                              draft_width=draft_width, lookup_tokens=lookup_tokens, lm_head_at=lm_head_at,
+                              predraft=predraft, predraft_calls=predraft_calls)
+    if predraft == "drafter" and driver != "sim":
+        raise click.UsageError("--predraft drafter runs on the sim driver only (the daemon pre-drafts in node 0's gaps)")
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)

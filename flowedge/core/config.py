@@ -7,6 +7,7 @@ from flowedge.errors import ConfigError
 
 
 LM_HEAD_PLACES = ("auto", "head", "last-stage")
+PREDRAFT_MODES = ("off", "idle", "drafter")   # where pre-drafting runs (engine/predraft.py)
 COMPUTE_BOUND_RATIO = 2.0   # see SpecConfig.lm_head_for
 # the cluster strategies' names, here (no torch) so a config is checked before anything loads;
 # engine/strategies/__init__.py's STRATEGIES must have exactly these (tested)
@@ -32,6 +33,8 @@ class SpecConfig:
     pipedec_width: int = 16     # PipeDec: nodes per tree level
     prefill_chunk: int = 256    # chunked prefill
     lm_head_at: str = "auto"    # head | last-stage | auto (the strategy's choice): where tokens are chosen
+    predraft: str = "off"       # off | idle (node 0's gaps) | drafter (a drafter device): engine/predraft.py
+    predraft_calls: int = 2     # best-first draft calls per pre-draft job
 
     def __post_init__(self) -> None:
         for name in ("tree_nodes", "tree_depth", "topk", "l_max", "exp_nodes", "exp_depth",
@@ -42,6 +45,10 @@ class SpecConfig:
             if getattr(self, name) > MAX_SEGMENT_NODES:
                 raise ConfigError(f"{name.replace('_', '-')} must be <= {MAX_SEGMENT_NODES}, the most nodes a "
                                   f"segment may carry (got {getattr(self, name)})")
+        if self.predraft not in PREDRAFT_MODES:
+            raise ConfigError(f"predraft must be one of {', '.join(PREDRAFT_MODES)} (got {self.predraft!r})")
+        if self.predraft_calls < 1:
+            raise ConfigError("predraft-calls must be >= 1")
         if self.lm_head_at not in LM_HEAD_PLACES:
             raise ConfigError(f"lm-head-at must be one of {', '.join(LM_HEAD_PLACES)} (got {self.lm_head_at!r})")
         if self.se_depth < 0 or self.se_nodes < 0 or self.draft_width < 0 or self.lookup_tokens < 0:

@@ -69,6 +69,8 @@ class NodeConfig:
     tree_size: str = "profile"                # flowspec's first tree: profile (sized from the devices'
                                               # profiles, costs/sizing.py) | paper (FlowSpec's d0 = 6)
     lookup_tokens: int = 4                    # draft-call rows for prompt-lookup guesses (core/lookup.py); 0 = off
+    predraft: str = "off"                     # off | idle: draft the next expansion in node 0's gaps while
+                                              # segments are in flight (engine/predraft.py)
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage
     # stage only
@@ -95,6 +97,9 @@ class NodeConfig:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
         if self.context < 1:
             raise ConfigError(f"context must be >= 1, got {self.context}")
+        if self.predraft not in ("off", "idle"):
+            raise ConfigError(f"predraft must be off or idle on a daemon, got {self.predraft!r} (a drafter "
+                              "device runs in the simulator only: `flowedge bench --predraft drafter`)")
         if self.lookup_tokens < 0:
             raise ConfigError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.layers and len(self.layers) != self.stages:

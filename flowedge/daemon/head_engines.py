@@ -79,7 +79,7 @@ class HeadEngines:
     def _spec(self) -> SpecConfig:
         cfg = self.config
         return SpecConfig().with_(tree_nodes=cfg.tree_nodes or None, lm_head_at=cfg.lm_head_at,
-                                  lookup_tokens=cfg.lookup_tokens)
+                                  lookup_tokens=cfg.lookup_tokens, predraft=cfg.predraft)
 
     def text_stream(self, sink):
         from flowedge.runner import TextStream

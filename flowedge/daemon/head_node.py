@@ -121,7 +121,8 @@ class HeadNode:
 
     def _loop(self) -> None:
         while not self.stop.is_set():
-            ready = self.link.wait([self.ctrl, self.ret], 0 if self.requests.has_work() else 0.05)
+            busy = self.requests.has_work() or self.requests.has_idle_work()
+            ready = self.link.wait([self.ctrl, self.ret], 0 if busy else 0.05)
             emptied = True
             if self.ret in ready:
                 self._drain(self.ret, self._on_return)
@@ -170,8 +171,13 @@ class HeadNode:
             self.members.ping(clients)
             self.notifier.tick(lambda: status)
 
+        idle = not self.requests.has_work() and self.requests.has_idle_work()
+
         def turn() -> None:
-            self.requests.step(time.monotonic())
+            if idle:   # nothing came back: a piece of idle work (pre-drafting) while segments are in flight
+                self.requests.idle_step(time.monotonic())
+            else:
+                self.requests.step(time.monotonic())
             self.requests.tick(time.monotonic(), ready)
 
         self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)

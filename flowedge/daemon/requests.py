@@ -167,6 +167,13 @@ class HeadRequests:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_idle_work(self) -> bool:
+        return self.scheduler.has_idle_work()
+
+    def idle_step(self, now: float) -> None:
+        """One piece of the engines' idle work (a pre-draft call): only when nothing else waits."""
+        self._carry_out(self.scheduler.idle_step(now))
+
     def cancel(self, owner: bytes, request_id: int, why: str = "cancelled by its client") -> None:
         for c in [c for c in self.clients.values() if c.owner == owner and c.request_id == request_id]:
             self._carry_out(self.scheduler.cancel(c.key, why))

@@ -68,7 +68,8 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
     return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle,
-                lm_head_at=spec.lm_head_for(strategy, lm_head_ratio))
+                lm_head_at=spec.lm_head_for(strategy, lm_head_ratio),
+                predraft_call_s=predict_costs.draft_call_s if predict_costs is not None else None)
 
 
 def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stage_devices: list[str],
@@ -101,4 +102,6 @@ def result_stats(done: Done, head: Head, *, strategy: str, prompt_tokens: int, n
         stats["verifications"] = len(st.accept_lens)
     if st.auto:   # strategy auto: what it chose and why
         stats["auto"] = st.auto
+    if st.predraft:   # pre-drafting: jobs, lane calls, hits and misses (engine/predraft.py)
+        stats["predraft"] = st.predraft
     return stats

@@ -131,6 +131,23 @@ class Continue:
     event: object
 
 
+@dataclass(frozen=True, slots=True)
+class WhenIdle:
+    """Run `event` on this node when it has nothing else to do (the newest one per request wins): node 0's
+    pre-drafting in the gaps while its segments are in flight."""
+    event: object
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Work for the drafter device: it runs `calls` (draft forwards, already done in-process by the engine
+    under simulation) and answers with `event` (engine/predraft.PreDrafted) over its link."""
+    calls: tuple[Compute, ...]
+    event: object
+    request_bytes: int = 0     # what node 0 sends it (the job's context tail)
+    reply_bytes: int = 0       # what comes back (the tree's tokens, parents, scores)
+
+
 @dataclass
 class Stats:
     accept_lens: list[int] = field(default_factory=list)
@@ -142,6 +159,7 @@ class Stats:
     overhead_s: list[float] = field(default_factory=list)   # head bookkeeping per step, model calls excluded
     tree_build_s: list[float] = field(default_factory=list)  # per round: building the initial tree, minus draft calls
     auto: dict = field(default_factory=dict)   # strategy `auto`: its choice, the reason, the switches
+    predraft: dict = field(default_factory=dict)   # pre-drafting: jobs, lane calls, hits, misses (engine/predraft.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from flowedge.core.tree import ROOT, DraftTree
 from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.drafter import Drafter
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
+from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
 from flowedge.engine.round_view import RoundView
 from flowedge.models.stage import StageModel
 
@@ -68,6 +70,7 @@ class Round:
     cur: int = ROOT                  # the node the next verification walks from
     in_flight: int = 0               # segments sent and not back yet
     ended: bool = False
+    flight: deque = field(default_factory=deque)   # (seq, node ids) of the segments in flight, oldest first
 
 
 @dataclass
@@ -80,8 +83,12 @@ class StepTimes:
 
 class Head:
     def __init__(self, model: StageModel, drafter: Drafter | None, strategy, n_stages: int,
-                 config: SpecConfig, stop_ids: set[int], oracle=None, lm_head_at: str = "head") -> None:
+                 config: SpecConfig, stop_ids: set[int], oracle=None, lm_head_at: str = "head",
+                 predraft_call_s: float | None = None) -> None:
         self.model, self.drafter, self.strategy = model, drafter, strategy
+        # pre-drafting (config.predraft): the tree grown in node 0's gaps or on a drafter device
+        self.predraft = PreDrafting(drafter, config, predraft_call_s) \
+            if drafter is not None and config.predraft != "off" else None
         self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
         if lm_head_at not in ("head", "last-stage"):
             raise ValueError(f"lm_head_at must be 'head' or 'last-stage', got {lm_head_at!r}")
@@ -133,6 +140,8 @@ class Head:
         self.times = StepTimes()
         if self.drafter is not None:
             self.drafter.reset()
+        if self.predraft is not None:
+            self.predraft.reset()
         actions: list = []
         chunk = self.config.prefill_chunk
         for a in range(0, len(prompt_ids), chunk):
@@ -152,14 +161,20 @@ class Head:
             if event.round_id != a.round_id:
                 return []
             return self._timed(lambda: self._with_draft_costs(self.strategy.expand(self.view, event.accepted)))
+        if isinstance(event, (PreDraftStep, PreDrafted)):
+            return self._predraft_event(event)
         if not isinstance(event, Segment) or event.request_id != a.request_id:
             return []
         if event.phase == "prefill":
-            return self._prefill_done(event)
+            actions = self._prefill_done(event)
+            return actions + self._plan_predraft()
         if event.round_id != a.round_id:
             return []   # output of a round that already ended
         r = self.round
         r.in_flight -= 1
+        r.flight = deque((s, ids) for s, ids in r.flight if s != event.seq)
+        if self.predraft is not None:
+            self.predraft.gaps.on_return(event.seq, self.clock())
         live = r.alive[event.node_ids]
         nodes = event.node_ids[live].tolist()
         hidden = [None] * len(nodes) if event.hidden is None else list(event.hidden[live])
@@ -175,10 +190,11 @@ class Head:
 
     def _timed(self, handler) -> list:
         """Run a handler and record its bookkeeping time: wall time minus model calls and minus building
-        a round's initial tree (reported apart, in `tree_build_s`)."""
+        a round's initial tree (reported apart, in `tree_build_s`). Pre-drafting is planned after it."""
         self.times = StepTimes()
         t0 = time.perf_counter()
         actions = handler()
+        actions += self._plan_predraft()
         self.stats.overhead_s.append(max(0.0, time.perf_counter() - t0 - self.times.model_s - self.times.build_s))
         return actions
 
@@ -232,6 +248,9 @@ class Head:
         seg = Segment(self.request_id, self.round_id, self._next_seq(), self.answer.version, ids, parents,
                       r.base + r.tree.depths[ids], hidden, phase, roots=roots)
         r.in_flight += 1
+        r.flight.append((seg.seq, ids))   # what will have come back, for pre-drafting's prediction
+        if self.predraft is not None:   # when it is due back: pre-drafting fills the gap until then
+            self.predraft.gaps.on_send(seg.seq, self.clock())
         return [Send(1, seg)]
 
     def _next_seq(self) -> int:
@@ -349,8 +368,33 @@ class Head:
                 costs.append(Compute("draft", tokens, context, "draft"))
                 self.times.model_s += seconds
             self.stats.draft_forwards = self.drafter.forwards
+            if self.predraft is not None and costs:
+                self.predraft.stats.critical_calls += len(costs)
+                self.stats.predraft = self.predraft.stats.as_dict()
         first_send = next((i for i, a in enumerate(actions) if isinstance(a, Send) and isinstance(a.message, Segment)), len(actions))
         return actions[:first_send] + costs + actions[first_send:] if costs else actions
 
     def expand_later(self, accepted: bool) -> list:
         return [Continue(Expand(self.round_id, accepted))]
+
+    # ---- pre-drafting (engine/predraft.py) --------------------------------------------------------
+    def _plan_predraft(self) -> list:
+        r = self.round
+        if self.predraft is None or r is None or r.ended or self.finished or not self.strategy.predrafts:
+            return []
+        return self.predraft.plan(self.context(), r.in_flight > 0)
+
+    def _predraft_event(self, event) -> list:
+        """A pre-draft call in node 0's gap, or the drafter's answer merged; then the next job."""
+        if self.predraft is None or self.round is None:
+            return []
+        actions, more = self.predraft.on_event(event, self.context(), self.clock())
+        actions += self._plan_predraft() if more else []
+        self.stats.predraft = self.predraft.stats.as_dict()
+        return actions
+
+    def predrafted_base(self) -> DraftTree | None:
+        r = self.round
+        base = None if self.predraft is None else self.predraft.base_for(self.context(), r.tree, r.alive, r.cur)
+        self.stats.predraft = {} if self.predraft is None else self.predraft.stats.as_dict()
+        return base

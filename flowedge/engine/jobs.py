@@ -61,6 +61,7 @@ class Request:
     last_progress_s: float = 0.0
     replays: int = 0
     work: deque = field(default_factory=deque)   # (is_follow_up, item): the engine's next events
+    idle: object = None               # the engine's work for when node 0 has nothing else (`WhenIdle`)
     kv_waited: bool = False           # has waited in the queue for KV (logged once)
 
     def next_engine_id(self) -> int:

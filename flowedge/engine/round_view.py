@@ -125,6 +125,11 @@ class RoundView:
         """End this round now (an end-of-round prune) and start a new one."""
         return self._head.restart_round(reason)
 
+    def predrafted_base(self) -> DraftTree | None:
+        """The stored draft tree re-rooted at the committed context when pre-drafting (engine/predraft.py)
+        left it enough unsent nodes: expand from it without a draft call. None: draft as usual."""
+        return self._head.predrafted_base()
+
     def expand_later(self, accepted: bool) -> list:
         """Run the strategy's `expand` right after the actions so far went out."""
         return self._head.expand_later(accepted)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
-from flowedge.engine.events import Compute, Continue, Done, Emit, Send, Stats
+from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
                                   Limits, Request, ResetStages, State, replay_params)
 from flowedge.errors import ConfigError, FlowedgeError
@@ -115,6 +115,27 @@ class Scheduler:
                 if req.state is State.RUNNING:
                     out += self._run(req, partial(_reraise, result))
         return out
+
+    def deliver(self, key: int, event) -> None:
+        """An answer to work the engine sent off node 0 (a drafter's pre-draft), queued as its follow-up;
+        not pipeline progress. The engine ignores one that is no longer its current job."""
+        req = self.running.get(key)
+        if req is not None and req.state is State.RUNNING:
+            req.work.append((True, event))
+
+    def has_idle_work(self) -> bool:
+        """Work the engines asked to run only when node 0 has nothing else (pre-drafting)."""
+        return any(r.idle is not None for r in self.running.values() if r.state is State.RUNNING)
+
+    def idle_step(self, now: float) -> list[Action]:
+        """One request's idle work (the one waiting longest since it last ran some); call it only when
+        `has_work()` is False, so it never delays a segment that is already back."""
+        self.now_s = now
+        for req in sorted(self.running.values(), key=lambda r: r.last_progress_s):
+            if req.state is State.RUNNING and req.idle is not None:
+                event, req.idle = req.idle, None
+                return self._run(req, partial(req.engine.receive, event))
+        return []
 
     def cancel(self, key: int, why: str = "cancelled by its client") -> list[Action]:
         req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
@@ -238,6 +259,7 @@ class Scheduler:
             req.engine.clock = lambda: self.now_s   # strategy `auto` measures its rates on the driver's time
         req.engine_id = req.next_engine_id()
         req.work.clear()   # a replay: whatever the old run had queued is void
+        req.idle = None
         self.by_engine[req.engine_id] = req
         req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
         job = req.job
@@ -260,6 +282,7 @@ class Scheduler:
         log.warning("request %d paused after %d tokens: %s", req.key, len(req.emitted), why)
         self.by_engine.pop(req.engine_id, None)
         req.work.clear()
+        req.idle = None
         req.state = State.PAUSED
         return [ResetStages(req.key, req.engine_id)]
 
@@ -285,6 +308,7 @@ class Scheduler:
         that end it (`_release_ended`, at the next call): 256 ended engines (trees, draft caches) held
         ~150 KB each on the tiny pair, far more on a real one, for nothing but inspection."""
         req.work.clear()
+        req.idle = None
         if not self.keep_ended_engines:
             self.releasing.append(req)
         self.running.pop(req.key, None)
@@ -301,6 +325,7 @@ class Scheduler:
         into an event (checked against the engine as it is now, after the work before it)."""
         if req.state is not State.RUNNING:
             req.work.clear()
+            req.idle = None
             return None
         while req.work:
             follow_up, item = req.work.popleft()
@@ -328,8 +353,10 @@ class Scheduler:
         for a in actions:
             if req.state is not State.RUNNING:
                 break
-            if isinstance(a, (Send, Compute)):
+            if isinstance(a, (Send, Compute, Offload)):
                 out.append(FromEngine(req.key, a))
+            elif isinstance(a, WhenIdle):
+                req.idle = a.event
             elif isinstance(a, Emit):
                 req.emitted += a.tokens
                 out.append(Emitted(req.key, list(a.tokens)))

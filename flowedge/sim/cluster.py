@@ -18,7 +18,7 @@ from typing import Callable
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.costs.pipeline import CostModel
-from flowedge.engine.events import Compute, Done, Finish, Prune, Segment, Send, Stats
+from flowedge.engine.events import Compute, Done, Finish, Offload, Prune, Segment, Send, Stats
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, Limits, ResetStages,
                                   kv_need)
 from flowedge.engine.scheduler import Scheduler
@@ -134,6 +134,18 @@ class _Wake:
     """Node 0's timer: a scheduler deadline falls due."""
 
 
+@dataclass(frozen=True, slots=True)
+class _IdleTurn:
+    """Node 0 finished a piece of idle work: look at what arrived, then maybe do the next."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    """The drafter device's answer to request `key`'s offloaded work, arriving at node 0."""
+    key: int
+    event: object
+
+
 class SimCluster:
     """Every node takes all the messages that arrived while it was busy at once: a stage batches several
     requests' segments into one forward (`StageWorker.receive_all`), node 0 steps its scheduler, which
@@ -187,6 +199,8 @@ class _SimRun:
         self.timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
         self.down: set[int] = set()   # stages lost now
         self.wake_s: float | None = None
+        self.drafter_free = 0.0       # the drafter device (node 0's kind of board): busy until
+        self.idle_pending = False     # an _IdleTurn is queued
         for r in requests:
             self._push(r.arrival_s, 0, r)
             if r.cancel_s is not None:
@@ -248,6 +262,12 @@ class _SimRun:
             t = self._execute(0, t, self.sched.step(t))
             t = self._arrive(t, _take_arrived(self.queue, 0, t))
             t = self._execute(0, t, self.sched.tick(t, not self.down))
+        if self.sched.has_idle_work() and not self.idle_pending:
+            # One piece of idle work (one draft call), then back to the event loop: what the other nodes
+            # send meanwhile reaches node 0 before its next piece.
+            t = self._execute(0, t, self.sched.idle_step(t))
+            self.idle_pending = True
+            self._push(t, 0, _IdleTurn())
         due = self.sched.next_deadline()
         if due is not None and due != self.wake_s:
             self.wake_s = due
@@ -256,12 +276,16 @@ class _SimRun:
 
     def _arrive(self, t: float, messages: list) -> float:
         for m in messages:
-            if isinstance(m, SimRequest):
+            if isinstance(m, _IdleTurn):
+                self.idle_pending = False
+            elif isinstance(m, SimRequest):
                 t = self._execute(0, t, self.sched.submit(m.request_id, self.cluster.job(m), t))
             elif isinstance(m, tuple):   # ("cancel", request id)
                 t = self._execute(0, t, self.sched.cancel(m[1]))
             elif isinstance(m, Segment):
                 self.sched.add_work(m.request_id, m, t)
+            elif isinstance(m, _Delivery):
+                self.sched.deliver(m.key, m.event)
             elif isinstance(m, _Notice) and m.lost:
                 t = self._execute(0, t, self.sched.stage_lost(f"stage {m.stage} lost", t))
         return t
@@ -269,9 +293,12 @@ class _SimRun:
     def _execute(self, node: int, t: float, actions: list) -> float:
         """Carry out a node's actions in order: compute advances its clock, sends occupy links."""
         for a in actions:
+            key = None
             if isinstance(a, FromEngine):
-                a = a.action
-            if isinstance(a, Compute):
+                key, a = a.key, a.action
+            if isinstance(a, Offload):
+                self._offload(t, key, a)
+            elif isinstance(a, Compute):
                 t = self._compute(node, t, a)
             elif isinstance(a, Send):
                 self._send(node, t, a)
@@ -287,6 +314,16 @@ class _SimRun:
         if dur > 0:
             self.trace.add(TraceEvent(_lane(node), "compute", a.phase or a.what, t, t + dur, a.tokens, label=a.what))
         return t + dur
+
+    def _offload(self, t: float, key: int, a: Offload) -> None:
+        """The drafter device: the job reaches it over its link, waits for its earlier jobs, runs its draft
+        calls (charged as node 0's board would run them) and its answer travels back to node 0."""
+        start = max(t + self.costs.transfer_s(0, -1, a.request_bytes), self.drafter_free)
+        end = start + sum(self.costs.compute_s(0, c) for c in a.calls)
+        if end > start:
+            self.trace.add(TraceEvent("drafter", "compute", "predraft", start, end, sum(c.tokens for c in a.calls)))
+        self.drafter_free = end
+        self._push(end + self.costs.transfer_s(-1, 0, a.reply_bytes), 0, _Delivery(key, a.event))
 
     def _send(self, node: int, t: float, a: Send) -> None:
         if node in self.down:

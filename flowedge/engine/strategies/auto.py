@@ -33,6 +33,10 @@ class Auto(Strategy):
         self._stats = None   # the request being measured (Head.start makes a new Stats per request)
         self._last = (0.0, 0)
 
+    @property
+    def predrafts(self) -> bool:   # only while a strategy that takes pre-drafts runs
+        return self.active.predrafts
+
     # ---- measurement ------------------------------------------------------------------------------
     def _tick(self, view: RoundView) -> None:
         """Charge the tokens and time since the last tick to the strategy that ran them."""

@@ -16,6 +16,7 @@ class FlowSpec(PrunedPP):
     expands = True
     sizes_from_costs = True   # the simulator may size its initial tree from the profile (costs/sizing.py)
     uses_lookup = True        # flowedge's addition: draft calls carry prompt-lookup guesses (core/lookup.py)
+    predrafts = True          # expansions after an acceptance take pre-drafted trees (engine/predraft.py)
 
     def initial_segments(self, view: RoundView) -> list:
         return super().initial_segments(view) + self._fill(view)
@@ -27,7 +28,9 @@ class FlowSpec(PrunedPP):
 
     def expand(self, view: RoundView, accepted: bool) -> list:
         cfg = view.config
-        base = view.drafter.advance(view.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
+        base = view.predrafted_base() if accepted else None   # grown while the segment was in flight
+        if base is None:
+            base = view.drafter.advance(view.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
         if base is None:   # the accepted path left the stored tree: grow a fresh one
             base = view.drafter.build(view.context(), TreeShape(topk=cfg.topk, depth=cfg.exp_depth),
                                       cfg.lookup_tokens)

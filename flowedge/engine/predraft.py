@@ -1,0 +1,206 @@
+"""Pre-drafting: grow node 0's draft tree while its segments are in flight, so the expansion after the next
+verification finds its nodes already drafted.
+
+After an acceptance FlowSpec re-roots the stored draft tree at the new committed token and spends draft
+calls growing it best-first (`Drafter.advance`). Those calls sit on the critical path: the next segment
+cannot leave before them. The tree's log-scores are the draft's own probabilities of each path, so growing
+it best-first *before* the verification spends the calls on the likeliest outcomes (accepted prefix +
+bonus token) in proportion to how likely they are; re-rooting then keeps the subtree under the outcome
+that happened. When that subtree already holds `min_fresh` nodes the round has not sent (a hit), the
+expansion sends them at once, with no draft call; otherwise it drafts as before (a miss).
+
+Where the calls run:
+- `idle`: node 0 itself, one call at a time, only when the next segment is not due before the call
+  would end (`GapClock`): a call, once started, delays whatever arrives during it.
+- `drafter`: a drafter device with a replica of node 0's draft KV. Node 0 sends it a job (the committed
+  context); it runs the calls and sends back the new nodes and their KV rows, which node 0 merges when
+  they arrive (under simulation, the calls run in-process at that moment; their time was charged on the
+  drafter's clock).
+
+Lossless by construction: only the tree the proposals come from grows sooner; the base model verifies
+every token as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowedge.core.merge import match_paths
+from flowedge.core.tree import DraftTree
+from flowedge.engine.drafter import Drafter
+
+KV_ROW_BYTES = 12 * 1024   # one draft row's K and V over all layers, fp16 (Qwen2.5-0.5B: 24 x 2 x 2 x 64 x 2)
+
+
+@dataclass(frozen=True, slots=True)
+class PreDraftJob:
+    """Grow the tree rooted at `context` (the committed context when the job was made) by `calls` calls."""
+    seq: int
+    context: tuple[int, ...]
+    calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreDraftStep:
+    """Event: node 0 is idle; run one call of `job`."""
+    job: PreDraftJob
+
+
+@dataclass(frozen=True, slots=True)
+class PreDrafted:
+    """Event: the drafter device's answer to `job` reached node 0."""
+    job: PreDraftJob
+
+
+@dataclass
+class PreDraftStats:
+    """What pre-drafting did for one answer (in its stats and in the head's status)."""
+    jobs: int = 0
+    calls: int = 0           # pre-draft calls, off node 0's critical path
+    hits: int = 0            # expansions that sent pre-drafted nodes without a draft call
+    misses: int = 0          # expansions after pre-drafting that still drafted on node 0
+    critical_calls: int = 0  # node 0 draft calls on the critical path (round starts and expansions)
+    skipped: int = 0         # idle calls not started: the next segment was due before one would end
+    late: int = 0            # drafter answers that came after the context moved on (merged all the same)
+
+    def as_dict(self) -> dict:
+        looked = self.hits + self.misses
+        return {"jobs": self.jobs, "calls": self.calls, "hits": self.hits, "misses": self.misses,
+                "hit_rate": round(self.hits / looked, 4) if looked else None,
+                "critical_draft_calls": self.critical_calls, "skipped_idle_calls": self.skipped,
+                "late_answers": self.late}
+
+
+def fresh_nodes(base: DraftTree, tree: DraftTree, alive: torch.Tensor, cur: int) -> int:
+    """Nodes of `base` (rooted at the walk's node `cur`) that the round's tree does not hold yet."""
+    found, _ = match_paths(tree, alive, cur, base)
+    return int((~found).sum())
+
+
+class GapClock:
+    """When the next segment is due back: each segment's send time plus the mean round trip so far, on the
+    head's clock (virtual under simulation)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, float] = {}
+        self.mean_s: float | None = None
+
+    def on_send(self, seq: int, now: float) -> None:
+        self.sent[seq] = now
+
+    def on_return(self, seq: int, now: float) -> None:
+        t = self.sent.pop(seq, None)
+        if t is not None:
+            rtt = now - t
+            self.mean_s = rtt if self.mean_s is None else 0.8 * self.mean_s + 0.2 * rtt
+
+    def fits(self, now: float, call_s: float) -> bool:
+        """Whether a call started now ends before the next segment is due."""
+        if self.mean_s is None or not self.sent:
+            return True
+        return min(self.sent.values()) + self.mean_s - now >= call_s
+
+
+class PreDrafting:
+    """Node 0's side: hands out jobs while segments are in flight, runs or merges their calls on node 0's
+    draft tree, and tells the expansion whether it may skip its draft call (counting hits and misses)."""
+
+    def __init__(self, drafter: Drafter, config, call_s: float | None = None) -> None:
+        """`config`: the SpecConfig (mode, calls per job, expansion width and lookup rows; an expansion
+        skips its call with `l_max` unsent nodes, a segment's worth); `call_s`: one draft call on the
+        head's clock (from the device profile; None: measured wall time, the head's clock on a daemon)."""
+        self.drafter, self.config, self.call_s = drafter, config, call_s
+        self.mode, self.calls, self.min_fresh = config.predraft, config.predraft_calls, config.l_max
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = PreDraftStats()
+        self.gaps = GapClock()
+        self.out: PreDraftJob | None = None   # one job at a time
+        self.done = 0                         # calls of `out` done so far (idle)
+        self.since_expansion = 0              # pre-draft calls since the last expansion
+        self.seq = 0
+        self.measured_s = 0.0
+
+    # ---- jobs ---------------------------------------------------------------------------------------
+    def plan(self, context: list[int], in_flight: bool) -> list:
+        """A job for the tree at `context` while segments are in flight and none is out."""
+        from flowedge.engine.events import Compute, Offload, WhenIdle
+
+        if not in_flight or self.out is not None:
+            return []
+        self.seq += 1
+        job = self.out = PreDraftJob(self.seq, tuple(context), self.calls)
+        self.done = 0
+        self.stats.jobs += 1
+        if self.mode == "idle":
+            return [WhenIdle(PreDraftStep(job))]
+        rows = self.config.expansion_width   # the drafter's calls, as node 0's board would run them
+        ctx = len(self.drafter.context) + (len(self.drafter.base) if self.drafter.base is not None else 0)
+        calls = tuple(Compute("draft", rows, ctx, "predraft") for _ in range(job.calls))
+        return [Offload(calls, PreDrafted(job), request_bytes=8 * 8,
+                        reply_bytes=job.calls * rows * (KV_ROW_BYTES + 16))]
+
+    def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
+        """Run (idle) or merge (drafter) a job's calls on the tree at `context`. Returns the actions (node
+        0's own draft costs) and whether to plan the next job."""
+        from flowedge.engine.events import Compute, WhenIdle
+
+        job = event.job
+        if job != self.out:
+            return [], False
+        if isinstance(event, PreDrafted):   # merge what the drafter computed (its time is already charged)
+            self.out = None
+            if tuple(context) != job.context:
+                self.stats.late += 1
+            for _ in range(job.calls):
+                self._count(self._grow(context, merged=True))
+            return [], True
+        if not self.gaps.fits(now, self.call_s if self.call_s is not None else self.measured_s):
+            self.out = None
+            self.stats.skipped += 1
+            return [], False
+        made = self._grow(context)
+        self._count(made)
+        self.measured_s = sum(seconds for _, _, seconds in made) or self.measured_s
+        actions: list = [Compute("draft", t, c, "predraft") for t, c, _ in made]
+        self.done += 1
+        if self.done < job.calls and made:
+            return actions + [WhenIdle(event)], False
+        self.out = None
+        return actions, True
+
+    def _grow(self, context: list[int], merged: bool = False) -> list:
+        """One best-first draft call on the stored tree at `context`; the calls made. The drafter's
+        (`merged`) bypass node 0's draft batcher: their time is charged on the drafter."""
+        d, cfg = self.drafter, self.config
+        batcher, d.batcher = d.batcher, None if merged else d.batcher
+        try:
+            grown = d.advance(context, 1, cfg.expansion_width, cfg.lookup_tokens)
+        finally:
+            d.batcher = batcher
+        return d.drain_calls() if grown is not None else []
+
+    def _count(self, made: list) -> None:
+        self.stats.calls += len(made)
+        self.since_expansion += len(made)
+
+    # ---- the expansion ------------------------------------------------------------------------------
+    def base_for(self, context: list[int], tree: DraftTree, alive: torch.Tensor, cur: int) -> DraftTree | None:
+        """The stored tree re-rooted at `context` if pre-drafting left it `min_fresh` nodes the round
+        (`tree`, walking from `cur`) has not sent: the expansion takes them without a draft call (a hit).
+        None: draft as usual (a miss, if pre-drafting ran since the last expansion)."""
+        cfg = self.config
+        base = self.drafter.advance(context, 0, cfg.expansion_width, cfg.lookup_tokens)
+        fresh = 0 if base is None else fresh_nodes(base, tree, alive, cur)
+        return base if self._enough(fresh) else None
+
+    def _enough(self, fresh: int) -> bool:
+        ran, self.since_expansion = self.since_expansion > 0, 0
+        hit = ran and fresh >= self.min_fresh
+        if hit:
+            self.stats.hits += 1
+        elif ran:
+            self.stats.misses += 1
+        return hit
