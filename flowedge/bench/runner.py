@@ -139,6 +139,8 @@ def _sim_run(prompt: Prompt, name: str, res, ref: list[int] | None, wall_s: floa
     }
     if stats.auto:
         run["auto"] = stats.auto
+    if stats.predraft:
+        run["predraft"] = stats.predraft
     return run
 
 
