@@ -61,11 +61,11 @@ class TrippingLink(MemoryLink):
 class Cluster:
     """Nodes in threads of this process; remembers what escaped each node's `run`."""
 
-    def __init__(self, base, draft) -> None:
+    def __init__(self, base, draft, **extra) -> None:
         self.net = MemoryNetwork()
         self.common = dict(head=HEAD, model=str(base), draft=str(draft), stages=2, insecure=True, threads=1,
                            wire_dtype="float32", quant="none", stage_timeout_s=10.0, client_timeout_s=30.0,
-                           recovery_s=120.0, discovery=False)
+                           recovery_s=120.0, discovery=False) | extra
         self.errors: dict[str, BaseException] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.head = self._start("head", build_head(NodeConfig(role="head", node_id="head", **self.common),
@@ -159,3 +159,18 @@ def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_st
     assert slots() == ["s3" if name == "s2" else name for name in joined]   # s3 took the lost stage's place
     third = asyncio.run(ask_async(cluster.net))   # the asyncio face on the repaired cluster
     assert third["token_ids"] == reference and third["replays"] == 0
+
+
+def test_pre_drafting_in_node_0s_gaps_answers_as_plain_greedy(tiny_pair, reference, tmp_path):
+    """`predraft = "idle"` on the daemon: node 0 grows its draft tree between turns while segments are in
+    flight (engine/predraft.py); answers stay token-identical, and the answer's stats say what it did."""
+    with flowedge_home(tmp_path):
+        c = Cluster(*tiny_pair, predraft="idle")
+        try:
+            c.wait_ready()
+            answers = [ask(c.net.link()) for _ in range(2)]
+        finally:
+            c.stop()
+    assert [a["token_ids"] for a in answers] == [reference, reference]
+    stats = answers[0]["predraft"]
+    assert stats["jobs"] > 0 and stats["calls"] + stats["skipped_idle_calls"] > 0, stats

@@ -277,6 +277,7 @@ class HeadNode:
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "requests": self.requests.live(time.monotonic()),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
+            "predraft": self.requests.last_predraft,
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
         }] + self.members.status_rows()

@@ -113,6 +113,7 @@ class HeadRequests:
         self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
         self.last_stats: dict = {}
         self.last_auto: dict = {}   # the latest `auto` answer's choice, reason and switches (status)
+        self.last_predraft: dict = {}   # the latest pre-drafted answer's jobs, calls, hits, misses (status)
 
     def use_handlers(self, run_handlers: Handlers) -> None:
         """A (new) plan's way of running one step's handlers: its draft batcher's `run_step`, or in turn."""
@@ -266,6 +267,7 @@ class HeadRequests:
         self.served["requests"] += 1
         self.last_stats = stats
         self.last_auto = stats.get("auto") or self.last_auto
+        self.last_predraft = stats.get("predraft") or self.last_predraft
         log.info("request %d done: %d tokens in %.2f s%s", client.key, len(client.emitted),
                  stats.get("wall_s", 0.0), f" ({client.replays} replays)" if client.replays else "")
 

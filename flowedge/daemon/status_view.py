@@ -60,8 +60,20 @@ def auto_line(nodes: list[dict]) -> list[str]:
             f"after {len(auto.get('switches', []))} switch(es)"]
 
 
+def predraft_line(nodes: list[dict]) -> list[str]:
+    """What pre-drafting did for the latest answer that used it (engine/predraft.py)."""
+    pre = (nodes[0] if nodes else {}).get("predraft") or {}
+    if not pre:
+        return []
+    rate = pre.get("hit_rate")
+    return [f"pre-drafting: {pre.get('calls')} calls off the critical path, {pre.get('critical_draft_calls')} on it; "
+            f"hit rate {'-' if rate is None else f'{100 * rate:.0f}%'} ({pre.get('hits')} hits, {pre.get('misses')} "
+            f"misses), {pre.get('skipped_idle_calls')} idle calls skipped (the next segment was due)"]
+
+
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
-    return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes)])
+    return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes),
+                      *predraft_line(nodes)])
 
 
 def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,

@@ -12,12 +12,17 @@ from flowedge.core.config import SpecConfig
 from flowedge.costs.pipeline import draft_path_for
 from flowedge.costs.profiles import load_device, load_named_device
 from flowedge.costs.sizing import sized_spec_for, tree_costs
-from flowedge.engine.auto_policy import predict_from_costs
+from flowedge.engine.auto_policy import DrafterCosts, predict_from_costs
 from flowedge.engine.events import Done
 from flowedge.engine.head import Head
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# Expansions a drafter board's pre-drafting served without node 0's draft call (engine/predraft.py), measured
+# on the real pair over 5 x Orin Nano: 33 of 40 (docs/bench/predraft). Its answers merge on arrival, so a
+# hit leaves no link time on node 0's critical path.
+DRAFTER_HIT_RATE = 0.8
 
 
 def check_strategy(strategy_name: str, draft_model):
@@ -63,8 +68,9 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     from flowedge.engine.strategies.auto import Auto
 
     strategy = check_strategy(strategy_name, draft_model)
-    if isinstance(strategy, Auto) and predict_costs is not None:
-        strategy.prediction = predict_from_costs(predict_costs)   # auto starts from the profiles
+    if isinstance(strategy, Auto) and predict_costs is not None:   # auto starts from the profiles
+        drafter_board = DrafterCosts(0.0, DRAFTER_HIT_RATE) if spec.predraft == "drafter" else None
+        strategy.prediction = predict_from_costs(predict_costs, drafter_board)
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
     return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle,
