@@ -173,4 +173,6 @@ def test_pre_drafting_in_node_0s_gaps_answers_as_plain_greedy(tiny_pair, referen
             c.stop()
     assert [a["token_ids"] for a in answers] == [reference, reference]
     stats = answers[0]["predraft"]
-    assert stats["jobs"] > 0 and stats["calls"] + stats["skipped_idle_calls"] > 0, stats
+    # idle work reached the engine (on this tiny in-process cluster segments return faster than a draft call,
+    # so most calls are rightly skipped: the gate's own tests are in test_engine_predraft.py)
+    assert stats["jobs"] > 0 and stats["calls"] + stats["skipped_idle_calls"] > 0, str(stats)

@@ -45,12 +45,18 @@ def test_fresh_nodes_counts_what_the_round_does_not_hold():
 
 def test_the_gap_clock_lets_a_call_start_only_if_it_ends_before_the_next_segment():
     gaps = GapClock()
-    assert gaps.fits(0.0, 1.0)            # nothing measured yet
+    assert gaps.fits(0.0, 1.0)            # nothing in flight
     gaps.on_send(1, 0.0)
+    assert not gaps.fits(0.0, 0.001)      # in flight, no round trip measured yet: it may be back any moment
     gaps.on_return(1, 0.10)               # round trip 100 ms
     gaps.on_send(2, 0.10)
     assert gaps.fits(0.15, 0.04)          # due at 0.20: a 40 ms call ends at 0.19
     assert not gaps.fits(0.15, 0.06)      # a 60 ms one would delay it
+    gaps.on_send(3, 0.12)
+    pre = PreDrafting.__new__(PreDrafting)
+    pre.gaps, pre.out = gaps, None
+    pre.new_round()                       # a round ended: its segments in flight will never be walked
+    assert gaps.fits(5.0, 1.0) and not gaps.sent
 
 
 def test_pre_draft_calls_grow_the_tree_and_an_expansion_with_enough_new_nodes_is_a_hit(tiny_pair):
@@ -65,8 +71,9 @@ def test_pre_draft_calls_grow_the_tree_and_an_expansion_with_enough_new_nodes_is
     round_tree = subtree(base, 0)[0]                 # everything drafted so far was sent
     alive = torch.ones(len(round_tree), dtype=torch.bool)
     assert pre.base_for(context, round_tree, alive, 0) is None and pre.stats.hits == pre.stats.misses == 0
+    assert pre.plan(context, in_flight=False) == []
     (idle,) = pre.plan(context, in_flight=True)
-    assert isinstance(idle, Idle) and pre.plan(context, in_flight=True) == []   # one job at a time
+    assert isinstance(idle, Idle)
     actions, more = pre.on_event(idle.event, context, now=0.0)
     assert len(actions) == 2 and isinstance(actions[1], Idle) and not more    # a call, then the next
     actions, more = pre.on_event(idle.event, context, now=0.0)
@@ -141,7 +148,7 @@ def test_predrafting_is_lossless_at_t0(tiny_pair, references, nodes, mode):
         assert done.token_ids == ref, (prompt, nodes, mode)
         hits += done.stats.predraft.get("hits", 0)
         misses += done.stats.predraft.get("misses", 0)
-    if nodes > 2:
+    if nodes > 2 and mode == "idle":
         assert hits > 0 and misses > 0, (hits, misses)   # both paths ran
 
 
@@ -187,7 +194,27 @@ def test_sampling_with_predrafting_keeps_the_base_distribution(tiny_pair, mode):
         ar, _, _ = cluster.generate("ar-pp", PROMPTS[1], 8, SamplingParams(temperature=1.0, seed=10_000 + seed))
         if len(ar.done.token_ids) == 8:
             counts["ar-pp"][ar.done.token_ids[7]] += 1
-    assert hits > 10
+    assert hits > 10 or mode == "drafter"   # the drafter's answers mostly arrive late (dropped)
     top = [t for t, _ in (counts["predraft"] + counts["ar-pp"]).most_common(5)]
     table = [[c[t] for t in top] + [sum(c.values()) - sum(c[t] for t in top)] for c in counts.values()]
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["idle", "drafter"])
+def test_auto_switching_from_flowspec_to_pipedec_drops_the_pre_draft_job(tiny_pair, references, monkeypatch, mode):
+    """A job still out from a flowspec round must not grow pipedec's tree (pipedec's round tree is the draft
+    tree itself): the answer completes, identical to greedy."""
+    from flowedge.engine.auto_policy import FLOWSPEC, PIPEDEC, Chooser
+
+    calls = {"n": 0}
+
+    def decide(self, tokens_left=None):
+        calls["n"] += 1
+        return FLOWSPEC if calls["n"] <= 6 else PIPEDEC
+
+    monkeypatch.setattr(Chooser, "decide", decide)
+    base, draft = tiny_pair
+    cluster = Cluster(base, draft, 3, SMALL.with_(predraft=mode, predraft_calls=3))
+    res, _, _ = cluster.generate_many("auto", [SimRequest(1, tuple(PROMPTS[0]), 40)], BatchConfig(max_concurrent=1),
+                                      device="orin-nano-8gb")
+    assert res.requests[1].done.token_ids == references[0]

@@ -47,7 +47,8 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
     alone: dict[tuple[str, int], list[int]] = {}
     for c in levels:
         spec = local_cluster.LocalClusterSpec(nodes=cfg.nodes, model=cfg.model, draft=cfg.draft, port=port,
-                                              threads=threads, wire_dtype=wire_dtype, max_concurrent=c)
+                                              threads=threads, wire_dtype=wire_dtype, max_concurrent=c,
+                                              predraft=cfg.spec.predraft)
         cluster = local_cluster.start(spec)
         try:
             wait_ready(spec.addr, 1800, alive=cluster.alive)

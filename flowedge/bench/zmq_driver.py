@@ -30,7 +30,8 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
     spec = local_cluster.LocalClusterSpec(nodes=cfg.nodes, model=cfg.model, draft=cfg.draft, port=port,
                                           threads=threads, wire_dtype=wire_dtype,
                                           tree_nodes=0 if sized else cfg.spec.tree_nodes,
-                                          tree_size=cfg.tree_size, lm_head_at=cfg.spec.lm_head_at)
+                                          tree_size=cfg.tree_size, lm_head_at=cfg.spec.lm_head_at,
+                                          predraft=cfg.spec.predraft)
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {
         "spec": asdict(cfg.spec), "driver": "zmq", "wire_dtype": wire_dtype,
         "threads_per_process": spec.per_process_threads(), "profile": "this machine (wall clock)"}

@@ -43,6 +43,7 @@ class LocalClusterSpec:
     tree_nodes: int = 0
     tree_size: str = "profile"        # flowspec's first tree: sized from `device`'s profile | paper
     lm_head_at: str = "auto"
+    predraft: str = "off"            # off | idle (NodeConfig.predraft)
     device: str = "x86-cpu"          # every node's device profile (status; `auto` lm_head placement)
     heartbeat_ms: int = 500          # liveness, as in NodeConfig (daemon/config.py)
     stage_timeout_s: float = 2.0
@@ -60,7 +61,7 @@ class LocalClusterSpec:
         NodeConfig(role="head", head=self.addr, model=self.model, draft=self.draft, strategy=self.strategy,
                    stages=self.nodes - 1, layers=list(self.layers), wire_dtype=self.wire_dtype, quant=self.quant,
                    draft_quant=self.draft_quant, tree_size=self.tree_size, lm_head_at=self.lm_head_at,
-                   device=self.device)
+                   predraft=self.predraft, device=self.device)
         lo, hi = NodeConfig(data_port=self.data_port).data_ports()
         if lo and hi - lo + 1 < self.nodes - 1:
             raise ConfigError(f"--data-port {self.data_port}: {self.nodes - 1} stages need as many ports")
@@ -158,6 +159,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         f"client_timeout_s = {spec.client_timeout_s}", f"recovery_s = {spec.recovery_s}",
         f"stall_timeout_s = {spec.stall_timeout_s}", f"max_concurrent = {spec.max_concurrent}",
         f"kv_budget_tokens = {spec.kv_budget_tokens}", f'device = "{spec.device}"',
+        f'predraft = "{spec.predraft}"',
     ]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     base = [sys.executable, "-m", "flowedge", "-v"]

@@ -12,17 +12,12 @@ from flowedge.core.config import SpecConfig
 from flowedge.costs.pipeline import draft_path_for
 from flowedge.costs.profiles import load_device, load_named_device
 from flowedge.costs.sizing import sized_spec_for, tree_costs
-from flowedge.engine.auto_policy import DrafterCosts, predict_from_costs
+from flowedge.engine.auto_policy import predict_from_costs
 from flowedge.engine.events import Done
 from flowedge.engine.head import Head
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# Expansions a drafter board's pre-drafting served without node 0's draft call (engine/predraft.py), measured
-# on the real pair over 5 x Orin Nano: 33 of 40 (docs/bench/predraft). Its answers merge on arrival, so a
-# hit leaves no link time on node 0's critical path.
-DRAFTER_HIT_RATE = 0.8
 
 
 def check_strategy(strategy_name: str, draft_model):
@@ -68,9 +63,10 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     from flowedge.engine.strategies.auto import Auto
 
     strategy = check_strategy(strategy_name, draft_model)
-    if isinstance(strategy, Auto) and predict_costs is not None:   # auto starts from the profiles
-        drafter_board = DrafterCosts(0.0, DRAFTER_HIT_RATE) if spec.predraft == "drafter" else None
-        strategy.prediction = predict_from_costs(predict_costs, drafter_board)
+    if isinstance(strategy, Auto) and predict_costs is not None:
+        # auto starts from the profiles. A drafter board's hit rate (auto_policy.DrafterCosts) is not passed:
+        # as simulated today its answers come back too late to count (docs/bench/predraft)
+        strategy.prediction = predict_from_costs(predict_costs)
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
     return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle,

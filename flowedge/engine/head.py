@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,7 +69,6 @@ class Round:
     cur: int = ROOT                  # the node the next verification walks from
     in_flight: int = 0               # segments sent and not back yet
     ended: bool = False
-    flight: deque = field(default_factory=deque)   # (seq, node ids) of the segments in flight, oldest first
 
 
 @dataclass
@@ -172,7 +170,6 @@ class Head:
             return []   # output of a round that already ended
         r = self.round
         r.in_flight -= 1
-        r.flight = deque((s, ids) for s, ids in r.flight if s != event.seq)
         if self.predraft is not None:
             self.predraft.gaps.on_return(event.seq, self.clock())
         live = r.alive[event.node_ids]
@@ -225,6 +222,8 @@ class Head:
         self.times.build_s += build
         self.stats.tree_build_s.append(build)
         self.round = Round(self.answer.prefix_len, tree, torch.ones(len(tree), dtype=torch.bool))
+        if self.predraft is not None:   # the last round's segments in flight are void
+            self.predraft.new_round()
         return self._with_draft_costs(self.strategy.initial_segments(self.view))
 
     def grow_alive(self) -> None:
@@ -248,7 +247,6 @@ class Head:
         seg = Segment(self.request_id, self.round_id, self._next_seq(), self.answer.version, ids, parents,
                       r.base + r.tree.depths[ids], hidden, phase, roots=roots)
         r.in_flight += 1
-        r.flight.append((seg.seq, ids))   # what will have come back, for pre-drafting's prediction
         if self.predraft is not None:   # when it is due back: pre-drafting fills the gap until then
             self.predraft.gaps.on_send(seg.seq, self.clock())
         return [Send(1, seg)]
@@ -386,8 +384,10 @@ class Head:
 
     def _predraft_event(self, event) -> list:
         """A pre-draft call in node 0's gap, or the drafter's answer merged; then the next job."""
-        if self.predraft is None or self.round is None:
+        if self.predraft is None:
             return []
+        if self.round is None or self.round.ended or self.finished or not self.strategy.predrafts:
+            return self.predraft.new_round() or []   # e.g. auto on pipedec, whose round tree is the draft tree
         actions, more = self.predraft.on_event(event, self.context(), self.clock())
         actions += self._plan_predraft() if more else []
         self.stats.predraft = self.predraft.stats.as_dict()

@@ -14,8 +14,9 @@ Where the calls run:
   would end (`GapClock`): a call, once started, delays whatever arrives during it.
 - `drafter`: a drafter device with a replica of node 0's draft KV. Node 0 sends it a job (the committed
   context); it runs the calls and sends back the new nodes and their KV rows, which node 0 merges when
-  they arrive (under simulation, the calls run in-process at that moment; their time was charged on the
-  drafter's clock).
+  they arrive (under simulation the calls run in-process at that moment, their time charged on the
+  drafter's clock; an answer that arrives after the walk moved on is dropped, since growing the tree
+  then would draft from a root the drafter never saw).
 
 Lossless by construction: only the tree the proposals come from grows sooner; the base model verifies
 every token as before.
@@ -62,7 +63,7 @@ class PreDraftStats:
     misses: int = 0          # expansions after pre-drafting that still drafted on node 0
     critical_calls: int = 0  # node 0 draft calls on the critical path (round starts and expansions)
     skipped: int = 0         # idle calls not started: the next segment was due before one would end
-    late: int = 0            # drafter answers that came after the context moved on (merged all the same)
+    late: int = 0            # drafter answers that came after the walk moved on (dropped)
 
     def as_dict(self) -> dict:
         looked = self.hits + self.misses
@@ -97,8 +98,10 @@ class GapClock:
 
     def fits(self, now: float, call_s: float) -> bool:
         """Whether a call started now ends before the next segment is due."""
-        if self.mean_s is None or not self.sent:
+        if not self.sent:
             return True
+        if self.mean_s is None:   # no round trip measured yet: the segment may be back any moment
+            return False
         return min(self.sent.values()) + self.mean_s - now >= call_s
 
 
@@ -124,11 +127,17 @@ class PreDrafting:
         self.measured_s = 0.0
 
     # ---- jobs ---------------------------------------------------------------------------------------
+    def new_round(self) -> None:
+        self.gaps.sent.clear()
+        self.out = None
+
     def plan(self, context: list[int], in_flight: bool) -> list:
-        """A job for the tree at `context` while segments are in flight and none is out."""
+        """A job for the tree at `context` while segments are in flight: one out at a time on a drafter;
+        in node 0's gaps the newest replaces the last (the scheduler keeps one idle item per request, and
+        drops them while several requests run)."""
         from flowedge.engine.events import Compute, Offload, WhenIdle
 
-        if not in_flight or self.out is not None:
+        if not in_flight or (self.out is not None and self.mode != "idle"):
             return []
         self.seq += 1
         job = self.out = PreDraftJob(self.seq, tuple(context), self.calls)
@@ -153,7 +162,11 @@ class PreDrafting:
         if isinstance(event, PreDrafted):   # merge what the drafter computed (its time is already charged)
             self.out = None
             if tuple(context) != job.context:
+                # The walk moved on while the answer travelled. Under simulation the calls run here, so
+                # growing now would draft from a root the drafter never saw: drop it (the drafter's nodes
+                # below the new root would help a real node 0 that grafts them; not modelled).
                 self.stats.late += 1
+                return [], True
             for _ in range(job.calls):
                 self._count(self._grow(context, merged=True))
             return [], True
@@ -192,8 +205,10 @@ class PreDrafting:
         (`tree`, walking from `cur`) has not sent: the expansion takes them without a draft call (a hit).
         None: draft as usual (a miss, if pre-drafting ran since the last expansion)."""
         cfg = self.config
+        before = self.drafter.forwards
         base = self.drafter.advance(context, 0, cfg.expansion_width, cfg.lookup_tokens)
-        fresh = 0 if base is None else fresh_nodes(base, tree, alive, cur)
+        rooted_free = self.drafter.forwards == before   # re-rooting ran no call (the new root had run)
+        fresh = 0 if base is None or not rooted_free else fresh_nodes(base, tree, alive, cur)
         return base if self._enough(fresh) else None
 
     def _enough(self, fresh: int) -> bool:

@@ -128,10 +128,15 @@ class Scheduler:
         return any(r.idle is not None for r in self.running.values() if r.state is State.RUNNING)
 
     def idle_step(self, now: float) -> list[Action]:
-        """One request's idle work (the one waiting longest since it last ran some); call it only when
-        `has_work()` is False, so it never delays a segment that is already back."""
+        """One request's idle work; call it only when `has_work()` is False, so it never delays a segment
+        that is already back. Only while one request runs: an engine knows when its own segments are due,
+        not the others'."""
         self.now_s = now
-        for req in sorted(self.running.values(), key=lambda r: r.last_progress_s):
+        if self.running_count() != 1:
+            for req in self.running.values():
+                req.idle = None
+            return []
+        for req in self.running.values():
             if req.state is State.RUNNING and req.idle is not None:
                 event, req.idle = req.idle, None
                 return self._run(req, partial(req.engine.receive, event))

@@ -28,7 +28,7 @@ class FlowSpec(PrunedPP):
 
     def expand(self, view: RoundView, accepted: bool) -> list:
         cfg = view.config
-        base = view.predrafted_base() if accepted else None   # grown while the segment was in flight
+        base = view.predrafted_base()   # grown while the segments were in flight: no draft call if enough
         if base is None:
             base = view.drafter.advance(view.context(), cfg.exp_forwards, cfg.expansion_width, cfg.lookup_tokens)
         if base is None:   # the accepted path left the stored tree: grow a fresh one
