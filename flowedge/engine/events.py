@@ -140,12 +140,12 @@ class WhenIdle:
 
 @dataclass(frozen=True, slots=True)
 class Offload:
-    """Work for the drafter device: it runs `calls` (draft forwards, already done in-process by the engine
-    under simulation) and answers with `event` (engine/predraft.PreDrafted) over its link."""
+    """Work for the drafter device: it runs `calls` (draft forwards; under simulation the engine runs them
+    in-process when the answer arrives) and answers with `event` (engine/predraft.PreDrafted) over its link."""
     calls: tuple[Compute, ...]
     event: object
     request_bytes: int = 0     # what node 0 sends it (the job's context tail)
-    reply_bytes: int = 0       # what comes back (the tree's tokens, parents, scores)
+    reply_bytes: int = 0       # what comes back (the new nodes' tokens, parents, scores and KV rows)
 
 
 @dataclass

@@ -31,7 +31,11 @@ from flowedge.core.merge import match_paths
 from flowedge.core.tree import DraftTree
 from flowedge.engine.drafter import Drafter
 
-KV_ROW_BYTES = 12 * 1024   # one draft row's K and V over all layers, fp16 (Qwen2.5-0.5B: 24 x 2 x 2 x 64 x 2)
+
+
+def kv_row_bytes(config) -> int:
+    """One draft row's K and V over all layers in fp16, as a drafter ships them (Qwen2.5-0.5B: 12 KB)."""
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,7 @@ class PreDrafting:
         head's clock (from the device profile; None: measured wall time, the head's clock on a daemon)."""
         self.drafter, self.config, self.call_s = drafter, config, call_s
         self.mode, self.calls, self.min_fresh = config.predraft, config.predraft_calls, config.l_max
+        self.row_bytes = kv_row_bytes(drafter.model.config) + 16   # + token, parent, score
         self.reset()
 
     def reset(self) -> None:
@@ -123,7 +128,6 @@ class PreDrafting:
         self.out: PreDraftJob | None = None   # one job at a time
         self.done = 0                         # calls of `out` done so far (idle)
         self.since_expansion = 0              # pre-draft calls since the last expansion
-        self.seq = 0
         self.measured_s = 0.0
 
     # ---- jobs ---------------------------------------------------------------------------------------
@@ -139,17 +143,16 @@ class PreDrafting:
 
         if not in_flight or (self.out is not None and self.mode != "idle"):
             return []
-        self.seq += 1
-        job = self.out = PreDraftJob(self.seq, tuple(context), self.calls)
-        self.done = 0
         self.stats.jobs += 1
+        job = self.out = PreDraftJob(self.stats.jobs, tuple(context), self.calls)
+        self.done = 0
         if self.mode == "idle":
             return [WhenIdle(PreDraftStep(job))]
         rows = self.config.expansion_width   # the drafter's calls, as node 0's board would run them
         ctx = len(self.drafter.context) + (len(self.drafter.base) if self.drafter.base is not None else 0)
         calls = tuple(Compute("draft", rows, ctx, "predraft") for _ in range(job.calls))
         return [Offload(calls, PreDrafted(job), request_bytes=8 * 8,
-                        reply_bytes=job.calls * rows * (KV_ROW_BYTES + 16))]
+                        reply_bytes=job.calls * rows * self.row_bytes)]
 
     def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
         """Run (idle) or merge (drafter) a job's calls on the tree at `context`. Returns the actions (node
