@@ -8,6 +8,7 @@ import sys
 import click
 
 from flowedge.core.config import LM_HEAD_PLACES, PREDRAFT_MODES
+from flowedge.daemon.config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -126,8 +127,8 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
               help="Stages' kernel path from the device profile (e.g. hf-bnb4, mlc); default: the profile's.")
 @click.option("--driver", default="sim", show_default=True, type=click.Choice(["sim", "zmq"]),
               help="sim: virtual clock from --profile; zmq: a local cluster of real processes, wall clock.")
-@click.option("--wire-dtype", default="float32", show_default=True,
-              type=click.Choice(["float16", "bfloat16", "float32"]), help="zmq driver: hidden states on the wire.")
+@click.option("--wire-dtype", default=DEFAULT_WIRE_DTYPE, show_default=True,
+              type=click.Choice(WIRE_DTYPES), help="zmq driver: hidden states on the wire.")
 @click.option("--verify", default="stages", show_default=True, type=click.Choice(["stages", "oracle"]),
               help="sim driver: stages = real stage math; oracle = base logits along the accepted path only "
                    "(same tokens and simulated time, far less CPU; see flowedge/sim/oracle.py).")

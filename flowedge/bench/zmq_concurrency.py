@@ -19,6 +19,7 @@ from typing import Callable
 
 from flowedge.bench.concurrency import concurrency_table, percentile, plot_concurrency
 from flowedge.bench.runner import BenchConfig
+from flowedge.daemon.config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
 
 
@@ -35,7 +36,7 @@ def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> 
 
 
 def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
-                        say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = "float32",
+                        say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = DEFAULT_WIRE_DTYPE,
                         threads: int = 0, port: int = 5585) -> dict:
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import wait_ready

@@ -9,13 +9,14 @@ from typing import Callable
 
 from flowedge.bench.runner import BenchConfig, record_run, write_table
 from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
 
 log = logging.getLogger(__name__)
 
 
 def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Callable[[str], None] = lambda s: None,
-                  *, wire_dtype: str = "float32", threads: int = 0, port: int = 5575) -> dict:
+                  *, wire_dtype: str = DEFAULT_WIRE_DTYPE, threads: int = 0, port: int = 5575) -> dict:
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import Client, wait_ready
     from flowedge.engine.local import generate_ar

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 import click
 
 from flowedge.core.config import DRAFT_QUANTS
-from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, EXAMPLE_CONFIG, load_node_config
+from flowedge.daemon.config import (DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES,
+                                    load_node_config)
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -150,7 +151,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @click.option("--strategy", default="auto", show_default=True)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
 @click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
-@click.option("--wire-dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float32",
+@click.option("--wire-dtype", type=click.Choice(WIRE_DTYPES), default=DEFAULT_WIRE_DTYPE,
               show_default=True, help="Hidden states on the wire: float32 (the stages' activations: exact) or a "
               "16-bit dtype (half the bytes; may flip a greedy token at a near-tie).")
 @click.option("--quant", type=click.Choice(["none", "int4", "nf4", "auto"]), default="int4", show_default=True,

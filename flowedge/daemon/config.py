@@ -23,6 +23,9 @@ EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "data" / "flowedge.toml.e
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
 ROLES = ("head", "stage")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
+# hidden states on the wire: the stages' activation dtype, so a pipelined answer is the one-process answer;
+# float16/bfloat16 halve the bytes but round the residual stream between stages
+DEFAULT_WIRE_DTYPE = "float32"
 QUANTS = ("none", "int4", "nf4", "auto")
 TREE_SIZES = ("profile", "paper")
 
@@ -59,8 +62,7 @@ class NodeConfig:
                                               # stages' devices and free memory (flowedge/plan/)
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
     strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
-    wire_dtype: str = "float32"               # hidden states on the wire: the stages' activations dtype, so
-                                              # exact; float16/bfloat16 halve the bytes but round between stages
+    wire_dtype: str = DEFAULT_WIRE_DTYPE      # hidden states on the wire (see DEFAULT_WIRE_DTYPE)
     quant: str = "int4"                       # stage weights: int4 (W4A16 shards, the default) | none (16-bit
                                               # shards) | nf4 (16-bit shards, bitsandbytes at load) | auto
     draft_quant: str = "auto"                 # draft model, lm_head included: auto (int4 where it runs) |

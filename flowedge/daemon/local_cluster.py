@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowedge.daemon.config import DEFAULT_PORT, NodeConfig, flowedge_home
+from flowedge.daemon.config import DEFAULT_PORT, DEFAULT_WIRE_DTYPE, NodeConfig, flowedge_home
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.transport import security
 
@@ -36,7 +36,7 @@ class LocalClusterSpec:
     port: int = DEFAULT_PORT
     threads: int = 0                 # per process; 0 = cores / nodes
     insecure: bool = False
-    wire_dtype: str = "float32"
+    wire_dtype: str = DEFAULT_WIRE_DTYPE
     quant: str = "int4"
     draft_quant: str = "auto"
     layers: list[int] = field(default_factory=list)
