@@ -121,10 +121,10 @@ def reference(tiny_pair):
     return run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", MAX_NEW, quant="none"))["token_ids"]
 
 
-@pytest.fixture
-def cluster(tiny_pair, tmp_path):
+@pytest.fixture(params=["off", "idle"])   # and with pre-drafting in node 0's gaps (engine/predraft.py)
+def cluster(tiny_pair, tmp_path, request):
     with flowedge_home(tmp_path):
-        c = Cluster(*tiny_pair)
+        c = Cluster(*tiny_pair, predraft=request.param)
         try:
             c.wait_ready()
             yield c
