@@ -1,0 +1,204 @@
+"""A drafter device's replica of node 0's draft state, and the grafting of its answers back into node 0's tree.
+
+Node 0 sends a `DraftSnapshot`: its stored draft tree at the committed context, which of the tree's nodes
+the draft model has run, and the K/V rows the replica lacks (the committed rows past what the replica
+already holds, and every run node's row). The replica (`DrafterDevice`, one `Drafter` per request) loads
+it, grows the tree best-first by the job's calls exactly as node 0 would, and answers with a `DraftGrowth`:
+the grown tree and the K/V rows of the nodes it ran.
+
+Node 0 grafts the growth *by token path*: a draft model's output for a node depends only on the node's
+token path (K/V rows carry absolute positions), so every node the replica ran under node 0's current root
+is valid there, however far the walk moved while the answer travelled. Nodes off the accepted path are
+simply not found and dropped. Nothing here touches verification: the base model checks every token.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from flowedge.core.merge import match_paths, merge_by_path
+from flowedge.core.tree import ROOT, DraftTree, find_path, subtree
+from flowedge.engine.draft_slots import CacheSlots
+from flowedge.engine.drafter import Drafter, TreeShape
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaBehind(Exception):
+    """The replica lacks committed rows the snapshot assumes (a restarted drafter, an evicted request):
+    node 0 ships the whole context next time."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSnapshot:
+    """Node 0 -> drafter: continue node 0's draft tree at `context` (its root = context[-1], run)."""
+    context: tuple[int, ...]
+    keep: int                  # committed rows the replica already holds (a prefix of `context`)
+    tokens: torch.Tensor       # [n] int64: node 0's stored tree
+    parents: torch.Tensor      # [n] int64
+    log_scores: torch.Tensor   # [n] float32
+    ran: torch.Tensor          # [r] int64: tree nodes run (root excluded: it is committed context)
+    rows: torch.Tensor         # [layers, 2, kv_heads, len(context) - keep + r, head_dim]: K/V, committed then ran
+    topk: int
+    calls: int                 # best-first draft calls to run
+    width: int                 # rows a call
+    lookup: int                # of those, prompt-lookup guess rows
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes + 20 * int(self.tokens.numel()) + 8 * int(self.ran.numel()) + 8 * len(self.context)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftGrowth:
+    """Drafter -> node 0: the tree grown from a snapshot, and the K/V rows of the nodes the drafter ran."""
+    context: tuple[int, ...]
+    tokens: torch.Tensor       # [m] int64, the snapshot's nodes first (same ids)
+    parents: torch.Tensor
+    log_scores: torch.Tensor
+    ran: torch.Tensor          # [r] int64: nodes the drafter ran for this job
+    rows: torch.Tensor         # [layers, 2, kv_heads, r, head_dim]
+    calls: list                # the draft forwards run, as (tokens, context, seconds)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes + 20 * int(self.tokens.numel()) + 8 * int(self.ran.numel())
+
+
+# ---- K/V rows ---------------------------------------------------------------------------------------
+def take_rows(cache, idx: torch.Tensor) -> torch.Tensor:
+    """Entries `idx` of every layer as one tensor [layers, 2, kv_heads, len(idx), head_dim] (a copy)."""
+    idx = idx.to(torch.long)
+    k = [cache._k[i][0].index_select(1, idx) for i in cache.layer_ids]
+    v = [cache._v[i][0].index_select(1, idx) for i in cache.layer_ids]
+    return torch.stack([torch.stack(k), torch.stack(v)], dim=1)
+
+
+@torch.inference_mode()
+def append_rows(cache, rows: torch.Tensor) -> None:
+    """Append rows [layers, 2, kv_heads, n, head_dim] after the cache's entries."""
+    for j, i in enumerate(cache.layer_ids):
+        cache.update(rows[j, 0].unsqueeze(0), rows[j, 1].unsqueeze(0), i)
+
+
+# ---- node 0's side ----------------------------------------------------------------------------------
+def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int, lookup: int) -> DraftSnapshot | None:
+    """Node 0's tree at `context` for a drafter whose replica holds the first `keep` committed rows. The
+    drafter must already be rooted at `context` (`Drafter.advance(context, 0, ...)`); None if it is not."""
+    if drafter.base is None or drafter.context != list(context) or drafter.committed != len(context):
+        return None
+    keep = min(keep, drafter.committed)
+    slots = drafter._slots
+    slots.grow(len(drafter.base))
+    ran = slots.ran.nonzero().reshape(-1)
+    ran = ran[ran > 0]
+    idx = torch.cat([torch.arange(keep, drafter.committed), slots.slot[ran]])
+    tree = drafter.base
+    return DraftSnapshot(tuple(context), keep, tree.tokens.clone(), tree.parents.clone(), tree.log_scores.clone(),
+                         ran, take_rows(drafter.cache, idx), drafter.shape.topk, calls, width, lookup)
+
+
+def graft(drafter: Drafter, growth: DraftGrowth) -> int:
+    """Put the growth's nodes under node 0's current root into its stored tree (by token path), with the
+    K/V rows of the nodes the drafter ran and node 0 had not. Returns the nodes added (0: nothing under
+    the current root, e.g. the walk left the job's tree)."""
+    ctx = drafter.context
+    if drafter.base is None or len(ctx) < len(growth.context) or tuple(ctx[: len(growth.context)]) != growth.context:
+        return 0
+    grown = DraftTree(growth.tokens, growth.parents, _depths(growth.parents), growth.log_scores)
+    at = find_path(grown, list(ctx[len(growth.context) - 1:]))
+    if at is None:
+        return 0
+    sub, ids = subtree(grown, at)
+    row_of = torch.full((len(grown),), -1, dtype=torch.long)
+    row_of[growth.ran] = torch.arange(growth.ran.numel())
+    return _merge(drafter, sub, row_of[ids], growth.rows)
+
+
+def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.Tensor) -> int:
+    """Append the nodes of `sub` (rooted at node 0's root) that node 0's tree lacks, by token path, and
+    adopt the K/V rows of nodes the drafter ran and node 0 never did."""
+    base, slots = drafter.base, drafter._slots
+    added = merge_by_path(base, torch.ones(len(base), dtype=torch.bool), ROOT, sub)
+    slots.grow(len(base))
+    _, target = match_paths(base, torch.ones(len(base), dtype=torch.bool), ROOT, sub)
+    adopt = (row_of >= 0) & ~slots.ran[target]
+    adopt[0] = False
+    nodes = target[adopt]
+    if nodes.numel():
+        first = drafter.cache.length
+        append_rows(drafter.cache, rows.index_select(3, row_of[adopt]))
+        slots.put(nodes, torch.arange(first, first + nodes.numel()))
+    return int(added.numel())
+
+
+def _depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depths from parents (storage order is topological): one pass per level, not per node."""
+    depths = torch.zeros_like(parents)
+    todo = torch.ones_like(parents, dtype=torch.bool)
+    todo[0] = False
+    while bool(todo.any()):
+        ready = todo & ~todo[parents.clamp(min=0)]
+        depths[ready] = depths[parents[ready]] + 1
+        todo &= ~ready
+    return depths
+
+
+# ---- the drafter device's side ----------------------------------------------------------------------
+class DrafterDevice:
+    """The drafter role's engine: a replica `Drafter` per request (the newest `max_requests` kept), each
+    loaded from node 0's snapshots and grown by the job's calls. The simulator and the daemon's drafter
+    process run this same class."""
+
+    def __init__(self, model, max_requests: int = 8) -> None:
+        self.model, self.max_requests = model, max_requests
+        self.replicas: OrderedDict[object, Drafter] = OrderedDict()
+
+    def forget(self, key: object) -> None:
+        self.replicas.pop(key, None)
+
+    def run(self, key: object, snap: DraftSnapshot) -> DraftGrowth:
+        """Grow node 0's tree from `snap`. Raises ReplicaBehind when the replica lacks `snap.keep` rows."""
+        d = self._replica(key, snap)
+        load(d, snap)
+        before = d._slots.ran.clone()
+        d.advance(list(snap.context), snap.calls, snap.width, snap.lookup)
+        d._slots.grow(len(d.base))
+        now = d._slots.ran.clone()
+        now[: before.numel()] &= ~before
+        ran = now.nonzero().reshape(-1)
+        ran = ran[ran > 0]
+        rows = take_rows(d.cache, d._slots.slot[ran])
+        tree = d.base
+        return DraftGrowth(snap.context, tree.tokens.clone(), tree.parents.clone(), tree.log_scores.clone(),
+                           ran, rows, d.drain_calls())
+
+    def _replica(self, key: object, snap: DraftSnapshot) -> Drafter:
+        d = self.replicas.get(key)
+        if d is None:
+            if snap.keep:
+                raise ReplicaBehind(f"no replica for request {key!r}; node 0 assumed {snap.keep} rows")
+            d = self.replicas[key] = Drafter(self.model)
+            while len(self.replicas) > self.max_requests:
+                self.replicas.popitem(last=False)
+        self.replicas.move_to_end(key)
+        return d
+
+
+def load(d: Drafter, snap: DraftSnapshot) -> None:
+    """Make replica `d` hold node 0's state of `snap`: its committed rows up to `keep` (checked), the
+    shipped rows after them, then the tree's run nodes."""
+    ctx = list(snap.context)
+    if snap.keep and (d.committed < snap.keep or d.context[: snap.keep] != ctx[: snap.keep]):
+        raise ReplicaBehind(f"replica holds {d.committed} matching rows, node 0 assumed {snap.keep}")
+    n_ctx = len(ctx) - snap.keep
+    d.cache.truncate(snap.keep)
+    append_rows(d.cache, snap.rows)
+    d.committed, d.context = len(ctx), ctx
+    tree = DraftTree(snap.tokens.clone(), snap.parents.clone(), _depths(snap.parents), snap.log_scores.clone())
+    d.base, d.shape = tree, TreeShape(topk=snap.topk)
+    d._slots = CacheSlots.none_run(len(tree))
+    d._slots.put(snap.ran, torch.arange(len(ctx), len(ctx) + snap.ran.numel()))
+    d.frontier = torch.empty(0, dtype=torch.long)
+    assert d.cache.length == len(ctx) + snap.ran.numel() == snap.keep + n_ctx + snap.ran.numel()
