@@ -140,12 +140,12 @@ class WhenIdle:
 
 @dataclass(frozen=True, slots=True)
 class Offload:
-    """Work for the drafter device: it runs `calls` (draft forwards; under simulation the engine runs them
-    in-process when the answer arrives) and answers with `event` (engine/predraft.PreDrafted) over its link."""
-    calls: tuple[Compute, ...]
-    event: object
-    request_bytes: int = 0     # what node 0 sends it (the job's context tail)
-    reply_bytes: int = 0       # what comes back (the new nodes' tokens, parents, scores and KV rows)
+    """Work for the drafter device: grow `snapshot` (engine/draft_sync.DraftSnapshot) on its replica with
+    `DrafterDevice.run`, and deliver `PreDrafted(job, growth)` to the request's engine when the answer is
+    back (`PreDrafted(job, None)` when there is none). The simulator and the daemon's head both do."""
+    job: object                # engine/predraft.PreDraftJob
+    snapshot: object           # engine/draft_sync.DraftSnapshot
+    request_bytes: int = 0     # what node 0 sends (tree + the K/V rows the replica lacks)
 
 
 @dataclass

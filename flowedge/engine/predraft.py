@@ -12,11 +12,13 @@ expansion sends them at once, with no draft call; otherwise it drafts as before 
 Where the calls run:
 - `idle`: node 0 itself, one call at a time, only when the next segment is not due before the call
   would end (`GapClock`): a call, once started, delays whatever arrives during it.
-- `drafter`: a drafter device with a replica of node 0's draft KV. Node 0 sends it a job (the committed
-  context); it runs the calls and sends back the new nodes and their KV rows, which node 0 merges when
-  they arrive (under simulation the calls run in-process at that moment, their time charged on the
-  drafter's clock; an answer that arrives after the walk moved on is dropped, since growing the tree
-  then would draft from a root the drafter never saw).
+- `drafter`: a drafter device with a replica of node 0's draft KV (engine/draft_sync.py). Node 0 sends it
+  a snapshot of its tree at the committed context with the K/V rows the replica lacks; the drafter grows
+  it by the job's calls and answers with the new nodes and the K/V rows of those it ran. Node 0 grafts
+  the answer by token path whenever it arrives: nodes under the walk's new root are valid there however
+  far the walk moved (a draft's output depends only on the token path), the rest are not found. The
+  simulator runs the same `DrafterDevice` on the snapshot when the job leaves, and delivers the answer
+  after the drafter's clock and link.
 
 Lossless by construction: only the tree the proposals come from grows sooner; the base model verifies
 every token as before.
@@ -29,13 +31,8 @@ import torch
 
 from flowedge.core.merge import match_paths
 from flowedge.core.tree import DraftTree
+from flowedge.engine.draft_sync import DraftGrowth, graft, snapshot
 from flowedge.engine.drafter import Drafter
-
-
-
-def kv_row_bytes(config) -> int:
-    """One draft row's K and V over all layers in fp16, as a drafter ships them (Qwen2.5-0.5B: 12 KB)."""
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +51,10 @@ class PreDraftStep:
 
 @dataclass(frozen=True, slots=True)
 class PreDrafted:
-    """Event: the drafter device's answer to `job` reached node 0."""
+    """Event: the drafter device's answer to `job` reached node 0; `growth` None: no answer (no drafter,
+    it was lost, or its replica was behind): node 0 drafts alone and ships the whole context next time."""
     job: PreDraftJob
+    growth: DraftGrowth | None = None
 
 
 @dataclass
@@ -67,14 +66,16 @@ class PreDraftStats:
     misses: int = 0          # expansions after pre-drafting that still drafted on node 0
     critical_calls: int = 0  # node 0 draft calls on the critical path (round starts and expansions)
     skipped: int = 0         # idle calls not started: the next segment was due before one would end
-    late: int = 0            # drafter answers that came after the walk moved on (dropped)
+    late: int = 0            # drafter answers that came after the walk moved on (grafted by token path)
+    grafted: int = 0         # nodes the drafter's answers added to node 0's tree
+    unanswered: int = 0      # jobs with no answer (no drafter, lost, replica behind)
 
     def as_dict(self) -> dict:
         looked = self.hits + self.misses
         return {"jobs": self.jobs, "calls": self.calls, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / looked, 4) if looked else None,
                 "critical_draft_calls": self.critical_calls, "skipped_idle_calls": self.skipped,
-                "late_answers": self.late}
+                "late_answers": self.late, "grafted_nodes": self.grafted, "unanswered": self.unanswered}
 
 
 def fresh_nodes(base: DraftTree, tree: DraftTree, alive: torch.Tensor, cur: int) -> int:
@@ -119,7 +120,6 @@ class PreDrafting:
         head's clock (from the device profile; None: measured wall time, the head's clock on a daemon)."""
         self.drafter, self.config, self.call_s = drafter, config, call_s
         self.mode, self.calls, self.min_fresh = config.predraft, config.predraft_calls, config.l_max
-        self.row_bytes = kv_row_bytes(drafter.model.config) + 16   # + token, parent, score
         self.reset()
 
     def reset(self) -> None:
@@ -129,6 +129,7 @@ class PreDrafting:
         self.done = 0                         # calls of `out` done so far (idle)
         self.since_expansion = 0              # pre-draft calls since the last expansion
         self.measured_s = 0.0
+        self.shipped: tuple[int, ...] = ()    # the context the drafter's replica holds the rows of
 
     # ---- jobs ---------------------------------------------------------------------------------------
     def new_round(self) -> None:
@@ -139,7 +140,7 @@ class PreDrafting:
         """A job for the tree at `context` while segments are in flight: one out at a time on a drafter;
         in node 0's gaps the newest replaces the last (the scheduler keeps one idle item per request, and
         drops them while several requests run)."""
-        from flowedge.engine.events import Compute, Offload, WhenIdle
+        from flowedge.engine.events import WhenIdle
 
         if not in_flight or (self.out is not None and self.mode != "idle"):
             return []
@@ -148,11 +149,24 @@ class PreDrafting:
         self.done = 0
         if self.mode == "idle":
             return [WhenIdle(PreDraftStep(job))]
-        rows = self.config.expansion_width   # the drafter's calls, as node 0's board would run them
-        ctx = len(self.drafter.context) + (len(self.drafter.base) if self.drafter.base is not None else 0)
-        calls = tuple(Compute("draft", rows, ctx, "predraft") for _ in range(job.calls))
-        return [Offload(calls, PreDrafted(job), request_bytes=8 * 8,
-                        reply_bytes=job.calls * rows * self.row_bytes)]
+        return self._offload(job, context)
+
+    def _offload(self, job: PreDraftJob, context: list[int]) -> list:
+        """Root node 0's tree at the job's context (a call, if the root never ran) and send the drafter a
+        snapshot with the rows its replica lacks: the committed rows past what it was last shipped."""
+        from flowedge.engine.events import Compute, Offload
+
+        d, cfg = self.drafter, self.config
+        d.advance(context, 0, cfg.expansion_width, cfg.lookup_tokens)   # the expansion would run this root anyway
+        actions: list = [Compute("draft", t, c, "draft") for t, c, _ in d.drain_calls()]
+        keep = next((i for i, (a, b) in enumerate(zip(self.shipped, context)) if a != b),
+                    min(len(self.shipped), len(context)))
+        snap = snapshot(d, context, keep, job.calls, cfg.expansion_width, cfg.lookup_tokens)
+        if snap is None:   # the context left node 0's stored tree: nothing to continue
+            self.out = None
+            return actions
+        self.shipped = tuple(context)
+        return actions + [Offload(job, snap, request_bytes=snap.nbytes())]
 
     def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
         """Run (idle) or merge (drafter) a job's calls on the tree at `context`. Returns the actions (node
@@ -160,19 +174,10 @@ class PreDrafting:
         from flowedge.engine.events import Compute, WhenIdle
 
         job = event.job
+        if isinstance(event, PreDrafted):
+            return self._answered(event, context)
         if job != self.out:
             return [], False
-        if isinstance(event, PreDrafted):   # merge what the drafter computed (its time is already charged)
-            self.out = None
-            if tuple(context) != job.context:
-                # The walk moved on while the answer travelled. Under simulation the calls run here, so
-                # growing now would draft from a root the drafter never saw: drop it (the drafter's nodes
-                # below the new root would help a real node 0 that grafts them; not modelled).
-                self.stats.late += 1
-                return [], True
-            for _ in range(job.calls):
-                self._count(self._grow(context, merged=True))
-            return [], True
         if not self.gaps.fits(now, self.call_s if self.call_s is not None else self.measured_s):
             self.out = None
             self.stats.skipped += 1
@@ -187,16 +192,25 @@ class PreDrafting:
         self.out = None
         return actions, True
 
-    def _grow(self, context: list[int], merged: bool = False) -> list:
-        """One best-first draft call on the stored tree at `context`; the calls made. The drafter's
-        (`merged`) bypass node 0's draft batcher: their time is charged on the drafter."""
-        d, cfg = self.drafter, self.config
-        batcher, d.batcher = d.batcher, None if merged else d.batcher
-        try:
-            grown = d.advance(context, 1, cfg.expansion_width, cfg.lookup_tokens)
-        finally:
-            d.batcher = batcher
-        return d.drain_calls() if grown is not None else []
+    def _answered(self, event: PreDrafted, context: list[int]) -> tuple[list, bool]:
+        """Graft the drafter's answer (any job's: a late one still holds valid nodes under the new root)."""
+        if event.job == self.out:
+            self.out = None
+        if event.growth is None:   # no answer: the next job ships the whole context
+            self.stats.unanswered += 1
+            self.shipped = ()
+            return [], False
+        if tuple(context) != event.job.context:
+            self.stats.late += 1
+        self.stats.grafted += graft(self.drafter, event.growth)
+        self._count(event.growth.calls)
+        return [], self.out is None
+
+    def _grow(self, context: list[int]) -> list:
+        """One best-first draft call on node 0's stored tree at `context`; the calls made."""
+        cfg = self.config
+        grown = self.drafter.advance(context, 1, cfg.expansion_width, cfg.lookup_tokens)
+        return self.drafter.drain_calls() if grown is not None else []
 
     def _count(self, made: list) -> None:
         self.stats.calls += len(made)

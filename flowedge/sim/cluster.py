@@ -18,7 +18,9 @@ from typing import Callable
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.costs.pipeline import CostModel
+from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind
 from flowedge.engine.events import Compute, Done, Finish, Offload, Prune, Segment, Send, Stats
+from flowedge.engine.predraft import PreDrafted
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, Limits, ResetStages,
                                   kv_need)
 from flowedge.engine.scheduler import Scheduler
@@ -152,8 +154,9 @@ class SimCluster:
     batches their draft calls. `head`: a `Scheduler`, or one engine `Head` (`run`)."""
 
     def __init__(self, head, stages: list, costs: CostModel | None = None, faults: tuple[StageFault, ...] = (),
-                 spec: SpecConfig | None = None) -> None:
+                 spec: SpecConfig | None = None, drafter: DrafterDevice | None = None) -> None:
         self.nodes = [head, *stages]
+        self.drafter = drafter   # the drafter device's engine (predraft = drafter); None: jobs go unanswered
         self.costs = costs or CostModel.free()
         self.faults = tuple(faults)
         self.spec = spec   # a job's KV need is worked out from it (None: no KV budget to keep)
@@ -316,14 +319,23 @@ class _SimRun:
         return t + dur
 
     def _offload(self, t: float, key: int, a: Offload) -> None:
-        """The drafter device: the job reaches it over its link, waits for its earlier jobs, runs its draft
-        calls (charged as node 0's board would run them) and its answer travels back to node 0."""
+        """The drafter device: the snapshot reaches it over its link, waits for its earlier jobs, is grown
+        there (the same `DrafterDevice` the daemon's drafter runs, on the snapshot as it left node 0), its
+        calls charged as node 0's kind of board runs them; the answer travels back to node 0."""
+        growth = None
+        if self.cluster.drafter is not None:
+            try:
+                growth = self.cluster.drafter.run(key, a.snapshot)
+            except ReplicaBehind:
+                growth = None
+        calls = [Compute("draft", tokens, ctx, "predraft") for tokens, ctx, _ in (growth.calls if growth else [])]
         start = max(t + self.costs.transfer_s(0, -1, a.request_bytes), self.drafter_free)
-        end = start + sum(self.costs.compute_s(0, c) for c in a.calls)
+        end = start + sum(self.costs.compute_s(0, c) for c in calls)
         if end > start:
-            self.trace.add(TraceEvent("drafter", "compute", "predraft", start, end, sum(c.tokens for c in a.calls)))
+            self.trace.add(TraceEvent("drafter", "compute", "predraft", start, end, sum(c.tokens for c in calls)))
         self.drafter_free = end
-        self._push(end + self.costs.transfer_s(-1, 0, a.reply_bytes), 0, _Delivery(key, a.event))
+        reply = growth.nbytes() if growth is not None else 16
+        self._push(end + self.costs.transfer_s(-1, 0, reply), 0, _Delivery(key, PreDrafted(a.job, growth)))
 
     def _send(self, node: int, t: float, a: Send) -> None:
         if node in self.down:

@@ -9,6 +9,7 @@ from flowedge.core.config import SpecConfig
 from flowedge.costs.pipeline import CostModel, draft_quant_for, profile_costs
 from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
 from flowedge.engine.draft_batch import DraftBatcher
+from flowedge.engine.draft_sync import DrafterDevice
 from flowedge.engine.drafter import load_draft_model
 from flowedge.engine.head import Head
 from flowedge.engine.jobs import KvBudget
@@ -130,7 +131,11 @@ class Cluster:
             check_context(len(r.prompt_ids), r.max_new_tokens, self.config.max_position_embeddings)
         costs = self.costs(device, link, path)
         sched, stages, spec = self.build_many(strategy, batch, costs)
-        return SimCluster(sched, stages, costs, faults, spec).run_many(requests), sched, stages
+        return SimCluster(sched, stages, costs, faults, spec, self.drafter_device()).run_many(requests), sched, stages
+
+    def drafter_device(self) -> DrafterDevice | None:
+        """A drafter device's engine for `predraft = drafter` (fresh replicas per simulation)."""
+        return DrafterDevice(self.draft_model) if self.draft_model is not None and self.spec.predraft == "drafter" else None
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:
@@ -146,7 +151,7 @@ class Cluster:
         check_context(len(prompt_ids), max_new_tokens, self.config.max_position_embeddings)
         costs = self.costs(device, link, path)
         head, stages = self.build(strategy, costs)
-        sim = SimCluster(head, stages, costs)
+        sim = SimCluster(head, stages, costs, drafter=self.drafter_device())
         return sim.run(request_id, prompt_ids, max_new_tokens, params, on_tokens), head, stages
 
 
