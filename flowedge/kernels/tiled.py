@@ -1,7 +1,8 @@
-"""What the two tiled weight kernels (w4a16.c, w8a16.c) share on the Python side: loading the built
-library with its C signatures, and the checked call `<name>_linear(x, tiles, N, G, bias, out, threads)`.
+"""What the tiled weight kernels (w4a16.c, w8a16.c, and int8act.c's w4a8 and w8a8 over the same tiles)
+share on the Python side: loading the built library with its C signatures, and the checked call
+`<name>_linear(x, tiles, N, G, bias, out, threads)`.
 
-Both take a weight in tiles of 16 outputs by groups of G inputs and run the same contract (float32 x
+All take a weight in tiles of 16 outputs by groups of G inputs and run the same contract (float32 x
 [M, K] in, float32 [M, N] out, rows independent), so only the function names and the tile contents differ.
 """
 from __future__ import annotations
@@ -23,23 +24,25 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
 
 
 class TiledKernel:
-    """The C library built from `source`, exporting `<name>_linear` and `<name>_isa`."""
+    """The C library built from `source`, exporting `<name>_linear` and `<isa>_isa` (isa defaults to name;
+    one library may hold several kernels)."""
 
-    def __init__(self, source: Path, name: str) -> None:
-        self.source, self.name = source, name
+    def __init__(self, source: Path, name: str, isa: str | None = None) -> None:
+        self.source, self.name, self.isa_symbol = source, name, f"{isa or name}_isa"
 
     def library(self) -> ctypes.CDLL | None:
         built = build.load(self.source)   # cached; None when unavailable (logged once by build)
         if built is None:
             return None
         lib = built.lib
-        if not getattr(lib, "_flowedge_typed", False):
+        typed = lib.__dict__.setdefault("_flowedge_typed", set())
+        if self.name not in typed:
             fn = getattr(lib, f"{self.name}_linear")
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             fn.restype = ctypes.c_int
-            getattr(lib, f"{self.name}_isa").restype = ctypes.c_char_p
-            lib._flowedge_typed = True
+            getattr(lib, self.isa_symbol).restype = ctypes.c_char_p
+            typed.add(self.name)
         return lib
 
     def available(self) -> bool:
@@ -47,7 +50,7 @@ class TiledKernel:
 
     def isa(self) -> str | None:
         lib = self.library()
-        return None if lib is None else getattr(lib, f"{self.name}_isa")().decode()
+        return None if lib is None else getattr(lib, self.isa_symbol)().decode()
 
     def call(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
              bias: torch.Tensor | None, threads: int) -> torch.Tensor:

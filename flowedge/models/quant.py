@@ -3,7 +3,8 @@
 - none: keep the weights as loaded.
 - nf4:  bitsandbytes Linear4bit (NF4, blocksize 64), CUDA and CPU.
 - int4: group-wise asymmetric 4-bit (W4A16): on CPU flowedge's row-invariant kernel (flowedge.kernels,
-        built with the system C compiler on first use), else torch's tinygemm int4 kernels.
+        built with the system C compiler on first use), else torch's tinygemm int4 kernels. With
+        FLOWEDGE_ACTIVATIONS=int8 the CPU kernel takes int8 activations instead (W4A8, kernels/int8act.py).
 Only nn.Linear layers are replaced; embeddings and lm_head stay as they are unless asked.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from flowedge.errors import BackendUnavailable, ConfigError
-from flowedge.kernels import w4a16
+from flowedge.kernels import int8act, w4a16
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +168,16 @@ class Int4Linear(nn.Module):
 
     CPU: flowedge's row-invariant native kernel (`flowedge.kernels.w4a16`) when it builds here, else
     torch's int4pack matmul (not row-invariant: a row's result depends on the rows sharing the call).
-    CUDA: torch's tinygemm int4pack matmul."""
+    CUDA: torch's tinygemm int4pack matmul. `int8`: the native tiles computed with int8 activations
+    (`kernels.int8act`, W4A8), chosen at construction from FLOWEDGE_ACTIVATIONS."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor | None, bias: torch.Tensor | None,
-                 in_features: int, out_features: int, group_size: int, native: bool = False) -> None:
+                 in_features: int, out_features: int, group_size: int, native: bool = False,
+                 int8: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.native = native   # packed holds the native kernel's tiles (scales and zeros inside)
+        self.int8 = native and int8   # the native tiles with int8 activations (W4A8)
         self._weight: w4a16.W4A16Weight | None = None   # a view of `packed` for the kernel, made on first use
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
@@ -196,7 +200,8 @@ class Int4Linear(nn.Module):
         if device.type == "cpu" and _native_kernel(w):
             tiles = w4a16.prepare(w).tiles
             bias = None if bias is None else bias.float()
-            return cls(tiles, None, bias, w.in_features, w.out_features, w.group_size, native=True)
+            return cls(tiles, None, bias, w.in_features, w.out_features, w.group_size, native=True,
+                       int8=int8act.use_int8())
         if device.type == "cuda":
             q = w.qweight.to(device)
             as_bytes = ((q & 15) << 4) | (q >> 4)   # the CUDA kernel wants the even column high
@@ -230,12 +235,13 @@ class Int4Linear(nn.Module):
         if weight is None or weight.tiles is not tiles:   # first call, or the buffer was replaced
             weight = self._weight = w4a16.W4A16Weight(tiles, self.out_features, self.in_features, self.group_size)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = w4a16.linear(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])
+        kernel = int8act.linear4 if self.int8 else w4a16.linear
+        out = kernel(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "native" if self.native else "int4pack"
+        kernel = ("native-int8" if self.int8 else "native") if self.native else "int4pack"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, kernel={kernel}")
 
@@ -381,7 +387,8 @@ def fuse_native(linears: list[nn.Module]) -> Int4Linear | None:
     if len(linears) < 2 or not all(isinstance(m, Int4Linear) and m.native for m in linears):
         return None
     first = linears[0]
-    if any(m.in_features != first.in_features or m.group_size != first.group_size for m in linears):
+    if any(m.in_features != first.in_features or m.group_size != first.group_size or m.int8 != first.int8
+           for m in linears):
         return None
     biases = [m.bias for m in linears]
     if any(b is not None for b in biases):
@@ -390,4 +397,4 @@ def fuse_native(linears: list[nn.Module]) -> Int4Linear | None:
     else:
         bias = None
     return Int4Linear(torch.cat([m.packed for m in linears]), None, bias, first.in_features,
-                      sum(m.out_features for m in linears), first.group_size, native=True)
+                      sum(m.out_features for m in linears), first.group_size, native=True, int8=first.int8)

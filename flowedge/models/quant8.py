@@ -4,7 +4,8 @@ llama.cpp's Q4_K_M mixes keep attn_v and ffn_down of half the layers, and the ou
 or more because they matter; re-quantizing them to 4 bits was the largest loss of agreement with the
 float model. Here they keep 8-bit codes: symmetric, one float32 scale per group of 32 inputs
 (weight = code * scale, code in -127..127), 9 bits a weight. On CPU flowedge's row-invariant kernel
-(flowedge.kernels.w8a16) computes them; where it cannot run, the weight is held dequantised in bfloat16.
+(flowedge.kernels.w8a16) computes them, or with FLOWEDGE_ACTIVATIONS=int8 its int8-activation twin over the
+same tiles (W8A8, kernels/int8act.py); where neither can run, the weight is held dequantised in bfloat16.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from flowedge.errors import ConfigError
-from flowedge.kernels import w8a16
+from flowedge.kernels import int8act, w8a16
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,11 @@ class Int8Linear(nn.Module):
     else a bfloat16 copy of the dequantised weight (torch's matmul; not row-invariant)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
-                 group_size: int, native: bool) -> None:
+                 group_size: int, native: bool, int8: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.native = native   # weight holds the kernel's tiles; else a bfloat16 [N, K] matrix
+        self.int8 = native and int8   # the tiles with int8 activations (W8A8), from FLOWEDGE_ACTIVATIONS
         self._weight: w8a16.W8A16Weight | None = None
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
@@ -102,7 +104,8 @@ class Int8Linear(nn.Module):
         device = torch.device(device)
         bias = None if bias is None else bias.float().to(device)
         if device.type == "cpu" and native_kernel(w):
-            return cls(w8a16.prepare(w).tiles, bias, w.in_features, w.out_features, w.group_size, native=True)
+            return cls(w8a16.prepare(w).tiles, bias, w.in_features, w.out_features, w.group_size, native=True,
+                       int8=int8act.use_int8())
         log.info("W8A16 %dx%d without flowedge's kernel: holding it as bfloat16", w.out_features, w.in_features)
         dense = torch.cat([PackedInt8(q, s).dequantize().to(torch.bfloat16)
                            for q, s in zip(w.qweight.split(ROW_CHUNK), w.scales.split(ROW_CHUNK))])
@@ -118,13 +121,14 @@ class Int8Linear(nn.Module):
         if weight is None or weight.tiles is not tiles:   # first call, or the buffer was replaced
             weight = self._weight = w8a16.W8A16Weight(tiles, self.out_features, self.in_features, self.group_size)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = w8a16.linear(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])
+        kernel = int8act.linear8 if self.int8 else w8a16.linear
+        out = kernel(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"kernel={'native' if self.native else 'bf16'}")
+                f"kernel={('native-int8' if self.int8 else 'native') if self.native else 'bf16'}")
 
 
 def native_kernel(w: PackedInt8) -> bool:
