@@ -27,7 +27,7 @@ from flowedge.transport.channel import (
 from flowedge.transport.protocol import Hello, Prune, Refuse, Reset, Segment, Welcome, decode
 
 torch.set_num_threads(1)
-V2_MESSAGE = "peer speaks flowedge protocol 2.0, this node speaks 1.4"
+V2_MESSAGE = "peer speaks flowedge protocol 2.0, this node speaks 1.5"
 HELLO = Hello(node_id="pi-1", role="stage", device="cpu", free_memory_bytes=1 << 30)
 WELCOME = Welcome(node_id="head", heartbeat_interval_ms=500)
 

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from draft_helpers import draft_answer, draft_job
 from flowedge.errors import ChecksumError, ProtocolError
 from flowedge.transport import protocol as p
 
@@ -60,6 +61,11 @@ SAMPLES = [
     p.StatusReply(nodes=[{"id": "head", "role": "head"}, {"id": "pi-1", "stage": 1}]),
     _segment(with_hidden=True),
     _segment(with_hidden=False),
+    p.DraftSetup(model="qwen2.5-coder-0.5b", quant="int4"),
+    p.DraftReady(model="qwen2.5-coder-0.5b"),
+    draft_job(),
+    draft_answer(),
+    p.DraftDeclined(request_id=3, seq=2, why="behind", detail="no replica"),
 ]
 
 
@@ -90,12 +96,12 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 4]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 5]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
 def test_message_types_are_unique_and_complete() -> None:
-    assert len(p.MESSAGE_TYPES) == 18
+    assert len(p.MESSAGE_TYPES) == 23
     assert {type(m) for m in SAMPLES} == set(p.MESSAGE_TYPES.values())
 
 
@@ -214,7 +220,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.4"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.5"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

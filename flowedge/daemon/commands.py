@@ -52,9 +52,9 @@ def _run_node(cfg) -> None:
     set_threads(cfg.threads or None)
     stop = _stop_on_signals()
     HeapTrimmer(stop).start()
-    from flowedge.daemon.roots import build_head, build_stage
+    from flowedge.daemon.roots import build_node
 
-    (build_head if cfg.role == "head" else build_stage)(cfg, stop).run()
+    build_node(cfg, stop).run()
 
 
 def liveness_options(head: bool):
@@ -87,7 +87,8 @@ def liveness_options(head: bool):
 @click.command()
 @click.option("--config", "config_path", default=str(DEFAULT_CONFIG_PATH), show_default=True,
               help=f"TOML node configuration (commented example: {EXAMPLE_CONFIG}).")
-@click.option("--role", type=click.Choice(["head", "stage"]), default=None, help="Override the file's role.")
+@click.option("--role", type=click.Choice(["head", "stage", "drafter"]), default=None,
+              help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
 @click.option("--cluster", default=None, help="Head: the name it announces on the LAN (default: flowedge).")
 @click.option("--no-discovery", is_flag=True, help="Head: do not announce itself on the LAN (mDNS).")
@@ -117,13 +118,15 @@ def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage
               help="Port (or range, e.g. 5560-5569: the first free) for segments from the previous hop (default: any).")
 @click.option("--advertise", default=None, help="Host other nodes reach this one at (default: guessed).")
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
+@click.option("--drafter", is_flag=True, help="Join as a drafter: hold the head's draft model and pre-draft for "
+              "node 0 (the head runs with predraft = \"drafter\"); takes no stage slot.")
 @liveness_options(head=False)
 @KEYS_OPTION
 @INSECURE_OPTION
 def join(head_addr, cluster, discover_timeout, config_path, node_id, device, threads, stage, data_port, advertise,
-         same_host, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
+         same_host, drafter, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
-    its shard and serves its layers."""
+    its shard and serves its layers (or, with --drafter, a drafter node)."""
     daemon_logging()
     if not head_addr:
         try:
@@ -137,7 +140,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
         head_addr = found.addr
         click.echo(f"found head of cluster {found.cluster!r} at {head_addr}"
                    f"{f' serving {found.model}' if found.model else ''}; joining", err=True)
-    cfg = load_node_config(config_path, role="stage", head=head_addr, node_id=node_id, device=device,
+    cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)

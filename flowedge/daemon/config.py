@@ -21,13 +21,16 @@ DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 # the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "data" / "flowedge.toml.example"
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
-ROLES = ("head", "stage")
+ROLES = ("head", "stage", "drafter")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 # hidden states on the wire: the stages' activation dtype, so a pipelined answer is the one-process answer;
 # float16/bfloat16 halve the bytes but round the residual stream between stages
 DEFAULT_WIRE_DTYPE = "float32"
 QUANTS = ("none", "int4", "nf4", "auto")
 TREE_SIZES = ("profile", "paper")
+# pre-drafting (engine/predraft.py): off | idle (in node 0's gaps) | drafter (on a joined drafter node;
+# node 0 drafts alone while none is joined)
+PREDRAFT_MODES = ("off", "idle", "drafter")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class NodeConfig:
                                               # profiles, costs/sizing.py) | paper (FlowSpec's d0 = 6)
     lookup_tokens: int = 4                    # draft-call rows for prompt-lookup guesses (core/lookup.py); 0 = off
     predraft: str = "off"                     # off | idle: draft the next expansion in node 0's gaps while
-                                              # segments are in flight (engine/predraft.py)
+                                              # segments are in flight | drafter: on a drafter node
+                                              # (`flowedge join --drafter`; engine/predraft.py)
     lm_head_at: str = "auto"                  # where tokens are chosen: auto (the strategy's choice; the
                                               # last stage then also holds the lm_head) | head | last-stage
     # stage only
@@ -99,9 +103,8 @@ class NodeConfig:
             raise ConfigError(f"stages must be >= 1, got {self.stages}")
         if self.context < 1:
             raise ConfigError(f"context must be >= 1, got {self.context}")
-        if self.predraft not in ("off", "idle"):
-            raise ConfigError(f"predraft must be off or idle on a daemon, got {self.predraft!r} (a drafter "
-                              "device runs in the simulator only: `flowedge bench --predraft drafter`)")
+        if self.predraft not in PREDRAFT_MODES:
+            raise ConfigError(f"predraft must be one of {list(PREDRAFT_MODES)}, got {self.predraft!r}")
         if self.lookup_tokens < 0:
             raise ConfigError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.layers and len(self.layers) != self.stages:

@@ -30,10 +30,11 @@ from flowedge.allocator import settle
 from flowedge.daemon import memdebug
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
+from flowedge.daemon.draft_dispatch import DraftDispatch
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
-from flowedge.daemon.membership import ClientGone, Membership, Peer
+from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
@@ -58,6 +59,7 @@ class HeadParts:
     engines: HeadEngines
     requests: HeadRequests
     drops: DropLog
+    drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
 
 
 class HeadNode:
@@ -69,6 +71,7 @@ class HeadNode:
         self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
         self.control, self.outbox = parts.port, parts.outbox
         self.members, self.engines, self.requests, self.drops = parts.members, parts.engines, parts.requests, parts.drops
+        self.drafts = parts.drafts
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -199,6 +202,8 @@ class HeadNode:
             msg = proto.decode(body)
         except ProtocolError as err:
             self.drops.drop("malformed", f"from {peer.name}: {err}")
+            if peer.drafter and self.drafts is not None:
+                self.drafts.on_unreadable(peer, err)
             if peer.hello.role == "client":
                 self._send(identity, proto.ErrorReply(request_id=0, message=f"malformed message: {err}"))
             return
@@ -207,6 +212,8 @@ class HeadNode:
             proto.ShardRequest: self.members.on_shard_request, proto.PromptRequest: self._on_prompt,
             proto.Cancel: self._on_cancel, proto.StatusRequest: self._on_status, proto.Shutdown: self._on_shutdown,
             proto.Hello: self._on_hello_again, proto.Refuse: self.members.on_refuse,
+            proto.DraftReady: self.members.on_draft_ready, proto.DraftAnswer: self._on_draft_answer,
+            proto.DraftDeclined: self._on_draft_answer,
         }.get(type(msg))
         if handler is None:
             log.warning("ignoring %s from %s", msg.TYPE, peer.name)
@@ -218,6 +225,12 @@ class HeadNode:
         fresh engines and draft batcher before the next engine turn."""
         if self.members.plan is not None and self.members.plan is not self.engines.plan:
             self.requests.use_handlers(self.engines.use_plan(self.members.plan))
+
+    def _on_draft_answer(self, peer: Peer, msg: proto.DraftAnswer | proto.DraftDeclined) -> None:
+        if not peer.drafter or self.drafts is None:
+            log.warning("%s from %s, which is not a drafter", msg.TYPE, peer.name)
+            return
+        self.drafts.on_answer(peer, msg)
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())
@@ -255,6 +268,8 @@ class HeadNode:
                 self.requests.stage_lost(ev.describe(), time.monotonic())
             elif isinstance(ev, ClientGone):
                 self.requests.client_gone(ev.identity, ev.why)
+            elif isinstance(ev, DrafterLost) and self.drafts is not None:
+                self.drafts.drafter_lost(ev.identity)
 
     def sd_status(self) -> str:
         """The one-line STATUS= systemd shows: stages ready, requests queued and running."""
@@ -278,6 +293,7 @@ class HeadNode:
             "requests": self.requests.live(time.monotonic()),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
             "predraft": self.requests.last_predraft,
+            "drafter_jobs": self.drafts.status() if self.drafts is not None else None,
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
         }] + self.members.status_rows()
@@ -317,6 +333,8 @@ class HeadNode:
             self.members.assign_all()
         self.members.ping(self.requests.busy_clients())
         self.members.retry_refused()
+        if self.drafts is not None:
+            self.drafts.expire()
         ready = self.members.cluster_ready()
         if ready != self.was_ready:
             log.info("cluster %s", "ready: accepting prompts" if ready else "not ready")
@@ -326,7 +344,7 @@ class HeadNode:
         self.control.send(identity, msg)
 
     def _shutdown_stages(self, reason: str) -> None:
-        for identity in self.members.stage_identities():
+        for identity in self.members.stage_identities() + [p.identity for p in self.members.peers.values() if p.drafter]:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
 

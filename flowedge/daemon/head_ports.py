@@ -8,7 +8,7 @@ import threading
 
 from flowedge.daemon import wire
 from flowedge.daemon.membership import Membership
-from flowedge.engine.events import Segment, Send
+from flowedge.engine.events import Offload, Segment, Send
 from flowedge.errors import PeerUnreachable
 from flowedge.transport import protocol as proto
 from flowedge.transport.link import Endpoint, Kind, Link
@@ -40,8 +40,11 @@ class HeadOutbox:
     """The request lifecycle's way out (`requests.OutPort`): segments go into the pipeline through an
     OUTBOUND to stage 1's data port (made again whenever stage 1 changes), the rest over control."""
 
-    def __init__(self, link: Link, port: ControlPort, members: Membership, wire_dtype: str) -> None:
+    def __init__(self, link: Link, port: ControlPort, members: Membership, wire_dtype: str,
+                 drafts=None) -> None:
+        """`drafts`: the drafter dispatch (daemon/draft_dispatch.py) that carries out pre-draft jobs."""
         self.link, self.port, self.members, self.wire_dtype = link, port, members, wire_dtype
+        self.drafts = drafts
         self.to_stage1: Endpoint | None = None
         self.stage1: bytes | None = None   # the identity `to_stage1` was made for
 
@@ -56,6 +59,10 @@ class HeadOutbox:
         identity = self.members.stage_identity(action.to)
         if identity is not None:
             self.port.send(identity, msg, counted=True)
+
+    def offload(self, key: int, action: Offload) -> None:
+        if self.drafts is not None:
+            self.drafts.offload(key, action)
 
     def reset_stages(self, engine_id: int) -> None:
         for identity in self.members.stage_identities():

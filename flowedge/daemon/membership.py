@@ -50,8 +50,25 @@ class Peer:
         return str(self.hello.capabilities.get("data_addr", ""))
 
     @property
+    def drafter(self) -> bool:
+        """A drafter node (pre-drafts for node 0; holds no stage slot)."""
+        return self.hello.role == "drafter"
+
+    @property
+    def judged_like_a_stage(self) -> bool:
+        return bool(self.stage) or self.drafter
+
+    @property
     def name(self) -> str:
         return self.hello.node_id
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterLost:
+    """A drafter disconnected or went silent: its outstanding jobs are answered `None` (node 0 drafts alone)."""
+    identity: bytes
+    name: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +101,8 @@ class Membership:
     def alive(self, peer: Peer, now: float | None = None) -> bool:
         """Heard from within its liveness. A stage that is not ready yet (fetching or loading its shard,
         which blocks its loop) gets LOADING_SILENCE_S; a closed connection ends it earlier anyway."""
-        if peer.stage:
-            limit = self.config.stage_timeout_s if peer.ready else LOADING_SILENCE_S
+        if peer.judged_like_a_stage:
+            limit = self.config.stage_timeout_s if peer.ready or peer.drafter else LOADING_SILENCE_S
         else:
             limit = self.config.client_timeout_s
         return (self.clock() if now is None else now) - peer.last_seen <= limit
@@ -94,6 +111,8 @@ class Membership:
         """Why a HELLO is refused (None: welcome it)."""
         if hello.role == "head":
             return "this cluster already has a head"
+        if hello.role == "drafter":
+            return self._admit_drafter(hello)
         if hello.role != "stage":
             return None
         if too_old_for_the_data_plane(hello.version):
@@ -108,6 +127,14 @@ class Membership:
             return f"the plan is full ({self.config.stages} stages); stop a stage or raise `stages`"
         if not hello.capabilities.get("data_addr"):
             return "a stage must announce its data_addr"
+        return None
+
+    def _admit_drafter(self, hello: proto.Hello) -> str | None:
+        if not self.config.draft:
+            return "this head runs without a draft model: it has no work for a drafter"
+        old = next((p for p in self.peers.values() if p.drafter and p.name == hello.node_id), None)
+        if old is not None and self.alive(old):
+            return f"drafter {hello.node_id!r} is already joined on a live connection"
         return None
 
     def register(self, identity: bytes, hello: proto.Hello) -> list:
@@ -127,6 +154,13 @@ class Membership:
             self.slots[peer.stage - 1] = identity
             log.info("stage %d <- %s (%s, %.1f GB free)", peer.stage, hello.node_id, hello.device,
                      hello.free_memory_bytes / 1e9)
+        elif hello.role == "drafter":
+            old = next((p for p in self.peers.values() if p.drafter and p.name == hello.node_id), None)
+            if old is not None:
+                events += self.drop(old, "was replaced by a new connection under its node id")
+            log.info("drafter %s joined (%s, %.1f GB free); sending it the draft model %s", hello.node_id,
+                     hello.device, hello.free_memory_bytes / 1e9, self.config.draft)
+            self.send(identity, proto.DraftSetup(model=self.config.draft, quant=self.config.draft_quant))
         self.peers[identity] = peer
         self.assign_all()
         return events
@@ -227,6 +261,21 @@ class Membership:
         except ProtocolError as err:
             log.warning("bad shard request from %s: %s", peer.name, err)
 
+    def on_draft_ready(self, peer: Peer, msg: proto.DraftReady) -> None:
+        """A drafter loaded the draft model (or could not: shown in status, and it gets no jobs)."""
+        if not peer.drafter:
+            log.warning("draft_ready from %s, which is not a drafter", peer.name)
+            return
+        peer.ready, peer.assign_error = not msg.error, msg.error
+        if msg.error:
+            log.error("drafter %s cannot draft: %s", peer.name, msg.error)
+        else:
+            log.info("drafter %s ready (%s)", peer.name, msg.model)
+
+    def drafters(self) -> list[Peer]:
+        """Drafters ready for jobs."""
+        return [p for p in self.peers.values() if p.drafter and p.ready]
+
     def cluster_ready(self) -> bool:
         return None not in self.slots and all(self.peers[i].ready for i in self.slots)
 
@@ -255,7 +304,8 @@ class Membership:
         if now - self.last_ping >= self.config.heartbeat_ms / 1000:
             self.last_ping = now
             beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)
-            for identity in self.stage_identities() + [c for c in busy_clients if c in self.peers]:
+            drafters = [p.identity for p in self.peers.values() if p.drafter]
+            for identity in self.stage_identities() + drafters + [c for c in busy_clients if c in self.peers]:
                 self.send(identity, beat)
 
     def judge(self, busy_clients: set[bytes]) -> list:
@@ -265,9 +315,9 @@ class Membership:
         events: list = []
         for peer in list(self.peers.values()):
             silent = now - peer.last_seen
-            if peer.stage and not self.alive(peer, now):
+            if peer.judged_like_a_stage and not self.alive(peer, now):
                 events += self.drop(peer, f"silent for {silent:.1f} s (missed heartbeats)")
-            elif not peer.stage and not self.alive(peer, now) and (
+            elif not peer.judged_like_a_stage and not self.alive(peer, now) and (
                     (peer.identity in busy_clients and heartbeats(peer)) or silent > CLIENT_IDLE_S):
                 events += self.drop(peer, f"silent for {silent:.1f} s")
         return events
@@ -280,6 +330,9 @@ class Membership:
     def drop(self, peer: Peer, why: str) -> list:
         if self.peers.pop(peer.identity, None) is None:
             return []
+        if peer.drafter:
+            log.warning("drafter %s %s: dropped; node 0 drafts alone meanwhile", peer.name, why)
+            return [DrafterLost(peer.identity, peer.name, why)]
         if not peer.stage:
             return [ClientGone(peer.identity, why)]
         log.error("stage %d (%s) %s: dropped; waiting for a node to take its place", peer.stage, peer.name, why)
@@ -305,7 +358,14 @@ class Membership:
                 "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
                 **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
-        return rows
+        return rows + [self._drafter_row(p, now) for p in self.peers.values() if p.drafter]
+
+    def _drafter_row(self, p: Peer, now: float) -> dict:
+        return {"node_id": p.name, "role": "drafter", "stage": None, "address": "", "layers": "draft",
+                "model": self.config.draft, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
+                "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
+                "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
+                **{k: v for k, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None}}
 
 
 def too_old_for_the_data_plane(version: tuple[int, int]) -> bool:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon.prompting import StopText
-from flowedge.engine.events import Done, Send
+from flowedge.engine.events import Done, Offload, Send
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget, Limits, Request,
                                   ResetStages, State)
 from flowedge.engine.scheduler import Handlers, Scheduler, run_in_turn
@@ -55,6 +55,7 @@ class OutPort(Protocol):
     def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
     def to_stages(self, action: Send) -> None: ...
     def reset_stages(self, engine_id: int) -> None: ...
+    def offload(self, key: int, action: Offload) -> None: ...   # a pre-draft job for a drafter
 
 
 @dataclass
@@ -145,6 +146,10 @@ class HeadRequests:
         client.run = self.scheduler.get(self.keys)
         self._carry_out(actions)
 
+    def deliver(self, key: int, event) -> None:
+        """The outcome of work an engine sent off node 0 (a drafter's pre-draft), queued as its follow-up."""
+        self.scheduler.deliver(key, event)
+
     def round_of(self, engine_id: int) -> int | None:
         """The round run `engine_id`'s engine is in now; None when it is not running (or has no rounds)."""
         return getattr(self.scheduler.running_engine(engine_id), "round_id", None)
@@ -233,6 +238,8 @@ class HeadRequests:
             elif isinstance(a, FromEngine):
                 if isinstance(a.action, Send):
                     self.out.to_stages(a.action)
+                elif isinstance(a.action, Offload):
+                    self.out.offload(a.key, a.action)
             elif isinstance(a, Emitted):
                 self._stream(client, a.tokens)
             elif isinstance(a, Finished):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import threading
 
-from flowedge.daemon import head_node, stage_node, wire
+from flowedge.daemon import drafter_node, head_node, stage_node, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
 from flowedge.daemon.data_port import bind_data_port
+from flowedge.daemon.draft_dispatch import DraftDispatch
+from flowedge.daemon.drafter_node import DrafterNode, DrafterParts
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_node import HeadNode, HeadParts
@@ -46,10 +48,13 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     members = Membership(config, control.send, replanner=Replanner(config, flowedge_home()))
     drops = DropLog(head_node.log)
     engines = HeadEngines(config, members, drops)
-    outbox = HeadOutbox(link, control, members, config.wire_dtype)
+    drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops)
+    outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)
     requests = HeadRequests(engines, outbox, Limits(
         recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
-    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops), stop)
+    drafts.deliver = requests.deliver
+    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, drafts),
+                    stop)
 
 
 def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:
@@ -70,3 +75,13 @@ def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: L
     parts = StageNodeParts(link, data_in, data_addr, flowedge_home(), DropLog(stage_node.log))
     return StageNode(config, parts, stop)
 
+
+
+def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> DrafterNode:
+    """A drafter: it only dials the head (jobs and answers share the control connection)."""
+    return DrafterNode(config, DrafterParts(link or node_link(config), DropLog(drafter_node.log)), stop)
+
+
+def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None):
+    """The node `config.role` names."""
+    return {"head": build_head, "stage": build_stage, "drafter": build_drafter}[config.role](config, stop, link)

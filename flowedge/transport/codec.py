@@ -27,15 +27,16 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)   # 1.2: token segments from the last stage, head file;
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)   # 1.2: token segments from the last stage, head file;
 #                                               1.3: prompt messages/stop/raw, Cancel;
-#                                               1.4: segment ids unshifted, root_rows (no -1 / +1)
+#                                               1.4: segment ids unshifted, root_rows (no -1 / +1);
+#                                               1.5: the drafter role (msg_draft.py)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
 MAX_LIST_ITEMS = 4096
 MAX_TEXT_CHARS = 4096        # free-text fields (reasons, error messages): longer text is cut, not refused
-ROLES = ("head", "stage", "client")
+ROLES = ("head", "stage", "client", "drafter")
 # The engine's segment phases (flowedge.engine.events.Segment.phase).
 SEGMENT_KINDS = ("prefill", "draft", "init-segment", "expansion", "ar", "level")
 # float32 exists for exactness tests: 16-bit rounding between stages can flip a greedy near-tie.
@@ -44,8 +45,9 @@ _U64 = (1 << 64) - 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # Field kinds that travel as raw frames: INDEX -> int16/int32 index set (a torch tensor), HIDDEN ->
-# fp16/bf16(/fp32) states, BYTES -> raw bytes, TOKENS -> int16/int32 token ids (a tuple of ints, no torch).
-INDEX, HIDDEN, BYTES, TOKENS = "index", "hidden", "bytes", "tokens"
+# fp16/bf16(/fp32) states, BYTES -> raw bytes, TOKENS -> int16/int32 token ids (a tuple of ints, no torch),
+# FLOAT32 -> a float32 tensor of any shape, never rounded (a draft tree's log-scores order its growth).
+INDEX, HIDDEN, BYTES, TOKENS, FLOAT32 = "index", "hidden", "bytes", "tokens", "float32"
 
 
 def is_tensor(value: Any) -> bool:
@@ -263,6 +265,10 @@ def _encode_tensor(msg: Message, kind: str, value: Any) -> tuple[dict[str, Any],
         from flowedge.transport.frames import WIRE_DTYPES, tensor_to_frame
 
         return tensor_to_frame(value, WIRE_DTYPES[msg.hidden_wire])  # type: ignore[attr-defined]
+    if kind == FLOAT32:
+        from flowedge.transport.frames import tensor_to_frame
+
+        return tensor_to_frame(value, sys.modules["torch"].float32)
     view = memoryview(value).cast("B")
     return {"dtype": "uint8", "shape": [len(view)]}, view
 
@@ -272,7 +278,7 @@ def _decode_tensor(msg_type: str, kind: str, meta: Any, frame: Any, header: dict
         raise ProtocolError(f"{msg_type}: tensor meta must be a map")
     dtype = meta.get("dtype")
     allowed = {INDEX: ("int16", "int32"), TOKENS: tuple(TOKEN_WIRE_DTYPES), HIDDEN: (header.get("hidden_wire"),),
-               BYTES: ("uint8",)}[kind]
+               BYTES: ("uint8",), FLOAT32: ("float32",)}[kind]
     if dtype not in allowed:
         raise ProtocolError(f"{msg_type}: {kind} tensor sent as {quote(dtype)}, expected one of {quote(allowed)}")
     if kind == BYTES:
