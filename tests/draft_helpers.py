@@ -13,18 +13,18 @@ def rows(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def draft_job(context=(5, 6, 7), keep: int = 1, n: int = 4, ran=(1, 2), **kw) -> p.DraftJob:
-    tokens = torch.tensor([context[-1]] + [10 + i for i in range(1, n)])
+    tokens = torch.tensor([context[-1] if context else 5] + [10 + i for i in range(1, n)])
     fields = dict(request_id=3, seq=2, keep=keep, calls=2, width=4, lookup=1, topk=3, context=tuple(context),
                   tokens=tokens, parents=torch.tensor([0] + list(range(1, n - 1)))[: n - 1],
-                  log_scores=-torch.arange(n, dtype=torch.float32) / 4, ran=torch.tensor(ran, dtype=torch.long),
-                  rows=rows(len(context) - keep + len(ran)))
+                  log_scores=-torch.arange(n, dtype=torch.float32) / 4, ran=torch.as_tensor(ran, dtype=torch.long),
+                  rows=rows(max(0, len(context) - keep) + len(ran)))
     fields.update(kw)
     return p.DraftJob(**fields)
 
 
 def draft_answer(n: int = 5, ran=(3, 4), **kw) -> p.DraftAnswer:
     fields = dict(request_id=3, seq=2, tokens=torch.arange(7, 7 + n), parents=torch.tensor([0, 0, 1, 2, 3])[: n - 1],
-                  log_scores=-torch.arange(n, dtype=torch.float32), ran=torch.tensor(ran, dtype=torch.long),
+                  log_scores=-torch.arange(n, dtype=torch.float32), ran=torch.as_tensor(ran, dtype=torch.long),
                   rows=rows(len(ran)), calls=[(4, 9, 0.01), (4, 11, 0.02)])
     fields.update(kw)
     return p.DraftAnswer(**fields)

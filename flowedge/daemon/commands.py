@@ -169,10 +169,11 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @click.option("--data-port", default="0", show_default=True,
               help="The stages' data ports: a range such as 5560-5569 (each stage takes the first free one); "
                    "0 = any free port. They listen on loopback, as the head does.")
+@click.option("--drafter", is_flag=True, help="Start a drafter process too, and pre-draft on it (predraft = drafter).")
 @liveness_options(head=True)
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
-       detach, ready_timeout, data_port, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
+       detach, ready_timeout, data_port, drafter, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
        kv_budget_tokens, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
@@ -181,6 +182,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
     spec = local_cluster.LocalClusterSpec(
         nodes=nodes, model=model, draft=draft, strategy=strategy, port=port, threads=threads, insecure=insecure,
         wire_dtype=wire_dtype, quant=quant, draft_quant=draft_quant, layers=_int_list(layers), data_port=data_port,
+        drafter=drafter, predraft="drafter" if drafter else "off",
         **{k: v for k, v in dict(heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout,
                                  client_timeout_s=client_timeout, recovery_s=recovery,
                                  stall_timeout_s=stall_timeout, max_concurrent=max_concurrent,

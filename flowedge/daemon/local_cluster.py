@@ -43,7 +43,8 @@ class LocalClusterSpec:
     tree_nodes: int = 0
     tree_size: str = "profile"        # flowspec's first tree: sized from `device`'s profile | paper
     lm_head_at: str = "auto"
-    predraft: str = "off"            # off | idle (NodeConfig.predraft)
+    predraft: str = "off"            # off | idle | drafter (NodeConfig.predraft)
+    drafter: bool = False            # one drafter process too (`flowedge join --drafter`), last in `procs`
     device: str = "x86-cpu"          # every node's device profile (status; `auto` lm_head placement)
     heartbeat_ms: int = 500          # liveness, as in NodeConfig (daemon/config.py)
     stage_timeout_s: float = 2.0
@@ -71,7 +72,7 @@ class LocalClusterSpec:
         return f"127.0.0.1:{self.port}"
 
     def per_process_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.nodes)
+        return self.threads or max(1, (os.cpu_count() or 1) // (self.nodes + self.drafter))
 
 
 @dataclass
@@ -82,20 +83,24 @@ class LocalCluster:
     commands: list[list[str]] = field(default_factory=list)
     env: dict = field(default_factory=dict)
 
+    @property
+    def names(self) -> list[str]:
+        return node_names(len(self.procs), self.spec.drafter)
+
     def log_paths(self) -> list[Path]:
-        return [self.run_dir / f"{n}.log" for n in ["head"] + [f"stage-{k}" for k in range(1, len(self.procs))]]
+        return [self.run_dir / f"{n}.log" for n in self.names]
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
     def dead(self) -> list[str]:
         return [f"{n} (exit {p.returncode}, log {self.run_dir / (n + '.log')})"
-                for n, p in zip(node_names(len(self.procs)), self.procs) if p.poll() is not None]
+                for n, p in zip(self.names, self.procs) if p.poll() is not None]
 
     def failure(self) -> str:
         """Why the first node that exited did: the last `error:` line of its log (the CLI's one line),
         else its exit status and log."""
-        for name, p in zip(node_names(len(self.procs)), self.procs):
+        for name, p in zip(self.names, self.procs):
             if p.poll() is None:
                 continue
             logfile = self.run_dir / f"{name}.log"
@@ -109,7 +114,7 @@ class LocalCluster:
 
     def restart(self, k: int, detach: bool = False) -> subprocess.Popen:
         """Start node k (0 = the head) again with its first command line (same node id, same slot)."""
-        name = node_names(len(self.procs))[k]
+        name = self.names[k]
         logf = open(self.run_dir / f"{name}.log", "ab")
         self.procs[k] = subprocess.Popen(self.commands[k], stdout=logf, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=detach, stdin=subprocess.DEVNULL)
@@ -133,8 +138,10 @@ class LocalCluster:
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
 
 
-def node_names(n: int) -> list[str]:
-    return ["head"] + [f"stage-{k}" for k in range(1, n)]
+def node_names(n: int, drafter: bool = False) -> list[str]:
+    """The processes' names (and log files): the head, its stages, then the drafter if there is one."""
+    stages = n - 1 - drafter
+    return ["head"] + [f"stage-{k}" for k in range(1, stages + 1)] + (["drafter"] if drafter else [])
 
 
 def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
@@ -171,8 +178,12 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
                                 f"--data-port={spec.data_port}",
                                 f"--heartbeat-ms={spec.heartbeat_ms}"]
                         + (["--insecure"] if spec.insecure else []))
+    if spec.drafter:
+        commands.append(base + ["join", spec.addr, "--drafter", "--node-id", "drafter", "--threads", str(threads),
+                                "--device", spec.device, f"--stage-timeout={spec.stage_timeout_s}",
+                                f"--heartbeat-ms={spec.heartbeat_ms}"] + (["--insecure"] if spec.insecure else []))
     procs = []
-    for name, cmd in zip(node_names(spec.nodes), commands):
+    for name, cmd in zip(node_names(len(commands), spec.drafter), commands):
         logf = open(run_dir / f"{name}.log", "ab")
         procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=detach, stdin=subprocess.DEVNULL))
