@@ -1,0 +1,117 @@
+"""The drafter role on real processes (tiny pair, loopback, CurveZMQ on): a head, two stages and a drafter
+(`LocalClusterSpec(drafter=True)`, predraft = "drafter"). Flowspec's answers at T=0 equal plain greedy
+decoding while the drafter answers jobs; a SIGSTOPped drafter silences no request and is dropped; a
+drafter killed with -9 mid-request leaves the answer complete and identical, with no error, and the
+next request runs without one."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
+from flowedge.daemon.client import Client
+from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.runner import GenerateRequest, run_generate
+
+PROMPTS = ["abc def ghi jkl", "The quick brown fox"]
+MAX_NEW = 120
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pair):
+    base, draft = tiny_pair
+    return {p: run_generate(GenerateRequest(p, str(base), str(draft), "ar", MAX_NEW))["token_ids"] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_pair, tmp_path_factory):
+    base, draft = tiny_pair
+    with flowedge_home(tmp_path_factory.mktemp("home")):
+        spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
+                                wire_dtype="float32", predraft="drafter", drafter=True, strategy="flowspec")
+        c = start_cluster(spec)
+        try:
+            yield c
+        except BaseException:
+            print(logs(c.run_dir))
+            raise
+        finally:
+            c.stop()
+
+
+def _nodes(cluster) -> list[dict]:
+    with Client(cluster.spec.addr, timeout_s=10) as c:
+        return c.status()
+
+
+def _drafter_row(cluster) -> dict | None:
+    return next((n for n in _nodes(cluster) if n["role"] == "drafter"), None)
+
+
+def _wait(cond, timeout_s: float, what: str, cluster) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} within {timeout_s:g} s\n{logs(cluster.run_dir)}")
+
+
+def _answer(cluster, prompt: str, on_first=None) -> tuple[dict, float]:
+    """The answer's result and the longest silence between its chunks; `on_first` runs at its first tokens."""
+    gaps, last = [], time.monotonic()
+    with Client(cluster.spec.addr, timeout_s=60) as c:
+        for i, _ in enumerate(c.stream(prompt, max_new_tokens=MAX_NEW, strategy="flowspec")):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            if i == 0 and on_first is not None:
+                on_first()
+        return c.last_result, max(gaps[1:], default=0.0)
+
+
+def test_answers_equal_greedy_and_the_drafter_answers_jobs(cluster, references):
+    _wait(lambda: (_drafter_row(cluster) or {}).get("ready"), 60, "the drafter ready", cluster)
+    for prompt in PROMPTS:
+        res, _ = _answer(cluster, prompt)
+        assert res["token_ids"] == references[prompt], logs(cluster.run_dir)
+        pre = res["predraft"]
+        assert pre["jobs"] > 0 and pre["hits"] + pre["grafted_nodes"] > 0, pre
+    head = _nodes(cluster)[0]
+    assert head["drafter_jobs"]["answered"] > 0 and head["drafter_jobs"]["rejected"] == 0, head["drafter_jobs"]
+    row = _drafter_row(cluster)
+    assert row["stage"] is None and row["layers"] == "draft" and row["drafter"]["errors"] == 0, row
+    assert [n["stage"] for n in _nodes(cluster) if n["role"] == "stage"] == [1, 2]
+
+
+def test_a_sigstopped_drafter_silences_no_request_and_is_dropped(cluster, references):
+    drafter = cluster.procs[-1]
+    try:
+        res, longest = _answer(cluster, PROMPTS[0], on_first=lambda: os.kill(drafter.pid, signal.SIGSTOP))
+        assert res["token_ids"] == references[PROMPTS[0]]
+        assert longest < 2.0, f"the answer stalled {longest:.2f} s on a stopped drafter"
+        _wait(lambda: _drafter_row(cluster) is None, 10, "the stopped drafter dropped", cluster)
+        jobs = _nodes(cluster)[0]["drafter_jobs"]
+        assert jobs["timed_out"] + jobs["drafter_lost"] >= 1, jobs
+    finally:
+        os.kill(drafter.pid, signal.SIGCONT)
+    _wait(lambda: (_drafter_row(cluster) or {}).get("ready"), 30, "the resumed drafter back", cluster)
+
+
+def test_a_drafter_killed_mid_request_changes_nothing_in_the_answer(cluster, references):
+    _wait(lambda: (_drafter_row(cluster) or {}).get("ready"), 30, "the drafter ready", cluster)
+    drafter = cluster.procs[-1]
+    res, longest = _answer(cluster, PROMPTS[1], on_first=lambda: os.kill(drafter.pid, signal.SIGKILL))
+    assert res["token_ids"] == references[PROMPTS[1]] and res["finish_reason"] == "length"
+    assert longest < 2.0
+    drafter.wait(10)
+    _wait(lambda: _drafter_row(cluster) is None, 10, "the killed drafter dropped", cluster)
+    before = _nodes(cluster)[0]["drafter_jobs"]
+    res, _ = _answer(cluster, PROMPTS[0])   # no drafter at all now: node 0 drafts alone
+    assert res["token_ids"] == references[PROMPTS[0]]
+    after = _nodes(cluster)[0]["drafter_jobs"]
+    assert after["sent"] == before["sent"] and after["no_drafter"] > before["no_drafter"], (before, after)
+    assert res["predraft"]["unanswered"] > 0
