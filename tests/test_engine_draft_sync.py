@@ -55,7 +55,8 @@ def test_an_on_time_answer_equals_node0_drafting_itself(draft_model, lookup):
     device = DrafterDevice(draft_model)
     growth = device.run("r1", snapshot(node0, context, keep=0, calls=2, width=WIDTH, lookup=lookup))
     assert growth.ran.numel() > 0 and len(growth.calls) == 2
-    added = graft(node0, growth)
+    added, adopted = graft(node0, growth)
+    assert adopted == growth.ran.numel()
     ref.advance(context, 2, WIDTH, lookup)
     assert added == len(ref.base) - len(_rooted(draft_model, context).base)
     assert _paths(node0) == _paths(ref) and _ran_paths(node0) == _ran_paths(ref)
@@ -73,7 +74,7 @@ def test_a_late_answer_grafts_what_lies_under_the_new_root(draft_model):
     later = CONTEXT + [int(node0.base.tokens[best])]
     node0.advance(later, 0, WIDTH)
     ref.advance(later, 0, WIDTH)
-    assert graft(node0, growth) > 0
+    assert graft(node0, growth)[0] > 0
     assert _paths(node0) == _paths(ref) and _ran_paths(node0) == _ran_paths(ref)
     assert torch.equal(_next_logits(node0), _next_logits(ref))
 
@@ -89,7 +90,7 @@ def test_an_answer_off_the_accepted_path_adds_nothing(draft_model):
     assert new and untouched   # one call of 4 rows grew under some children, not all
     node0.advance(CONTEXT + [untouched[0]], 0, WIDTH)   # the walk took a child the drafter did not grow
     before = _paths(node0)
-    assert graft(node0, growth) == 0 and _paths(node0) == before
+    assert graft(node0, growth) == (0, 0) and _paths(node0) == before
 
 
 def test_the_replica_takes_only_new_rows_and_says_when_it_is_behind(draft_model):

@@ -83,6 +83,18 @@ def append_rows(cache, rows: torch.Tensor) -> None:
 
 
 # ---- node 0's side ----------------------------------------------------------------------------------
+def roots_free(drafter: Drafter, context: list[int]) -> bool:
+    """Whether re-rooting node 0's stored tree at `context` runs no draft call (the new root already ran)."""
+    ctx = drafter.context
+    if drafter.base is None or len(context) < len(ctx) or context[: len(ctx)] != ctx:
+        return False
+    if len(context) == len(ctx):
+        return True
+    node = find_path(drafter.base, list(context[len(ctx) - 1:]))
+    drafter._slots.grow(len(drafter.base))
+    return node is not None and bool(drafter._slots.ran[node])
+
+
 def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int, lookup: int) -> DraftSnapshot | None:
     """Node 0's tree at `context` for a drafter whose replica holds the first `keep` committed rows. The
     drafter must already be rooted at `context` (`Drafter.advance(context, 0, ...)`); None if it is not."""
@@ -99,24 +111,24 @@ def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width:
                          ran, take_rows(drafter.cache, idx), drafter.shape.topk, calls, width, lookup)
 
 
-def graft(drafter: Drafter, growth: DraftGrowth) -> int:
+def graft(drafter: Drafter, growth: DraftGrowth) -> tuple[int, int]:
     """Put the growth's nodes under node 0's current root into its stored tree (by token path), with the
-    K/V rows of the nodes the drafter ran and node 0 had not. Returns the nodes added (0: nothing under
-    the current root, e.g. the walk left the job's tree)."""
+    K/V rows of the nodes the drafter ran and node 0 had not. Returns (nodes added, rows adopted); (0, 0):
+    nothing new under the current root (the walk left the job's tree, or node 0 drafted it meanwhile)."""
     ctx = drafter.context
     if drafter.base is None or len(ctx) < len(growth.context) or tuple(ctx[: len(growth.context)]) != growth.context:
-        return 0
+        return 0, 0
     grown = DraftTree(growth.tokens, growth.parents, _depths(growth.parents), growth.log_scores)
     at = find_path(grown, list(ctx[len(growth.context) - 1:]))
     if at is None:
-        return 0
+        return 0, 0
     sub, ids = subtree(grown, at)
     row_of = torch.full((len(grown),), -1, dtype=torch.long)
     row_of[growth.ran] = torch.arange(growth.ran.numel())
     return _merge(drafter, sub, row_of[ids], growth.rows)
 
 
-def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.Tensor) -> int:
+def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.Tensor) -> tuple[int, int]:
     """Append the nodes of `sub` (rooted at node 0's root) that node 0's tree lacks, by token path, and
     adopt the K/V rows of nodes the drafter ran and node 0 never did."""
     base, slots = drafter.base, drafter._slots
@@ -130,7 +142,7 @@ def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.T
         first = drafter.cache.length
         append_rows(drafter.cache, rows.index_select(3, row_of[adopt]))
         slots.put(nodes, torch.arange(first, first + nodes.numel()))
-    return int(added.numel())
+    return int(added.numel()), int(nodes.numel())
 
 
 def _depths(parents: torch.Tensor) -> torch.Tensor:

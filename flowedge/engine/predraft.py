@@ -31,7 +31,7 @@ import torch
 
 from flowedge.core.merge import match_paths
 from flowedge.core.tree import DraftTree
-from flowedge.engine.draft_sync import DraftGrowth, graft, snapshot
+from flowedge.engine.draft_sync import DraftGrowth, graft, roots_free, snapshot
 from flowedge.engine.drafter import Drafter
 
 
@@ -68,6 +68,7 @@ class PreDraftStats:
     skipped: int = 0         # idle calls not started: the next segment was due before one would end
     late: int = 0            # drafter answers that came after the walk moved on (grafted by token path)
     grafted: int = 0         # nodes the drafter's answers added to node 0's tree
+    adopted: int = 0         # K/V rows of nodes the drafter ran that node 0 had not (calls node 0 saves)
     unanswered: int = 0      # jobs with no answer (no drafter, lost, replica behind)
 
     def as_dict(self) -> dict:
@@ -75,7 +76,7 @@ class PreDraftStats:
         return {"jobs": self.jobs, "calls": self.calls, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / looked, 4) if looked else None,
                 "critical_draft_calls": self.critical_calls, "skipped_idle_calls": self.skipped,
-                "late_answers": self.late, "grafted_nodes": self.grafted, "unanswered": self.unanswered}
+                "late_answers": self.late, "grafted_nodes": self.grafted, "adopted_rows": self.adopted, "unanswered": self.unanswered}
 
 
 def fresh_nodes(base: DraftTree, tree: DraftTree, alive: torch.Tensor, cur: int) -> int:
@@ -152,21 +153,23 @@ class PreDrafting:
         return self._offload(job, context)
 
     def _offload(self, job: PreDraftJob, context: list[int]) -> list:
-        """Root node 0's tree at the job's context (a call, if the root never ran) and send the drafter a
+        """Root node 0's tree at the job's context (only where that runs no call) and send the drafter a
         snapshot with the rows its replica lacks: the committed rows past what it was last shipped."""
-        from flowedge.engine.events import Compute, Offload
+        from flowedge.engine.events import Offload
 
         d, cfg = self.drafter, self.config
-        d.advance(context, 0, cfg.expansion_width, cfg.lookup_tokens)   # the expansion would run this root anyway
-        actions: list = [Compute("draft", t, c, "draft") for t, c, _ in d.drain_calls()]
+        if not roots_free(d, context):   # rooting there would cost node 0 a call: no job this time
+            self.out = None
+            return []
+        d.advance(context, 0, cfg.expansion_width, cfg.lookup_tokens)
         keep = next((i for i, (a, b) in enumerate(zip(self.shipped, context)) if a != b),
                     min(len(self.shipped), len(context)))
         snap = snapshot(d, context, keep, job.calls, cfg.expansion_width, cfg.lookup_tokens)
         if snap is None:   # the context left node 0's stored tree: nothing to continue
             self.out = None
-            return actions
+            return []
         self.shipped = tuple(context)
-        return actions + [Offload(job, snap, request_bytes=snap.nbytes())]
+        return [Offload(job, snap, request_bytes=snap.nbytes())]
 
     def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
         """Run (idle) or merge (drafter) a job's calls on the tree at `context`. Returns the actions (node
@@ -202,7 +205,9 @@ class PreDrafting:
             return [], False
         if tuple(context) != event.job.context:
             self.stats.late += 1
-        self.stats.grafted += graft(self.drafter, event.growth)
+        nodes, rows = graft(self.drafter, event.growth)
+        self.stats.grafted += nodes
+        self.stats.adopted += rows
         self._count(event.growth.calls)
         return [], self.out is None
 
