@@ -211,3 +211,15 @@ def test_fuzz_answers_never_raise_and_settle_each_job_once(draft_model, snap, da
     clock.now += DRAFT_TIMEOUT_S
     d.expire()
     assert sorted(k for k, _ in got) == [1, 2] and d.out == {}
+
+
+def test_status_shows_the_drafter_row_and_its_jobs(snap):
+    from flowedge.daemon.status_view import render
+
+    m, d, clock, _, _ = setup()
+    d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
+    d.drafter_lost(b"d0")
+    head = {"node_id": "head", "role": "head", "layers": "embed+head", "drafter_jobs": d.status()}
+    text = render([head] + m.status_rows())
+    assert "d0" in text and "drafter" in text and " draft " in text
+    assert "drafter jobs: 1 sent to 1 drafter(s), 0 answered, 0 behind, 0 timed out, 1 lost with a drafter" in text

@@ -209,6 +209,20 @@ def test_leaving_devices_out_finds_the_best_subset(seed):
 def test_plan_command_marks_the_device_it_leaves_out():
     proc = _plan_cli("--model", "llama-2-7b", "--devices", ",".join(MIXED), "--no-simulate")
     assert proc.returncode == 0, proc.stderr
-    assert "unused rpi5-8gb" in proc.stdout and proc.stdout.count("orin-nano-8gb ") == 2
+    # the board the stages leave out holds the draft model: listed as the drafter, not as unused
+    assert "drafter rpi5-8gb" in proc.stdout and "unused rpi5" not in proc.stdout, proc.stdout
+    assert "ms/step here" in proc.stdout and proc.stdout.count("orin-nano-8gb ") == 2
     forced = _plan_cli("--model", "llama-2-7b", "--devices", ",".join(MIXED), "--no-simulate", "--use-all", "--json")
     assert json.loads(forced.stdout)["unused"] == [] and len(json.loads(forced.stdout)["stages"]) == 4
+    assert json.loads(forced.stdout)["drafter"] is None
+
+
+def test_one_spare_board_becomes_the_drafter_and_the_others_stay_unused():
+    devices = ["agx-orin-64gb", "rpi5-8gb", "rpi5-8gb", "orin-nano-8gb"]
+    report = json.loads(_plan_cli("--model", "llama-2-7b", "--devices", ",".join(devices), "--no-simulate",
+                                  "--json").stdout)
+    assert report["drafter"]["device"] == "rpi5-8gb" and 0 < report["drafter"]["total_gib"] < 2
+    assert [u["device"] for u in report["unused"]] == ["rpi5-8gb"] and len(report["stages"]) == 2
+    # a spare that cannot hold the draft model stays unused
+    tight = plan_cluster("llama-2-7b", ["orin-nano-8gb"] * 3, free_memory_bytes=[6 << 30, 1 << 29, 6 << 30])
+    assert tight.drafter is None and [u.index for u in tight.plan.unused] == [1]

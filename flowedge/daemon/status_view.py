@@ -71,9 +71,19 @@ def predraft_line(nodes: list[dict]) -> list[str]:
             f"misses), {pre.get('skipped_idle_calls')} idle calls skipped (the next segment was due)"]
 
 
+def drafter_line(nodes: list[dict]) -> list[str]:
+    """The head's pre-draft jobs for drafter nodes since it started (daemon/draft_dispatch.py)."""
+    jobs = (nodes[0] if nodes else {}).get("drafter_jobs") or {}
+    if not jobs.get("jobs"):
+        return []
+    return [f"drafter jobs: {jobs.get('sent')} sent to {jobs.get('drafters')} drafter(s), {jobs.get('answered')} "
+            f"answered, {jobs.get('behind')} behind, {jobs.get('timed_out')} timed out, {jobs.get('drafter_lost')} "
+            f"lost with a drafter, {jobs.get('no_drafter')} with none joined (node 0 drafted alone)"]
+
+
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
     return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes),
-                      *predraft_line(nodes)])
+                      *predraft_line(nodes), *drafter_line(nodes)])
 
 
 def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,

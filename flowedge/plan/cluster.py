@@ -8,7 +8,7 @@ from typing import Any
 
 from flowedge.core.config import SpecConfig
 from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
-from flowedge.plan.memory import GiB, MemoryNeed, head_need, usable_bytes
+from flowedge.plan.memory import GiB, MemoryNeed, drafter_need, head_need, usable_bytes
 from flowedge.plan.partition import (IDLE_GAIN, PartitionPlan, PlanError, PlanInputs, StageDevice,
                                      plan_partition, stage_devices)
 from flowedge.plan.shapes import load_shape
@@ -36,6 +36,18 @@ class ClusterSpec:
     head_device: DeviceProfile
     link: LinkProfile
     head_memory: MemoryNeed | None = None
+    drafter: Drafter | None = None       # a spare device that holds the draft model for node 0
+
+
+@dataclass(frozen=True, slots=True)
+class Drafter:
+    """A device the stages leave out that can hold the draft model: it pre-drafts for node 0 (predraft =
+    "drafter", engine/predraft.py) instead of sitting idle."""
+
+    device: str
+    index: int                 # in the device order planned (`PartitionPlan.unused`)
+    memory: MemoryNeed
+    why_spare: str             # why the stages leave it out
 
 
 def best_order_plan(inputs: PlanInputs, reorder: bool) -> tuple[PlanInputs, PartitionPlan]:
@@ -110,4 +122,17 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
                         f"draft + KV + runtime), has {room / GiB:.2f} GiB usable: "
                         f"{(need.total_bytes - room) / GiB:.2f} GiB missing")
     used = tuple(d for k, d in enumerate(inputs.devices) if k not in idle)
-    return ClusterSpec(config, plan, used, head, lnk, need)
+    drafter = spare_drafter(plan, inputs, load_shape(draft), draft_quant, context) if draft else None
+    return ClusterSpec(config, plan, used, head, lnk, need, drafter)
+
+
+def spare_drafter(plan: PartitionPlan, inputs: PlanInputs, draft_config: Any, draft_quant: str,
+                  context: int) -> Drafter | None:
+    """The first device the stages leave out that can hold the draft model and its KV (one is enough: node
+    0 keeps one job out per request)."""
+    for u in plan.unused:
+        dev = inputs.devices[u.index]
+        need = drafter_need(draft_config, draft_quant, context, dev.profile)
+        if need.total_bytes <= dev.usable_bytes:
+            return Drafter(u.device, u.index, need, u.reason)
+    return None

@@ -70,7 +70,12 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
             "link": cluster.link.name, "step_tokens": cluster.plan.step_tokens, "stages": stages,
             "node0": {"device": cluster.head_device.name,
                       "total_gib": round(head.total_bytes / GiB, 2) if head else None},
-            "unused": [{"device": u.device, "reason": u.reason} for u in cluster.plan.unused],
+            "unused": [{"device": u.device, "reason": u.reason} for u in cluster.plan.unused
+                       if cluster.drafter is None or u.index != cluster.drafter.index],
+            "drafter": None if cluster.drafter is None else {
+                "device": cluster.drafter.device, "total_gib": round(cluster.drafter.memory.total_bytes / GiB, 2),
+                "reason": f"spare ({cluster.drafter.why_spare}): holds the draft model and pre-drafts for node 0 "
+                          "(`flowedge join --drafter`, predraft = \"drafter\")"},
             "bottleneck_ms": round(1e3 * cluster.plan.bottleneck_s, 2),
             "pipeline_latency_ms": round(1e3 * cluster.plan.latency_s, 2)}
 
@@ -102,6 +107,9 @@ def _table(r: dict) -> str:
         rng = f"{s['layers'][0]}-{s['layers'][1]} ({s['count']})"
         lines.append(f"{s['stage']:<6}{s['device']:<16}{rng:<12}{s['weights_gib']:>9.2f}{s['kv_gib']:>7.2f}"
                      f"{s['runtime_gib']:>9.2f}{s['total_gib']:>8.2f}{s['usable_gib']:>8.2f}{s['step_ms']:>9.2f}")
+    if r.get("drafter"):
+        d = r["drafter"]
+        lines.append(f"drafter {d['device']:<15}{d['total_gib']:.2f} GiB; {d['reason']}")
     lines += [f"unused {u['device']:<16}{u['reason']}" for u in r["unused"]]
     lines.append(f"node 0 {r['node0']['device']}: {r['node0']['total_gib']} GiB (embedding, lm_head, draft, KV, "
                  "runtime); memory in GiB")

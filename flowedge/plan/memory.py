@@ -94,6 +94,13 @@ def head_need(config: Any, draft_config: Any | None, draft_quant: str, context: 
     return MemoryNeed(int(weights), kv, RUNTIME_OVERHEAD_BYTES)
 
 
+def drafter_need(draft_config: Any, draft_quant: str, context: int, device: DeviceProfile) -> MemoryNeed:
+    """A drafter node: the whole draft model and the KV of node 0's draft context it replicates."""
+    weights = shape_of_model(draft_config).params * quant_bytes(draft_quant)
+    kv = kv_bytes(draft_config, int(draft_config.num_hidden_layers), context, device)
+    return MemoryNeed(int(weights), kv, RUNTIME_OVERHEAD_BYTES)
+
+
 def usable_bytes(device: DeviceProfile, free_memory_bytes: int | None) -> int:
     """What a node may use: the free memory it reported when it joined, else the profile's total less the
     OS reserve."""
