@@ -175,8 +175,6 @@ def bench(model, draft, strategies, prompt_file, datasets, samples, max_new_toke
     spec = SpecConfig().with_(tree_nodes=tree_nodes, tree_depth=tree_depth, topk=tree_topk, l_max=segment_size,
                               draft_width=draft_width, lookup_tokens=lookup_tokens, lm_head_at=lm_head_at,
                               predraft=predraft, predraft_calls=predraft_calls)
-    if predraft == "drafter" and driver != "sim":
-        raise click.UsageError("--predraft drafter runs on the sim driver only (the daemon pre-drafts in node 0's gaps)")
     cfg = BenchConfig(model=model, draft=draft, strategies=names, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, nodes=nodes, profile=profile, link=link,
                       path=compute_path, verify=verify, tree_size=tree_size, spec=spec)

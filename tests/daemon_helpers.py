@@ -52,7 +52,7 @@ def flowedge_home(path: Path):
 def start_cluster(spec: local_cluster.LocalClusterSpec) -> local_cluster.LocalCluster:
     cluster = local_cluster.start(spec)
     try:
-        wait_ready(spec.addr, READY_TIMEOUT_S, insecure=spec.insecure, alive=cluster.alive)
+        wait_ready(spec.addr, READY_TIMEOUT_S, insecure=spec.insecure, alive=cluster.alive, drafters=int(spec.drafter))
     except BaseException:
         cluster.stop(grace_s=2.0)
         raise AssertionError("cluster did not start:\n" + logs(cluster.run_dir)) from None

@@ -37,3 +37,18 @@ def test_zmq_concurrency_sweep_batches_requests_and_keeps_every_answer(tiny_pair
     assert one["matches_ar"] and three["matches_ar"], results["rows"]   # batched answers == one at a time
     assert one["mean_batch"] == 1.0 and three["mean_batch"] > 1.0, (one["mean_batch"], three["mean_batch"])
     assert "requests per stage forward" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_zmq_bench_with_a_drafter_process(tiny_pair, tmp_path):
+    """`--predraft drafter` on the zmq driver starts a drafter process beside the stages and waits for it."""
+    from flowedge.core.config import SpecConfig
+
+    base, draft = tiny_pair
+    cfg = BenchConfig(model=str(base), draft=str(draft), strategies=("flowspec",), max_new_tokens=40, nodes=3,
+                      spec=SpecConfig().with_(predraft="drafter"))
+    with flowedge_home(tmp_path / "home"):
+        results = run_bench_zmq(cfg, [Prompt("p0", "custom", "abc def ghi jkl")], tmp_path / "out",
+                                wire_dtype="float32", threads=1, port=free_port_pair())
+    run, = results["runs"]
+    assert run["matches_ar"] is True and len(run["stage_step_ms_median"]) == 2
+    assert run["predraft"]["jobs"] > 0 and run["predraft"]["unanswered"] < run["predraft"]["jobs"], run["predraft"]

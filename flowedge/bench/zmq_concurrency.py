@@ -49,10 +49,10 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
     for c in levels:
         spec = local_cluster.LocalClusterSpec(nodes=cfg.nodes, model=cfg.model, draft=cfg.draft, port=port,
                                               threads=threads, wire_dtype=wire_dtype, max_concurrent=c,
-                                              predraft=cfg.spec.predraft)
+                                              predraft=cfg.spec.predraft, drafter=cfg.spec.predraft == "drafter")
         cluster = local_cluster.start(spec)
         try:
-            wait_ready(spec.addr, 1800, alive=cluster.alive)
+            wait_ready(spec.addr, 1800, alive=cluster.alive, drafters=int(spec.drafter))
             for name in cfg.strategies:
                 answers: list[dict] = [{} for _ in prompts]
                 before = _batch_counts(spec.addr)

@@ -32,7 +32,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                                           threads=threads, wire_dtype=wire_dtype,
                                           tree_nodes=0 if sized else cfg.spec.tree_nodes,
                                           tree_size=cfg.tree_size, lm_head_at=cfg.spec.lm_head_at,
-                                          predraft=cfg.spec.predraft)
+                                          predraft=cfg.spec.predraft, drafter=cfg.spec.predraft == "drafter")
     config = {k: v for k, v in asdict(cfg).items() if k != "spec"} | {
         "spec": asdict(cfg.spec), "driver": "zmq", "wire_dtype": wire_dtype,
         "threads_per_process": spec.per_process_threads(), "profile": "this machine (wall clock)"}
@@ -42,7 +42,8 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
     reference = StageModel.load(base_dir, quant=spec.quant)
     cluster = local_cluster.start(spec)
     try:
-        wait_ready(spec.addr, 1800, alive=cluster.alive, progress=lambda s: say(f"cluster: {s}"))
+        wait_ready(spec.addr, 1800, alive=cluster.alive, progress=lambda s: say(f"cluster: {s}"),
+                   drafters=int(spec.drafter))
         total = len(prompts) * len(cfg.strategies)
         with Client(spec.addr, timeout_s=900) as client:
             for i, prompt in enumerate(prompts):
@@ -74,9 +75,11 @@ def _zmq_run(prompt: Prompt, name: str, res: dict, nodes: list[dict], ref: list[
         "mean_accept_len": res.get("mean_accept_len", 1.0),
         "restarts": res.get("round_restarts", 0), "steps": res.get("steps"),
         "head_overhead_ms": res.get("head_overhead_ms_per_step"),
-        "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:]],
+        "stage_step_ms_median": [n.get("step_ms_median") for n in nodes[1:] if n.get("role") == "stage"],
         "matches_ar": (res["token_ids"] == ref) if ref is not None else None,
     }
     if res.get("auto"):   # strategy auto: its choice and reason
         run["auto"] = res["auto"]
+    if res.get("predraft"):   # pre-drafting: jobs, hits, grafted nodes (engine/predraft.py)
+        run["predraft"] = res["predraft"]
     return run

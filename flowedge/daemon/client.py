@@ -199,8 +199,9 @@ class Client:
 
 
 def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,
-               progress=None, alive=lambda: True, why=lambda: "") -> list[dict]:
-    """Poll a head's status until every stage is ready; FlowedgeError on timeout or if `alive()` fails.
+               progress=None, alive=lambda: True, why=lambda: "", drafters: int = 0) -> list[dict]:
+    """Poll a head's status until every stage (and `drafters` drafter nodes) is ready; FlowedgeError on
+    timeout or if `alive()` fails.
 
     Each try uses a fresh connection, so replies queued behind a head that is still loading its
     models can never be mistaken for the answer to a later try."""
@@ -215,10 +216,12 @@ def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = F
         except FlowedgeError:
             line = "waiting for the head (loading models)"
         else:
-            if nodes and nodes[0].get("ready"):
+            stages = [n for n in nodes[1:] if n.get("role") == "stage"]
+            drafting = sum(1 for n in nodes if n.get("role") == "drafter" and n.get("ready"))
+            if nodes and nodes[0].get("ready") and drafting >= drafters:
                 return nodes
-            ready = sum(1 for n in nodes[1:] if n.get("ready"))
-            line = f"{ready}/{len(nodes) - 1} stages ready"
+            line = f"{sum(1 for n in stages if n.get('ready'))}/{len(stages)} stages ready" + \
+                (f", {drafting}/{drafters} drafters" if drafters else "")
         finally:
             client.close()
         if progress and line != last:

@@ -194,7 +194,7 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
         t0 = time.monotonic()
         with _showing_progress(cluster) as shown:
             wait_ready(spec.addr, ready_timeout, insecure=insecure, alive=cluster.alive, why=cluster.failure,
-                       progress=lambda line: shown.note(f"  {line}"))
+                       progress=lambda line: shown.note(f"  {line}"), drafters=int(drafter))
         at = ("" if port == DEFAULT_PORT else f" --head {spec.addr}") + (" --insecure" if insecure else "")
         click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT{at}` or "
                    f"`flowedge status{at}`", err=True)
