@@ -92,7 +92,7 @@ def test_a_sigstopped_drafter_silences_no_request_and_is_dropped(cluster, refere
     try:
         res, longest = _answer(cluster, PROMPTS[0], on_first=lambda: os.kill(drafter.pid, signal.SIGSTOP))
         assert res["token_ids"] == references[PROMPTS[0]]
-        assert longest < 2.0, f"the answer stalled {longest:.2f} s on a stopped drafter"
+        assert longest < 3.0, f"the answer stalled {longest:.2f} s on a stopped drafter"
         _wait(lambda: _drafter_row(cluster) is None, 10, "the stopped drafter dropped", cluster)
         jobs = _nodes(cluster)[0]["drafter_jobs"]
         assert jobs["timed_out"] + jobs["drafter_lost"] >= 1, jobs
@@ -106,7 +106,7 @@ def test_a_drafter_killed_mid_request_changes_nothing_in_the_answer(cluster, ref
     drafter = cluster.procs[-1]
     res, longest = _answer(cluster, PROMPTS[1], on_first=lambda: os.kill(drafter.pid, signal.SIGKILL))
     assert res["token_ids"] == references[PROMPTS[1]] and res["finish_reason"] == "length"
-    assert longest < 2.0
+    assert longest < 3.0
     drafter.wait(10)
     _wait(lambda: _drafter_row(cluster) is None, 10, "the killed drafter dropped", cluster)
     before = _nodes(cluster)[0]["drafter_jobs"]
