@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from draft_helpers import draft_answer
 from flowedge.daemon import draft_wire
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.draft_dispatch import DRAFT_TIMEOUT_S, NO_DRAFTER_HOLD_S, DraftDispatch
+from flowedge.daemon.draft_dispatch import DRAFT_TIMEOUT_S, LATE_KEEP_S, NO_DRAFTER_HOLD_S, DraftDispatch
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.membership import DrafterLost, Membership
 from flowedge.engine.draft_sync import snapshot
@@ -158,6 +158,39 @@ def test_every_other_outcome_is_none_at_once(draft_model, snap, how):
     assert got == [(5, ("predrafted", 1, None))] and d.out == {}
 
 
+def _answer_to(draft_model, sent) -> proto.DraftAnswer:
+    from flowedge.daemon.draft_serve import DraftServer
+
+    job = next(msg for _, msg in reversed(sent) if isinstance(msg, proto.DraftJob))
+    return DraftServer(draft_model, DropLog(logging.getLogger("t"))).run(proto.decode(job.to_frames()))
+
+
+def test_an_answer_after_the_timeout_is_still_grafted_once(draft_model, snap):
+    """The job's outcome (None) came at the timeout; the growth that comes later still holds nodes valid
+    under node 0's root (grafted by token path), so it goes to the engine too, once."""
+    m, d, clock, sent, got = setup(draft_model)
+    d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
+    answer = _answer_to(draft_model, sent)
+    clock.now += DRAFT_TIMEOUT_S
+    d.expire()
+    assert got == [(5, ("predrafted", 1, None))]
+    d.on_answer(m.peers[b"d0"], answer)
+    assert len(got) == 2 and got[1][1][2] is not None and d.counts["late_grafted"] == 1
+    d.on_answer(m.peers[b"d0"], answer)
+    assert len(got) == 2
+    # a refusal after the timeout, or an answer past LATE_KEEP_S, adds nothing
+    d.offload(5, Offload(Job(2, tuple(CONTEXT)), snap))
+    d.offload(6, Offload(Job(1, tuple(CONTEXT)), snap))
+    late = _answer_to(draft_model, sent)
+    clock.now += DRAFT_TIMEOUT_S
+    d.expire()
+    d.on_answer(m.peers[b"d0"], proto.DraftDeclined(request_id=5, seq=2, why="behind"))
+    clock.now += LATE_KEEP_S
+    d.expire()
+    d.on_answer(m.peers[b"d0"], late)
+    assert len(got) == 4 and got[2][1][2] is None and got[3][1][2] is None and d.expired == {}
+
+
 def test_an_answer_from_another_drafter_is_not_taken(draft_model, snap):
     m, d, _, _, got = setup(draft_model, ready=2)
     d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
@@ -222,4 +255,5 @@ def test_status_shows_the_drafter_row_and_its_jobs(snap):
     head = {"node_id": "head", "role": "head", "layers": "embed+head", "drafter_jobs": d.status()}
     text = render([head] + m.status_rows())
     assert "d0" in text and "drafter" in text and " draft " in text
-    assert "drafter jobs: 1 sent to 1 drafter(s), 0 answered, 0 behind, 0 timed out, 1 lost with a drafter" in text
+    assert "drafter jobs: 1 sent to 1 drafter(s), 0 answered, 0 behind, 0 timed out (0 of them grafted late), " \
+           "1 lost with a drafter" in text

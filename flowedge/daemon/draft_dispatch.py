@@ -7,7 +7,9 @@ as a `DraftJob`; its answer is grafted by the engine: `PreDrafted(job, growth)` 
 drafter that declines it (its replica is behind, the job was bad), an answer that fails its checks, a
 drafter lost (disconnected, silent past its liveness) or one that does not answer in time, the outcome
 is `PreDrafted(job, None)`: node 0 drafts alone and ships the whole context with its next job. Node 0
-never waits for a drafter: its expansion goes on whether an answer came or not.
+never waits for a drafter: its expansion goes on whether an answer came or not. An answer that comes
+after its job timed out (within `LATE_KEEP_S`) is still handed over: the engine grafts any job's growth
+by token path, so its nodes under node 0's current root are valid however late they are.
 
 Threads: `offload` runs inside an engine turn (the compute thread), everything else on the poll loop;
 the head never runs both at once (head_node.py).
@@ -28,6 +30,7 @@ from flowedge.transport import protocol as proto
 log = logging.getLogger(__name__)
 
 DRAFT_TIMEOUT_S = 1.0    # a job not answered by then is given up (node 0 has drafted alone meanwhile)
+LATE_KEEP_S = 10.0       # a timed-out job's answer is still grafted if it comes within this
 MAX_HOMES = 1024
 NO_DRAFTER_HOLD_S = 0.05  # with no drafter, a job's empty outcome waits this long: not a busy loop of jobs
 
@@ -58,9 +61,10 @@ class DraftDispatch:
         self.timeout_s, self.clock, self.event = timeout_s, clock, event
         self.deliver: Callable[[int, object], None] = lambda key, event: None
         self.out: dict[tuple[int, int], Outstanding] = {}
+        self.expired: dict[tuple[int, int], Outstanding] = {}   # timed out; due_s: until when an answer counts
         self.home: dict[int, bytes] = {}   # request key -> the drafter holding its replica
         self.counts = {"jobs": 0, "sent": 0, "answered": 0, "declined": 0, "behind": 0, "timed_out": 0,
-                       "drafter_lost": 0, "no_drafter": 0, "late": 0, "rejected": 0}
+                       "drafter_lost": 0, "no_drafter": 0, "late": 0, "late_grafted": 0, "rejected": 0}
 
     # ---- jobs out (compute thread, inside a turn) ---------------------------------------------------
     def offload(self, key: int, action) -> None:
@@ -103,11 +107,12 @@ class DraftDispatch:
     # ---- outcomes (poll loop) -----------------------------------------------------------------------
     def on_answer(self, peer: Peer, msg: proto.DraftAnswer | proto.DraftDeclined) -> None:
         """A drafter's answer or refusal: its job's outcome, if the job is still waiting for one."""
-        o = self.out.get((msg.request_id, msg.seq))
+        at = (msg.request_id, msg.seq)
+        o = self.out.get(at)
         if o is None or o.identity != peer.identity:
-            self.counts["late"] += 1   # timed out already, or its request ended: node 0 drafted alone
+            self._late(peer, msg)
             return
-        del self.out[(msg.request_id, msg.seq)]
+        del self.out[at]
         if isinstance(msg, proto.DraftDeclined):
             self.counts["behind" if msg.why == "behind" else "declined"] += 1
             if msg.why == "error":
@@ -124,6 +129,22 @@ class DraftDispatch:
         self.counts["answered"] += 1
         self._settle(o, growth)
 
+    def _late(self, peer: Peer, msg: proto.DraftAnswer | proto.DraftDeclined) -> None:
+        """An answer after its job's timeout: its growth still goes to the engine (grafted by token path;
+        its job's outcome, None, was delivered at the timeout). Anything else is dropped."""
+        self.counts["late"] += 1
+        o = self.expired.pop((msg.request_id, msg.seq), None)
+        if o is None or o.identity != peer.identity or not isinstance(msg, proto.DraftAnswer):
+            return
+        try:
+            growth = draft_wire.growth_of(msg, o.snapshot, self.draft_model())
+        except ProtocolError as err:
+            self.counts["rejected"] += 1
+            self.drops.drop("draft_answer", f"drafter {peer.name}, request {o.key} (late): {err}")
+            return
+        self.counts["late_grafted"] += 1
+        self._settle(o, growth)
+
     def on_unreadable(self, peer: Peer, err: ProtocolError) -> None:
         """A drafter's message that did not decode: its jobs run out their time."""
         self.drops.drop("malformed", f"from drafter {peer.name}: {err}")
@@ -136,7 +157,10 @@ class DraftDispatch:
             if o.identity is not None:
                 self.counts["timed_out"] += 1
                 log.debug("draft job %d of request %d: no answer within %g s", o.job.seq, o.key, self.timeout_s)
+                self.expired[(o.key, o.job.seq)] = Outstanding(o.key, o.job, o.snapshot, o.identity, now + LATE_KEEP_S)
             self._settle(o, None)
+        for at in [at for at, o in self.expired.items() if o.due_s <= now]:
+            del self.expired[at]   # its snapshot (K/V rows) is not held longer
 
     def drafter_lost(self, identity: bytes) -> None:
         """A drafter left: its jobs settle empty now, its requests find another drafter."""
@@ -145,6 +169,7 @@ class DraftDispatch:
             self.counts["drafter_lost"] += 1
             self._settle(o, None)
         self.home = {k: i for k, i in self.home.items() if i != identity}
+        self.expired = {at: o for at, o in self.expired.items() if o.identity != identity}
 
     def _settle(self, o: Outstanding, growth) -> None:
         self.deliver(o.key, self.event(o.job, growth))

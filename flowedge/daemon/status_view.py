@@ -77,7 +77,8 @@ def drafter_line(nodes: list[dict]) -> list[str]:
     if not jobs.get("jobs"):
         return []
     return [f"drafter jobs: {jobs.get('sent')} sent to {jobs.get('drafters')} drafter(s), {jobs.get('answered')} "
-            f"answered, {jobs.get('behind')} behind, {jobs.get('timed_out')} timed out, {jobs.get('drafter_lost')} "
+            f"answered, {jobs.get('behind')} behind, {jobs.get('timed_out')} timed out ({jobs.get('late_grafted', 0)} "
+            f"of them grafted late), {jobs.get('drafter_lost')} "
             f"lost with a drafter, {jobs.get('no_drafter')} with none joined (node 0 drafted alone)"]
 
 
