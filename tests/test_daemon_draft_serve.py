@@ -59,7 +59,8 @@ def test_a_job_over_the_wire_grows_what_node0_would_draft_itself(draft_model):
     assert isinstance(reply, p.DraftAnswer) and (reply.request_id, reply.seq) == (1, 1)
     growth = draft_wire.growth_of(reply, snap, draft_model)
     assert growth.ran.numel() > 0 and len(growth.calls) == 2
-    assert graft(node0, growth) > 0
+    added, adopted = graft(node0, growth)
+    assert added > 0 and adopted > 0
     ref = _rooted(draft_model)
     ref.advance(CONTEXT, 2, WIDTH, 0)
     assert _paths(node0) == _paths(ref)
