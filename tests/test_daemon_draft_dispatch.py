@@ -257,3 +257,28 @@ def test_status_shows_the_drafter_row_and_its_jobs(snap):
     assert "d0" in text and "drafter" in text and " draft " in text
     assert "drafter jobs: 1 sent to 1 drafter(s), 0 answered, 0 behind, 0 timed out (0 of them grafted late), " \
            "1 lost with a drafter" in text
+
+
+def test_the_head_serves_a_drafter_the_draft_model_s_files_only(tmp_path):
+    from types import SimpleNamespace
+
+    from flowedge.daemon import draft_members
+    from flowedge.daemon.shard_fetch import ShardFile
+
+    (tmp_path / "layers").write_bytes(b"L" * 100)
+    (tmp_path / "head").write_bytes(b"H" * 50)
+    files = (ShardFile(tmp_path / "layers", "1" * 64, 100, {"config.json": "{}"}),
+             ShardFile(tmp_path / "head", "2" * 64, 50, {}))
+    m, _, _, sent, _ = setup(ready=0)
+    m.plan = SimpleNamespace(draft_files=files)
+    m.register(b"d", drafter_hello())
+    got = sent[-1][1]
+    assert (got.shard_sha256, got.shard_bytes, got.head_sha256, got.head_bytes) == ("1" * 64, 100, "2" * 64, 50)
+    peer = m.peers[b"d"]
+    m.on_shard_request(peer, proto.ShardRequest(offset=40, length=20, sha256="2" * 64))
+    assert sent[-1] == (b"d", proto.ShardChunk.of(40, b"H" * 10, 50))
+    n = len(sent)
+    m.on_shard_request(peer, proto.ShardRequest(offset=0, sha256="3" * 64))   # not the draft's: nothing
+    m.on_shard_request(peer, proto.ShardRequest(offset=0))
+    assert len(sent) == n
+    assert draft_members.draft_setup(m.config, SimpleNamespace(draft_files=None)).shard_sha256 == ""

@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
+from daemon_helpers import flowedge_home, free_port_pair, logs, spawn_join, start_cluster
 from flowedge.daemon.client import Client
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.runner import GenerateRequest, run_generate
@@ -115,3 +116,27 @@ def test_a_drafter_killed_mid_request_changes_nothing_in_the_answer(cluster, ref
     after = _nodes(cluster)[0]["drafter_jobs"]
     assert after["sent"] == before["sent"] and after["no_drafter"] > before["no_drafter"], (before, after)
     assert res["predraft"]["unanswered"] > 0
+
+
+def test_a_drafter_with_nothing_on_it_fetches_the_draft_model_from_the_head(cluster, references, tmp_path):
+    """Its own FLOWEDGE_HOME (no models, no cache) and not on the head's host: it fetches the draft model's
+    one-stage split from the head, checksummed, loads it, and its answers are grafted."""
+    import shutil
+
+    home = tmp_path / "bare"
+    (home / "keys").mkdir(parents=True)
+    for f in (Path(os.environ["FLOWEDGE_HOME"]) / "keys").iterdir():
+        shutil.copy(f, home / "keys" / f.name)
+    log = tmp_path / "bare-drafter.log"
+    proc = spawn_join(cluster.spec.addr, "--drafter", "--node-id", "bare", log_path=log,
+                      env={"FLOWEDGE_HOME": str(home)})
+    try:
+        _wait(lambda: any(n["node_id"] == "bare" and n["ready"] for n in _nodes(cluster) if n["role"] == "drafter"),
+              60, "the bare drafter ready", cluster)
+        text = log.read_text()
+        assert "fetching the draft model" in text and list((home / "stage-cache").iterdir()), text
+        res, _ = _answer(cluster, PROMPTS[0])
+        assert res["token_ids"] == references[PROMPTS[0]] and res["predraft"]["unanswered"] < res["predraft"]["jobs"]
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -101,3 +101,15 @@ def test_declined_reasons_are_a_closed_list():
 def test_a_drafter_hello_is_a_valid_role():
     hello = p.Hello(node_id="d", role="drafter", device="x86-cpu", free_memory_bytes=1, capabilities={"role": "drafter"})
     assert _roundtrip(hello).role == "drafter"
+
+
+def test_a_setup_names_the_files_the_head_serves_or_none():
+    sha = "ab" * 32
+    setup = p.DraftSetup(model="m", quant="int4", shard_sha256=sha, shard_bytes=10, head_sha256="cd" * 32,
+                         head_bytes=5, side_files={"config.json": "{}", "manifest.json": "{}"})
+    assert _roundtrip(setup) == setup
+    assert _roundtrip(p.DraftSetup(model="m", quant="int4")).shard_sha256 == ""
+    with pytest.raises(ProtocolError, match="head_sha256"):
+        p.DraftSetup(model="m", quant="int4", shard_sha256=sha)   # both files, or neither
+    with pytest.raises(ProtocolError, match="side_files"):
+        p.DraftSetup(model="m", quant="int4", shard_sha256=sha, head_sha256=sha, side_files={"../x": ""})

@@ -1,9 +1,11 @@
 """A drafter node: joins the head like a stage, holds the draft model and pre-drafts for node 0.
 
 It takes no stage slot: the head keeps drafters apart (membership.py) and sends each one the draft model
-it runs itself (`DraftSetup`: a registry name, resolved and fetched here as the head did, or a path on a
-shared host), then pre-draft jobs (`DraftJob`) over the control connection; every job gets an answer
-(daemon/draft_serve.py). Node 0 never waits on a drafter: a job not answered within its timeout, or a
+it runs itself (`DraftSetup`): with predraft = "drafter" the head serves it as a one-stage split, which
+the drafter fetches like a stage's shard (checksummed, cached under $FLOWEDGE_HOME/stage-cache), so a
+board with nothing on it can draft; on the head's host (`same_host`), or from a head that serves no
+files, the model's name is resolved here. Then come pre-draft jobs (`DraftJob`) over the control
+connection; every job gets an answer (daemon/draft_serve.py). Node 0 never waits on a drafter: a job not answered within its timeout, or a
 drafter that dies, only means node 0 drafts alone.
 
 Lifecycle: JOIN (HELLO role "drafter" until WELCOME) -> wait DraftSetup -> resolve and load the draft
@@ -17,16 +19,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
 from flowedge.allocator import settle
+from flowedge.daemon import shard_fetch
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, split_addr, tcp
 from flowedge.daemon.draft_serve import DraftServer
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.errors import PeerUnreachable, ProtocolError, Rejoin
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import hello_exchange
 from flowedge.transport.link import Endpoint, Inbound, Kind, Link
@@ -40,15 +44,17 @@ HELLO_TIMEOUT_S = 5.0
 class DrafterParts:
     link: Link
     drops: DropLog
+    home: Path             # FLOWEDGE_HOME: the fetched draft model's cache
 
 
-def load_draft(spec: str, quant: str):
-    """The draft model the head named, resolved (fetched and converted if need be) and loaded here."""
+def load_draft(spec: str | Path, quant: str):
+    """The draft model: a directory fetched from the head, or the name the head gave resolved (fetched
+    and converted if need be) here."""
     from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
     from flowedge.models.resolve import resolve_model
 
     quant = resolve_draft_quant(quant)
-    return load_draft_model(resolve_model(spec, quant=quant), quant)
+    return load_draft_model(spec if isinstance(spec, Path) else resolve_model(spec, quant=quant), quant)
 
 
 class DrafterNode:
@@ -57,7 +63,8 @@ class DrafterNode:
         self.config, self.stop = config, stop or threading.Event()
         self.node_id = config.name
         self.head_host, self.head_port = split_addr(config.head)
-        self.link, self.drops, self.loader = parts.link, parts.drops, loader
+        self.link, self.drops, self.loader, self.home = parts.link, parts.drops, loader, parts.home
+        self.repair = shard_fetch.CacheRepair(self.home)
         self.ctrl: Endpoint | None = None
         self.server: DraftServer | None = None
         self.setup: proto.DraftSetup | None = None
@@ -113,10 +120,10 @@ class DrafterNode:
             self._to_head(proto.DraftReady(model=setup.model))
             return
         self.server, self.setup = None, setup
-        self.phase = f"loading the draft model {setup.model}"
+        self.phase = f"getting the draft model {setup.model}"
         t0 = time.monotonic()
         try:
-            model = self.compute.run(lambda: self.loader(setup.model, setup.quant), self._beat, 0.2)
+            model = self._load(setup)
         except Exception as err:  # noqa: BLE001 - a model that cannot load is reported, the node stays up
             why = f"cannot load the draft model {setup.model}: {type(err).__name__}: {err}"
             log.error("%s; waiting for another setup", why)
@@ -129,6 +136,44 @@ class DrafterNode:
         self.phase = f"drafting with {setup.model}"
         self.notifier.ready(self.phase)
         self._to_head(proto.DraftReady(model=setup.model))
+
+    def _load(self, setup: proto.DraftSetup):
+        """Fetch (or find cached) the files the head serves and load them, heartbeating; a cached file
+        that fails its checksum is deleted and fetched again (bounded, shard_fetch.CacheRepair)."""
+        if not setup.shard_sha256 or self.config.same_host:
+            return self.compute.run(lambda: self.loader(setup.model, setup.quant), self._beat, 0.2)
+        while True:
+            entry = shard_fetch.cached_dir(self.home, setup.shard_sha256)
+            if entry is None:
+                log.info("fetching the draft model %s (%d MB) from the head", setup.model,
+                         (setup.shard_bytes + setup.head_bytes) >> 20)
+                entry = shard_fetch.fetch(setup, self.home, self._to_head, self._next_chunk)
+            shard_fetch.fetch_head_file(setup, entry, self._to_head, self._next_chunk)
+            try:
+                return self.compute.run(lambda: self.loader(entry, setup.quant), self._beat, 0.2)
+            except ChecksumError as err:
+                self.repair.repair(entry, setup, err)
+
+    def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
+        """The next shard chunk from the head (heartbeating meanwhile); other messages are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            got = self.ctrl.next_message(0.2)
+            self._beat()
+            if got is None:
+                continue
+            self.last_head = time.monotonic()
+            try:
+                msg = proto.decode(got.frames)
+            except ProtocolError as err:
+                self.drops.drop("malformed", f"from the head: {err}")
+                continue
+            if isinstance(msg, proto.ShardChunk):
+                return msg
+            if isinstance(msg, proto.Shutdown):
+                self.stop.set()
+                raise FlowedgeError(f"head shut down during the draft model's fetch: {msg.reason}")
+        return None
 
     # ---- serving --------------------------------------------------------------------------------
     def _serve(self) -> None:

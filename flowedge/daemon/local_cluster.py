@@ -179,7 +179,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
                                 f"--heartbeat-ms={spec.heartbeat_ms}"]
                         + (["--insecure"] if spec.insecure else []))
     if spec.drafter:
-        commands.append(base + ["join", spec.addr, "--drafter", "--node-id", "drafter", "--threads", str(threads),
+        commands.append(base + ["join", spec.addr, "--drafter", "--same-host", "--node-id", "drafter", "--threads", str(threads),
                                 "--device", spec.device, f"--stage-timeout={spec.stage_timeout_s}",
                                 f"--heartbeat-ms={spec.heartbeat_ms}"] + (["--insecure"] if spec.insecure else []))
     procs = []

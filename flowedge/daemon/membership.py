@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flowedge.daemon import shard_fetch
+from flowedge.daemon import draft_members, shard_fetch
 from flowedge.daemon.config import NodeConfig
 from flowedge.errors import ProtocolError, StageLost
 from flowedge.transport import protocol as proto
@@ -160,7 +160,7 @@ class Membership:
                 events += self.drop(old, "was replaced by a new connection under its node id")
             log.info("drafter %s joined (%s, %.1f GB free); sending it the draft model %s", hello.node_id,
                      hello.device, hello.free_memory_bytes / 1e9, self.config.draft)
-            self.send(identity, proto.DraftSetup(model=self.config.draft, quant=self.config.draft_quant))
+            self.send(identity, draft_members.draft_setup(self.config, self.plan))
         self.peers[identity] = peer
         self.assign_all()
         return events
@@ -247,6 +247,9 @@ class Membership:
         self.sent_assign.pop(peer.stage, None)
 
     def on_shard_request(self, peer: Peer, msg: proto.ShardRequest) -> None:
+        if peer.drafter:
+            draft_members.serve_draft(self.plan, peer, msg, self.send)
+            return
         if not peer.stage or self.plan is None:
             log.warning("shard request from %s, which holds no stage", peer.name)
             return
@@ -358,14 +361,7 @@ class Membership:
                 "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
                 **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
-        return rows + [self._drafter_row(p, now) for p in self.peers.values() if p.drafter]
-
-    def _drafter_row(self, p: Peer, now: float) -> dict:
-        return {"node_id": p.name, "role": "drafter", "stage": None, "address": "", "layers": "draft",
-                "model": self.config.draft, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
-                "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
-                "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
-                **{k: v for k, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None}}
+        return rows + [draft_members.drafter_row(self.config, p, now) for p in self.peers.values() if p.drafter]
 
 
 def too_old_for_the_data_plane(version: tuple[int, int]) -> bool:

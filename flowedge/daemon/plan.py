@@ -40,6 +40,8 @@ class Plan:
     draft_model: StageModel | None
     tokenizer: object
     base_config: object
+    draft_files: tuple[ShardFile, ShardFile] | None = None   # the draft as a one-stage split: (layers, head
+                                                            # file) a drafter fetches (predraft = drafter)
 
     @property
     def counts(self) -> list[int]:
@@ -95,8 +97,23 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
     draft_quant = resolve_draft_quant(config.draft_quant)
-    draft = load_draft_model(resolve_model(config.draft, quant=draft_quant), draft_quant) if config.draft else None
-    return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out))
+    draft_dir = resolve_model(config.draft, quant=draft_quant) if config.draft else None
+    draft = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
+    served = draft_split(draft_dir, config.draft, draft_quant, home) \
+        if draft_dir is not None and config.predraft == "drafter" else None
+    return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out),
+                served)
+
+
+def draft_split(draft_dir: Path, name: str, draft_quant: str, home: Path) -> tuple[ShardFile, ShardFile]:
+    """The draft model as a one-stage split (references into its checkpoint: nothing is copied) that a
+    drafter holding no copy of it fetches from the head, checksummed and cached, as a stage fetches its
+    shard: the layers' file and the head file (embedding, final norm, lm_head)."""
+    counts = [int(load_config(draft_dir).num_hidden_layers)]
+    stored = storage_quant(draft_quant)
+    out = split_dir_for(home, draft_dir, counts, stored)
+    ensure_split(draft_dir, counts, out, name, stored)
+    return stage_files(out, 1), head_file(out)
 
 
 MIN_GAIN = 0.03   # re-split for a bottleneck at least 3% faster (or when the current split does not fit)

@@ -79,7 +79,8 @@ def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: L
 
 def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> DrafterNode:
     """A drafter: it only dials the head (jobs and answers share the control connection)."""
-    return DrafterNode(config, DrafterParts(link or node_link(config), DropLog(drafter_node.log)), stop)
+    parts = DrafterParts(link or node_link(config), DropLog(drafter_node.log), flowedge_home())
+    return DrafterNode(config, parts, stop)
 
 
 def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from flowedge.filenames import is_plain_file_name
 from flowedge.transport.codec import (
     FLOAT32,
     HIDDEN,
@@ -24,6 +25,8 @@ from flowedge.transport.codec import (
     _fail,
     _index,
     _ints,
+    _map,
+    _sha256,
     _str,
     _text,
     _tokens,
@@ -74,17 +77,33 @@ def _job_shape(msg: Message) -> None:
 
 @dataclass(**MESSAGE_OPTIONS)
 class DraftSetup(Message):
-    """Head -> drafter, once it joined: the draft model to hold (a registry name, a Hugging Face
-    directory or a .gguf file, resolved on the drafter) and its weights' quantization."""
+    """Head -> drafter, once it joined: the draft model to hold and its weights' quantization. With
+    `shard_sha256` set the head serves it as a one-stage split (the layers' file, `shard_sha256`, and the
+    head file, `head_sha256`, fetched with ShardRequests like a stage's shard; `side_files`: config and
+    manifest); without, or on the head's own host, `model` (a registry name, a Hugging Face directory or a
+    .gguf file) is resolved on the drafter."""
 
     TYPE: ClassVar[str] = "draft_setup"
     MIN_MINOR: ClassVar[int] = 5
     model: str
     quant: str
+    shard_sha256: str = ""
+    shard_bytes: int = 0
+    head_sha256: str = ""
+    head_bytes: int = 0
+    side_files: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _str(self, "model", max_len=1024)
         _str(self, "quant", max_len=16)
+        _ints(self, "shard_bytes", "head_bytes")
+        if self.shard_sha256 or self.head_sha256:
+            _sha256(self, "shard_sha256")
+            _sha256(self, "head_sha256")
+        _map(self, "side_files")
+        if len(self.side_files) > 64 or not all(isinstance(v, str) and is_plain_file_name(k)
+                                                 for k, v in self.side_files.items()):
+            raise _fail(self, "side_files", "plain file names mapped to text")
 
 
 @dataclass(**MESSAGE_OPTIONS)
