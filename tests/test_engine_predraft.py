@@ -91,12 +91,13 @@ def test_spec_rejects_unknown_predraft_modes():
         SpecConfig(predraft_calls=0)
 
 
-def test_a_daemon_refuses_the_simulated_drafter_mode():
+def test_a_daemon_takes_every_predraft_mode_and_refuses_others():
+    """`drafter` runs on a daemon too since the drafter node (daemon/drafter_node.py, test_daemon_drafter.py)."""
     from flowedge.daemon.config import NodeConfig
 
-    assert NodeConfig(predraft="idle").predraft == "idle"
-    with pytest.raises(ConfigError, match="simulator only"):
-        NodeConfig(predraft="drafter")
+    assert [NodeConfig(predraft=m).predraft for m in ("off", "idle", "drafter")] == ["off", "idle", "drafter"]
+    with pytest.raises(ConfigError, match="predraft must be one of"):
+        NodeConfig(predraft="sometimes")
 
 
 class _IdleEngine:
