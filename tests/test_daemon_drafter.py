@@ -88,6 +88,27 @@ def test_answers_equal_greedy_and_the_drafter_answers_jobs(cluster, references):
     assert [n["stage"] for n in _nodes(cluster) if n["role"] == "stage"] == [1, 2]
 
 
+def test_concurrent_requests_each_get_their_own_replica_on_the_drafter(cluster, references):
+    import threading
+
+    results: dict = {}
+
+    def ask(prompt: str) -> None:
+        results[prompt] = _answer(cluster, prompt)[0]
+
+    before = _nodes(cluster)[0]["drafter_jobs"]
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert {p: r["token_ids"] for p, r in results.items()} == references
+    after = _nodes(cluster)[0]["drafter_jobs"]
+    # each request's jobs ship only the rows its own replica lacks: none found another request's replica
+    assert after["answered"] > before["answered"] and after["behind"] == before["behind"], (before, after)
+    assert all(r["predraft"]["jobs"] > 0 for r in results.values())
+
+
 def test_a_sigstopped_drafter_silences_no_request_and_is_dropped(cluster, references):
     drafter = cluster.procs[-1]
     try:
