@@ -116,7 +116,8 @@ class DrafterNode:
     def _take_setup(self, setup: proto.DraftSetup) -> None:
         """Load the draft model the head named (again only if it changed); tell the head how it went."""
         if self.server is not None and self.setup is not None and \
-                (setup.model, setup.quant) == (self.setup.model, self.setup.quant):
+                (setup.model, setup.quant, setup.shard_sha256) == \
+                (self.setup.model, self.setup.quant, self.setup.shard_sha256):
             self._to_head(proto.DraftReady(model=setup.model))
             return
         self.server, self.setup = None, setup
@@ -192,21 +193,21 @@ class DrafterNode:
     def _on_ctrl(self, got: Inbound) -> None:
         self.last_head = time.monotonic()
         try:
-            header_type = proto.decode(got.frames) if not _is_job(got.frames) else None
+            msg = None if _is_job(got.frames) else proto.decode(got.frames)   # a job: the handler decodes it
         except ProtocolError as err:
             self.drops.drop("malformed", f"from the head: {err}")
             return
-        if header_type is None:
+        if msg is None:
             self._job(got.frames)
-        elif isinstance(header_type, proto.DraftSetup):
-            self._take_setup(header_type)
-        elif isinstance(header_type, proto.Shutdown):
-            log.info("shutdown requested by the head%s", f": {header_type.reason}" if header_type.reason else "")
+        elif isinstance(msg, proto.DraftSetup):
+            self._take_setup(msg)
+        elif isinstance(msg, proto.Shutdown):
+            log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
-        elif isinstance(header_type, proto.Refuse):
-            raise Rejoin(f"the head dropped this node: {header_type.reason}")
-        elif not isinstance(header_type, (proto.Heartbeat, proto.Welcome)):
-            log.warning("ignoring unexpected %s from the head", header_type.TYPE)
+        elif isinstance(msg, proto.Refuse):
+            raise Rejoin(f"the head dropped this node: {msg.reason}")
+        elif not isinstance(msg, (proto.Heartbeat, proto.Welcome)):
+            log.warning("ignoring unexpected %s from the head", msg.TYPE)
 
     def _job(self, frames) -> None:
         """Run a job on the compute thread (heartbeats go on meanwhile) and answer it."""
