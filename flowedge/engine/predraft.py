@@ -208,7 +208,10 @@ class PreDrafting:
         nodes, rows = graft(self.drafter, event.growth)
         self.stats.grafted += nodes
         self.stats.adopted += rows
-        self._count(event.growth.calls)
+        self.stats.calls += len(event.growth.calls)
+        # an expansion may skip its call only for what the answer added: the drafter's best-first calls are
+        # the ones node 0 makes itself after each walk, so a late answer often adds nothing (measured)
+        self.since_expansion += rows
         return [], self.out is None
 
     def _grow(self, context: list[int]) -> list:
