@@ -220,3 +220,15 @@ def test_auto_switching_from_flowspec_to_pipedec_drops_the_pre_draft_job(tiny_pa
     res, _, _ = cluster.generate_many("auto", [SimRequest(1, tuple(PROMPTS[0]), 40)], BatchConfig(max_concurrent=1),
                                       device="orin-nano-8gb")
     assert res.requests[1].done.token_ids == references[0]
+
+
+def test_no_drafter_job_is_made_while_no_drafter_is_there(tiny_pair):
+    drafter = Drafter(StageModel.load(tiny_pair[1]))
+    context = list(range(3, 15))
+    drafter.build(context, TreeShape(4, 2))
+    pre = PreDrafting(drafter, SpecConfig(topk=4, l_max=4, predraft="drafter"))
+    pre.present = lambda: False
+    assert pre.plan(context, in_flight=True) == [] and pre.stats.jobs == 0
+    pre.present = lambda: True
+    (offload,) = pre.plan(context, in_flight=True)
+    assert isinstance(offload, Offload) and offload.snapshot.context == tuple(context)

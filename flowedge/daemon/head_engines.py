@@ -107,7 +107,10 @@ class HeadEngines:
                                         cfg.stages, spec, stop_ids(plan.base_config),
                                         tree_costs=costs if sizing else None, lm_head_ratio=ratio,
                                         predict_costs=costs, batcher=self.batcher)
-        return self.builders[key]()
+        head = self.builders[key]()
+        if head.predraft is not None and head.predraft.mode == "drafter":   # jobs only while a drafter is in
+            head.predraft.present = lambda: bool(self.members.drafters())
+        return head
 
     def _last_stage_lm_head_ratio(self) -> float | None:
         """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile

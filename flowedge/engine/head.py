@@ -366,9 +366,8 @@ class Head:
                 costs.append(Compute("draft", tokens, context, "draft"))
                 self.times.model_s += seconds
             self.stats.draft_forwards = self.drafter.forwards
-            if self.predraft is not None and costs:
+            if self.predraft is not None:   # (the answer's stats are refreshed after every handler)
                 self.predraft.stats.critical_calls += len(costs)
-                self.stats.predraft = self.predraft.stats.as_dict()
         first_send = next((i for i, a in enumerate(actions) if isinstance(a, Send) and isinstance(a.message, Segment)), len(actions))
         return actions[:first_send] + costs + actions[first_send:] if costs else actions
 
@@ -378,6 +377,8 @@ class Head:
     # ---- pre-drafting (engine/predraft.py) --------------------------------------------------------
     def _plan_predraft(self) -> list:
         r = self.round
+        if self.predraft is not None:
+            self.stats.predraft = self.predraft.stats.as_dict()
         if self.predraft is None or r is None or r.ended or self.finished or not self.strategy.predrafts:
             return []
         return self.predraft.plan(self.context(), r.in_flight > 0)
@@ -395,6 +396,4 @@ class Head:
 
     def predrafted_base(self) -> DraftTree | None:
         r = self.round
-        base = None if self.predraft is None else self.predraft.base_for(self.context(), r.tree, r.alive, r.cur)
-        self.stats.predraft = {} if self.predraft is None else self.predraft.stats.as_dict()
-        return base
+        return None if self.predraft is None else self.predraft.base_for(self.context(), r.tree, r.alive, r.cur)

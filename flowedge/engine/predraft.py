@@ -25,6 +25,7 @@ every token as before.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,9 @@ class PreDrafting:
         head's clock (from the device profile; None: measured wall time, the head's clock on a daemon)."""
         self.drafter, self.config, self.call_s = drafter, config, call_s
         self.mode, self.calls, self.min_fresh = config.predraft, config.predraft_calls, config.l_max
+        # whether a drafter device is there to take jobs (the daemon's head asks its membership); with
+        # none, no job is made: no snapshot copied for nobody
+        self.present: Callable[[], bool] = lambda: True
         self.reset()
 
     def reset(self) -> None:
@@ -144,6 +148,8 @@ class PreDrafting:
         from flowedge.engine.events import WhenIdle
 
         if not in_flight or (self.out is not None and self.mode != "idle"):
+            return []
+        if self.mode == "drafter" and not self.present():
             return []
         self.stats.jobs += 1
         job = self.out = PreDraftJob(self.stats.jobs, tuple(context), self.calls)
