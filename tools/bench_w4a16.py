@@ -1,6 +1,8 @@
-"""W4A16 matmul on CPU: flowedge's native kernel vs torch's int4pack, on the 1.5B model's shapes.
+"""W4A16 matmul on CPU: flowedge's native kernel (bf16 activations, and int8 activations: W4A8 over the
+same tiles) vs torch's int4pack, on the 1.5B model's shapes.
 
-`python tools/bench_w4a16.py --threads 1` (then `--threads 2`). Prints, per shape and rows M: the best
+`python tools/bench_w4a16.py --threads 1` (then `--threads 2`; `--kernels native,w4a8` to leave int4pack
+out). Prints, per shape and rows M: the best
 time of `--repeats` calls (A/B interleaved; each call on the next of several copies of the weight, so
 weights come from DRAM as in a decode step), the weight GB/s streamed at M=1 (the bytes each kernel
 reads: codes plus its scale/zero table), the cost of M rows over one row; then the per-call overhead
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowedge.kernels import w4a16
+from flowedge.kernels import int8act, w4a16
 from flowedge.models.quant import PackedInt4, pack_int4, unpack_codes
 
 SHAPES = (  # (name, K, N)
@@ -63,24 +65,28 @@ def rotating(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[tor
     return call
 
 
-def bench_shape(name: str, k: int, n: int, repeats: int) -> None:
+KERNELS = ("native", "w4a8", "int4pack")   # native: W4A16 (bf16 activations); w4a8: the same tiles, int8 ones
+
+
+def bench_shape(name: str, k: int, n: int, repeats: int, kernels: tuple[str, ...] = KERNELS) -> None:
     w = random_packed(n, k)
-    gb = n * k * (0.5 + 4 / GROUP) / 1e9   # both read 4-bit codes and two bf16 per group and output
+    gb = n * k * (0.5 + 4 / GROUP) / 1e9   # all read 4-bit codes and two bf16 per group and output
     copies = max(1, int(COLD_BYTES / (gb * 1e9)))
     weights = [w4a16.prepare(w) for _ in range(copies)]
-    native = rotating([lambda x, wt=wt: w4a16.linear(x, wt) for wt in weights])
-    torch_mm = rotating([int4pack_fn(w) for _ in range(copies)])
-    times: dict[str, list[float]] = {"native": [], "int4pack": []}
+    fns = {"native": lambda: rotating([lambda x, wt=wt: w4a16.linear(x, wt) for wt in weights]),
+           "w4a8": lambda: rotating([lambda x, wt=wt: int8act.linear4(x, wt) for wt in weights]),
+           "int4pack": lambda: (lambda mm: lambda x: mm(x.bfloat16()))(rotating([int4pack_fn(w) for _ in range(copies)]))}
+    calls = {kernel: fns[kernel]() for kernel in kernels}
+    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     for m in ROWS:
         x = torch.randn(m, k)
-        xb = x.bfloat16()
         reps = max(3, repeats if n * k * m < 64e6 else repeats // 4)
-        a, b = [], []
+        best: dict[str, list[float]] = {kernel: [] for kernel in kernels}
         for _ in range(3):   # A/B interleaved, best of each
-            a.append(best_s(lambda: native(x), reps))
-            b.append(best_s(lambda: torch_mm(xb), reps))
-        times["native"].append(min(a))
-        times["int4pack"].append(min(b))
+            for kernel, call in calls.items():
+                best[kernel].append(best_s(lambda: call(x), reps))
+        for kernel in kernels:
+            times[kernel].append(min(best[kernel]))
     for kernel, ts in times.items():
         cells = "  ".join(f"M={m}: {t * 1e6:8.0f} us" for m, t in zip(ROWS, ts))
         ratios = "  ".join(f"M{m}/M1 {t / ts[0]:5.1f}" for m, t in zip(ROWS[1:], ts[1:]))
@@ -94,8 +100,10 @@ def accuracy() -> None:
     for g in (32, 64, 128, 256):
         w = pack_int4(torch.randn(1536, 1536, generator=gen) * 0.02, g)
         ref = x @ w.dequantize().T
+        tiles = w4a16.prepare(w)
         errs = {label: ((y.float() - ref).norm() / ref.norm()).item() for label, y in
-                (("native", w4a16.linear(x, w4a16.prepare(w))), ("int4pack", int4pack_fn(w)(x.bfloat16())))}
+                (("native", w4a16.linear(x, tiles)), ("w4a8", int8act.linear4(x, tiles)),
+                 ("int4pack", int4pack_fn(w)(x.bfloat16())))}
         print(f"accuracy G={g:3d}: relative error vs dequantized fp32: " +
               "  ".join(f"{label} {e:.2e}" for label, e in errs.items()))
 
@@ -131,15 +139,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
+    parser.add_argument("--no-extras", action="store_true", help="the shape table only (no accuracy, overhead)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not w4a16.available():
-        raise SystemExit("native W4A16 kernel unavailable here (see the log line above)")
-    print(f"threads {torch.get_num_threads()}, kernel build {w4a16.isa()}, group size {GROUP}")
-    wanted = set(args.shapes.split(","))
+    if not (w4a16.available() and int8act.available()):
+        raise SystemExit("native W4A16 kernels unavailable here (see the log line above)")
+    print(f"threads {torch.get_num_threads()}, kernel builds w4a16 {w4a16.isa()}, w4a8 {int8act.isa()}, "
+          f"group size {GROUP}")
+    wanted, kernels = set(args.shapes.split(",")), tuple(args.kernels.split(","))
     for name, k, n in SHAPES:
         if name in wanted:
-            bench_shape(name, k, n, args.repeats)
+            bench_shape(name, k, n, args.repeats, kernels)
+    if args.no_extras:
+        return
     accuracy()
     bench_overhead(args.repeats)
     bench_alternating(args.repeats)
