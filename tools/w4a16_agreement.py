@@ -19,6 +19,7 @@ import torch
 from flowedge.bench.agreement import stage_logits, top1_agreement, transformers_logits
 from flowedge.core.sampling import SamplingParams
 from flowedge.datasets import load_prompts
+from flowedge.kernels import int8act
 from flowedge.engine.local import generate_ar_staged
 from flowedge.models import registry
 from flowedge.models.resolve import resolve_model
@@ -63,7 +64,7 @@ def main() -> None:
     t0 = time.monotonic()
     fp32 = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     logging.info("float32 oracle loaded in %.0f s", time.monotonic() - t0)
-    variants = {"w4a16": w4}
+    variants = {"w4a16" if int8act.activations() == "bf16" else "w4a8": w4}   # FLOWEDGE_ACTIVATIONS
     if args.float_head:
         variants["w4a16-float-head"] = _with_float_head(StageModel.load(base_dir, wide_lm_head=False), fp32)
     for label, model in variants.items():
