@@ -1,17 +1,23 @@
 """Time node 0's draft call and a stage step at 1 and 16 rows on the real pair (before/after comparisons).
 
     python tools/bench_steps.py [--threads 1] [--context 200] [--repeats 20] [--what draft,stage,last]
+        [--activations bf16,int8 [--rounds 3]]
 
 Draft call: the whole 0.5B draft model as node 0 loads it (`engine.drafter.load_draft_model`), embedding
 to logits, `rows` new tokens as one tree level over a `context`-token cache. Stage step: the 1.5B base
 model's layers [0, 14) alone (a 2-stage split's first stage), hidden in, hidden out. Last stage (`last`,
 not by default): layers [14, 28) plus the final norm and lm_head, hidden in, logits out. Each figure is the
 median of `repeats` calls after warm-up. Works on older checkouts too (only StageModel's public API).
+
+`--activations bf16,int8` loads each model once per activation precision (FLOWEDGE_ACTIVATIONS, read at load)
+and times them A/B interleaved in one process, `--rounds` times; each figure is then the least of the rounds'
+medians (a shared box's bursts fall on one round, not on one mode).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -53,16 +59,46 @@ def _bench(model: StageModel, context: int, rows: int, repeats: int, head: bool)
     return _time(step, repeats)
 
 
+def _load(what: str) -> StageModel:
+    if what == "draft":
+        return load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
+    parts = StageParts(0, 14) if what == "stage" else StageParts(14, 28, head=True)
+    return StageModel.load(resolve_model("qwen2.5-coder-1.5b"), parts)
+
+
+def _ab(what: str, modes: list[str], args: argparse.Namespace, out: dict) -> None:
+    """Each mode's model loaded with FLOWEDGE_ACTIVATIONS set to it, then timed in turns."""
+    models = {}
+    for mode in modes:
+        os.environ["FLOWEDGE_ACTIVATIONS"] = mode
+        models[mode] = _load(what)
+    label = {"draft": "draft_call", "stage": "stage_step", "last": "last_step"}[what]
+    for rows in (1, 16):
+        best = {mode: float("inf") for mode in modes}
+        for _ in range(args.rounds):
+            for mode, model in models.items():
+                best[mode] = min(best[mode], _bench(model, args.context, rows, args.repeats, head=what != "stage"))
+        for mode in modes:
+            out[f"{label}_{rows}_ms_{mode}"] = round(1000 * best[mode], 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--what", default="draft,stage", help="comma-separated: draft, stage, last")
+    ap.add_argument("--activations", default="", help="comma-separated FLOWEDGE_ACTIVATIONS values to A/B")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds (with --activations)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     what = args.what.split(",")
     out = {"threads": args.threads, "context": args.context}
+    if args.activations:
+        for w in what:
+            _ab(w, args.activations.split(","), args, out)
+        print(json.dumps(out))
+        return
     if "draft" in what:
         draft = load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
         for rows in (1, 16):
