@@ -73,10 +73,14 @@ def bench_shape(name: str, k: int, n: int, repeats: int, kernels: tuple[str, ...
     gb = n * k * (0.5 + 4 / GROUP) / 1e9   # all read 4-bit codes and two bf16 per group and output
     copies = max(1, int(COLD_BYTES / (gb * 1e9)))
     weights = [w4a16.prepare(w) for _ in range(copies)]
-    fns = {"native": lambda: rotating([lambda x, wt=wt: w4a16.linear(x, wt) for wt in weights]),
-           "w4a8": lambda: rotating([lambda x, wt=wt: int8act.linear4(x, wt) for wt in weights]),
-           "int4pack": lambda: (lambda mm: lambda x: mm(x.bfloat16()))(rotating([int4pack_fn(w) for _ in range(copies)]))}
-    calls = {kernel: fns[kernel]() for kernel in kernels}
+    def make(kernel: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        if kernel == "int4pack":
+            torch_mm = rotating([int4pack_fn(w) for _ in range(copies)])
+            return lambda x: torch_mm(x.bfloat16())
+        fn = w4a16.linear if kernel == "native" else int8act.linear4
+        return rotating([lambda x, wt=wt: fn(x, wt) for wt in weights])
+
+    calls = {kernel: make(kernel) for kernel in kernels}
     times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     for m in ROWS:
         x = torch.randn(m, k)

@@ -66,7 +66,8 @@ static void quantize_group(const float *xg, int64_t G, int w4, int8_t *dst, int6
     for (int64_t k = 0; k < G; k += 16) {
         __m512i qi = _mm512_setzero_si512();
         if (!bad && s > 0.f) {
-            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xg + k), sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 v = _mm512_div_ps(_mm512_loadu_ps(xg + k), sv);
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
         }
         sum = _mm512_add_epi32(sum, qi);
