@@ -5,5 +5,5 @@ B="flowedge bench --dataset mt-bench --dataset humaneval --samples 2 --max-new-t
 $B --nodes 5 --strategies ar-pp,flowspec --out 1+4                                   # today's cluster
 $B --nodes 5 --strategies flowspec --predraft idle --out 1+4-idle                     # node 0's gaps
 $B --nodes 5 --strategies flowspec --predraft drafter --out 2+4                       # a drafter board
-$B --nodes 5 --strategies flowspec --predraft drafter --predraft-calls 1 --out 2+4-c1
+# 2+4-dropped/ and 2+4-c1-dropped/ (2 and 1 calls) came from the earlier model that dropped late answers (see README)
 $B --nodes 6 --strategies ar-pp,flowspec --out 1+5                                    # the 6th board as a stage
