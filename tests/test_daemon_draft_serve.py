@@ -59,7 +59,7 @@ def test_a_job_over_the_wire_grows_what_node0_would_draft_itself(draft_model):
     assert isinstance(reply, p.DraftAnswer) and (reply.request_id, reply.seq) == (1, 1)
     growth = draft_wire.growth_of(reply, snap, draft_model)
     assert growth.ran.numel() > 0 and len(growth.calls) == 2
-    added, adopted = graft(node0, growth)
+    added, adopted = graft(node0, growth, snap)
     assert added > 0 and adopted > 0
     ref = _rooted(draft_model)
     ref.advance(CONTEXT, 2, WIDTH, 0)
@@ -84,7 +84,7 @@ def test_a_second_job_ships_only_the_new_rows(draft_model):
     assert isinstance(reply, p.DraftAnswer), reply
     ref = _rooted(draft_model, longer)
     ref.advance(longer, 2, WIDTH, 0)
-    graft(node0, draft_wire.growth_of(p.decode(reply.to_frames()), snap, draft_model))
+    graft(node0, draft_wire.growth_of(p.decode(reply.to_frames()), snap, draft_model), snap)
     assert _paths(node0) == _paths(ref)
 
 

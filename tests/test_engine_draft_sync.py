@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowedge.core.tree import DraftTree
-from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind, _depths, graft, snapshot
+from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind, _depths, check_growth, graft, snapshot
 from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.models.stage import StageModel
 
@@ -53,9 +53,11 @@ def test_an_on_time_answer_equals_node0_drafting_itself(draft_model, lookup):
     context = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8] if lookup else CONTEXT   # a repeat a lookup guess can follow
     node0, ref = _rooted(draft_model, context), _rooted(draft_model, context)
     device = DrafterDevice(draft_model)
-    growth = device.run("r1", snapshot(node0, context, keep=0, calls=2, width=WIDTH, lookup=lookup))
+    snap = snapshot(node0, context, keep=0, calls=2, width=WIDTH, lookup=lookup)
+    growth = device.run("r1", snap)
     assert growth.ran.numel() > 0 and len(growth.calls) == 2
-    added, adopted = graft(node0, growth)
+    check_growth(snap, growth)
+    added, adopted = graft(node0, growth, snap)
     assert adopted == growth.ran.numel()
     ref.advance(context, 2, WIDTH, lookup)
     assert added == len(ref.base) - len(_rooted(draft_model, context).base)
@@ -74,7 +76,7 @@ def test_a_late_answer_grafts_what_lies_under_the_new_root(draft_model):
     later = CONTEXT + [int(node0.base.tokens[best])]
     node0.advance(later, 0, WIDTH)
     ref.advance(later, 0, WIDTH)
-    assert graft(node0, growth)[0] > 0
+    assert graft(node0, growth, snap)[0] > 0
     assert _paths(node0) == _paths(ref) and _ran_paths(node0) == _ran_paths(ref)
     assert torch.equal(_next_logits(node0), _next_logits(ref))
 
@@ -82,7 +84,8 @@ def test_a_late_answer_grafts_what_lies_under_the_new_root(draft_model):
 def test_an_answer_off_the_accepted_path_adds_nothing(draft_model):
     node0 = _rooted(draft_model)
     had = _paths(node0)
-    growth = DrafterDevice(draft_model).run("r1", snapshot(node0, CONTEXT, 0, 1, WIDTH, LOOKUP))
+    snap = snapshot(node0, CONTEXT, 0, 1, WIDTH, LOOKUP)
+    growth = DrafterDevice(draft_model).run("r1", snap)
     grown = DraftTree(growth.tokens, growth.parents, _depths(growth.parents), growth.log_scores)
     new = [tuple(grown.path_tokens(i)) for i in range(len(had), len(grown))]
     kids = [int(node0.base.tokens[k]) for k in (node0.base.parents == 0).nonzero().reshape(-1)]
@@ -90,14 +93,14 @@ def test_an_answer_off_the_accepted_path_adds_nothing(draft_model):
     assert new and untouched   # one call of 4 rows grew under some children, not all
     node0.advance(CONTEXT + [untouched[0]], 0, WIDTH)   # the walk took a child the drafter did not grow
     before = _paths(node0)
-    assert graft(node0, growth) == (0, 0) and _paths(node0) == before
+    assert graft(node0, growth, snap) == (0, 0) and _paths(node0) == before
 
 
 def test_the_replica_takes_only_new_rows_and_says_when_it_is_behind(draft_model):
     node0 = _rooted(draft_model)
     device = DrafterDevice(draft_model)
     first = snapshot(node0, CONTEXT, 0, 1, WIDTH, LOOKUP)
-    graft(node0, device.run("r1", first))
+    graft(node0, device.run("r1", first), first)
     later = CONTEXT + [int(node0.base.tokens[1])]
     node0.advance(later, 0, WIDTH)
     second = snapshot(node0, later, len(CONTEXT), 1, WIDTH, LOOKUP)
@@ -116,3 +119,59 @@ def test_snapshot_needs_node0_rooted_at_the_context(draft_model):
     assert snapshot(node0, CONTEXT + [1], 0, 1, WIDTH, LOOKUP) is None
     assert isinstance(snapshot(node0, CONTEXT, 0, 1, WIDTH, LOOKUP).tokens, torch.Tensor)
     assert DraftTree  # the module's tree type is the engine's
+
+
+def _valid_tree(d: Drafter) -> None:
+    """No two siblings share a token, and every node with children has run (its K/V row is there)."""
+    t = d.base
+    d._slots.grow(len(t))
+    keys = (t.parents[1:] * 1_000_003 + t.tokens[1:]).tolist()
+    assert len(keys) == len(set(keys)), "duplicate siblings"
+    parents = set(t.parents[1:].tolist()) - {0}
+    assert all(bool(d._slots.ran[p]) for p in parents), "children under a node never run"
+
+
+def test_a_late_answer_after_node0_rebuilt_its_tree_keeps_it_consistent(draft_model):
+    """The answer's tree holds nodes node 0 had run at the snapshot; after a rebuild node 0 has not run
+    them: the graft takes their rows from the snapshot, and never hangs children under a node without one."""
+    node0 = Drafter(draft_model)
+    node0.build(CONTEXT, TreeShape(4, 4))         # deep enough that node 0 had run nodes below the accepted child
+    node0.drain_calls()
+    snap = snapshot(node0, CONTEXT, 0, 2, WIDTH, LOOKUP)
+    growth = DrafterDevice(draft_model).run("r1", snap)
+    best = int(node0.base.log_scores[1:].argmax()) + 1
+    later = CONTEXT + [int(node0.base.tokens[best])]
+    node0.build(later, TreeShape(4, 1))          # a new round: a fresh one-level tree at the accepted context
+    node0.drain_calls()
+    graft(node0, growth, snap)
+    _valid_tree(node0)
+    node0.advance(later, 2, WIDTH)                # node 0 goes on drafting from the grafted tree
+    _valid_tree(node0)
+
+
+def _bad(growth, **changes):
+    from dataclasses import replace
+
+    return replace(growth, **changes)
+
+
+def test_a_growth_that_is_not_one_of_the_job_is_refused(draft_model):
+    node0 = _rooted(draft_model)
+    snap = snapshot(node0, CONTEXT, 0, 1, WIDTH, LOOKUP)
+    growth = DrafterDevice(draft_model).run("r1", snap)
+    n = int(snap.tokens.numel())
+    nan_rows = growth.rows.clone()
+    nan_rows.view(-1)[0] = float("nan")
+    scores = growth.log_scores.clone()
+    scores[-1] = float("-inf")
+    changed = growth.log_scores.clone()
+    changed[1] -= 1.0
+    orphan = growth.parents.clone()
+    unrun = int((~torch.isin(torch.arange(n), torch.cat([snap.ran, growth.ran, torch.tensor([0])]))).nonzero()[0])
+    orphan[-1] = unrun
+    for bad in (_bad(growth, rows=nan_rows), _bad(growth, log_scores=scores), _bad(growth, log_scores=changed),
+                _bad(growth, parents=orphan), _bad(growth, ran=growth.ran[:-1]),
+                _bad(growth, tokens=growth.tokens[: n - 1], parents=growth.parents[: n - 1],
+                     log_scores=growth.log_scores[: n - 1])):
+        with pytest.raises(ValueError):
+            check_growth(snap, bad)

@@ -196,7 +196,7 @@ def test_sampling_with_predrafting_keeps_the_base_distribution(tiny_pair, mode):
         ar, _, _ = cluster.generate("ar-pp", PROMPTS[1], 8, SamplingParams(temperature=1.0, seed=10_000 + seed))
         if len(ar.done.token_ids) == 8:
             counts["ar-pp"][ar.done.token_ids[7]] += 1
-    assert hits > 10 or mode == "drafter"   # the drafter's answers mostly arrive late (dropped)
+    assert hits > 10 or mode == "drafter"   # the drafter's answers mostly duplicate node 0's own calls
     top = [t for t, _ in (counts["predraft"] + counts["ar-pp"]).most_common(5)]
     table = [[c[t] for t in top] + [sum(c.values()) - sum(c[t] for t in top)] for c in counts.values()]
     assert chi2_contingency(table).pvalue > 1e-3

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flowedge.daemon import draft_wire
 from flowedge.daemon.droplog import DropLog
@@ -157,7 +157,8 @@ class DraftDispatch:
             if o.identity is not None:
                 self.counts["timed_out"] += 1
                 log.debug("draft job %d of request %d: no answer within %g s", o.job.seq, o.key, self.timeout_s)
-                self.expired[(o.key, o.job.seq)] = Outstanding(o.key, o.job, o.snapshot, o.identity, now + LATE_KEEP_S)
+                rowless = replace(o.snapshot, rows=o.snapshot.rows[:, :, :, :0])   # checks need no K/V
+                self.expired[(o.key, o.job.seq)] = Outstanding(o.key, o.job, rowless, o.identity, now + LATE_KEEP_S)
             self._settle(o, None)
         for at in [at for at, o in self.expired.items() if o.due_s <= now]:
             del self.expired[at]   # its snapshot (K/V rows) is not held longer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from flowedge.engine.draft_sync import DraftGrowth, DraftSnapshot
+from flowedge.engine.draft_sync import DraftGrowth, DraftSnapshot, check_growth
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.frames import dtype_name
@@ -55,8 +55,13 @@ def growth_of(msg: proto.DraftAnswer, snap: DraftSnapshot, model) -> DraftGrowth
         raise ProtocolError(f"draft answer {msg.seq} does not keep the job's {n} nodes first")
     check_tokens(msg.tokens, model, "tokens")
     rows = check_rows(msg.rows, model)
-    return DraftGrowth(snap.context, msg.tokens.to(torch.long), _parents(msg.parents), msg.log_scores.clone(),
-                       msg.ran.to(torch.long), rows, list(msg.calls))
+    growth = DraftGrowth(snap.context, msg.tokens.to(torch.long), _parents(msg.parents), msg.log_scores.clone(),
+                         msg.ran.to(torch.long), rows, list(msg.calls))
+    try:
+        check_growth(snap, growth)   # values, not only shapes: a drafter is a peer, not trusted
+    except ValueError as err:
+        raise ProtocolError(f"draft answer {msg.seq}: {err}") from None
+    return growth
 
 
 def check_tokens(ids, model, name: str) -> None:

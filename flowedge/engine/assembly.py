@@ -65,7 +65,7 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     strategy = check_strategy(strategy_name, draft_model)
     if isinstance(strategy, Auto) and predict_costs is not None:
         # auto starts from the profiles. A drafter board's hit rate (auto_policy.DrafterCosts) is not passed:
-        # as simulated today its answers come back too late to count (docs/bench/predraft)
+        # simulated with the graft, its answers add no node node 0 does not draft itself (docs/bench/predraft)
         strategy.prediction = predict_from_costs(predict_costs)
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None

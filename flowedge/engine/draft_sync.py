@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flowedge.core.merge import match_paths, merge_by_path
-from flowedge.core.tree import ROOT, DraftTree, find_path, subtree
+from flowedge.core.tree import ROOT, DraftTree, find_path, reindex, subtree
 from flowedge.engine.draft_slots import CacheSlots
 from flowedge.engine.drafter import Drafter, TreeShape
 
@@ -111,10 +111,37 @@ def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width:
                          ran, take_rows(drafter.cache, idx), drafter.shape.topk, calls, width, lookup)
 
 
-def graft(drafter: Drafter, growth: DraftGrowth) -> tuple[int, int]:
+def check_growth(snap: DraftSnapshot, growth: DraftGrowth) -> None:
+    """Refuse (ValueError) an answer that is not a growth of `snap`: the job's nodes first with their
+    scores, finite K/V rows, finite log-probability scores, new nodes only under run nodes, and no more
+    of them than the job's calls can make. A drafter is a peer: what it sends is checked, not trusted."""
+    n, m = int(snap.tokens.numel()), int(growth.tokens.numel())
+    if m < n or not torch.equal(growth.tokens[:n], snap.tokens) or not torch.equal(growth.parents[:n], snap.parents) \
+            or not torch.equal(growth.log_scores[:n], snap.log_scores):
+        raise ValueError(f"the answer does not keep the job's {n} nodes first, as they were")
+    if m - n > snap.calls * snap.width * snap.topk:
+        raise ValueError(f"the answer adds {m - n} nodes; {snap.calls} calls of {snap.width} rows make "
+                         f"at most {snap.calls * snap.width * snap.topk}")
+    if not bool(torch.isfinite(growth.log_scores).all()) or bool((growth.log_scores > 1e-3).any()):
+        raise ValueError("the answer's scores are not finite log-probabilities (<= 0)")
+    if not bool(torch.isfinite(growth.rows).all()):
+        raise ValueError("the answer's K/V rows are not finite")
+    ran = torch.zeros(m, dtype=torch.bool)
+    ran[0] = True
+    ran[snap.ran] = True
+    if bool(ran[growth.ran].any()) or growth.rows.shape[3] != growth.ran.numel():
+        raise ValueError("the answer's run nodes repeat the job's, or do not match its rows")
+    ran[growth.ran] = True
+    if not bool(ran[growth.parents[n:]].all()):
+        raise ValueError("the answer puts nodes under nodes nobody ran")
+
+
+def graft(drafter: Drafter, growth: DraftGrowth, snap: DraftSnapshot) -> tuple[int, int]:
     """Put the growth's nodes under node 0's current root into its stored tree (by token path), with the
-    K/V rows of the nodes the drafter ran and node 0 had not. Returns (nodes added, rows adopted); (0, 0):
-    nothing new under the current root (the walk left the job's tree, or node 0 drafted it meanwhile)."""
+    K/V rows of run nodes node 0 lacks now: the drafter's, and the snapshot's own (node 0 may have rebuilt
+    its tree since). Nodes under a node no row exists for are left out, so node 0 never holds children of
+    a node it cannot run from. Returns (nodes added, rows adopted); (0, 0): nothing new under the root
+    (the walk left the job's tree, or node 0 drafted it meanwhile)."""
     ctx = drafter.context
     if drafter.base is None or len(ctx) < len(growth.context) or tuple(ctx[: len(growth.context)]) != growth.context:
         return 0, 0
@@ -122,10 +149,25 @@ def graft(drafter: Drafter, growth: DraftGrowth) -> tuple[int, int]:
     at = find_path(grown, list(ctx[len(growth.context) - 1:]))
     if at is None:
         return 0, 0
-    sub, ids = subtree(grown, at)
+    n_ctx = len(snap.context) - snap.keep
+    rows = torch.cat([snap.rows[:, :, :, n_ctx:], growth.rows], dim=3)
     row_of = torch.full((len(grown),), -1, dtype=torch.long)
-    row_of[growth.ran] = torch.arange(growth.ran.numel())
-    return _merge(drafter, sub, row_of[ids], growth.rows)
+    row_of[torch.cat([snap.ran, growth.ran])] = torch.arange(rows.shape[3])
+    sub, ids = subtree(grown, at)
+    keep = _under_run_nodes(sub, row_of[ids] >= 0)
+    kept = keep.nonzero().reshape(-1)
+    return _merge(drafter, reindex(sub, kept), row_of[ids][kept], rows)
+
+
+def _under_run_nodes(tree: DraftTree, run: torch.Tensor) -> torch.Tensor:
+    """Nodes whose every ancestor below the root (committed context) has a K/V row: [n] bool."""
+    keep = torch.ones(len(tree), dtype=torch.bool)
+    run = run.clone()
+    run[0] = True
+    for level in tree.levels()[1:]:
+        parents = tree.parents[level]
+        keep[level] = keep[parents] & run[parents]
+    return keep
 
 
 def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.Tensor) -> tuple[int, int]:

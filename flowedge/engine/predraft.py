@@ -25,6 +25,8 @@ every token as before.
 """
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,11 +34,15 @@ import torch
 
 from flowedge.core.merge import match_paths
 from flowedge.core.tree import DraftTree
-from flowedge.engine.draft_sync import DraftGrowth, graft, roots_free, snapshot
+from flowedge.engine.draft_sync import DraftGrowth, DraftSnapshot, graft, roots_free, snapshot
 from flowedge.engine.drafter import Drafter
 
 
-@dataclass(frozen=True, slots=True)
+_JOB_SEQ = itertools.count(1)   # job numbers unique in the process: a replayed request's jobs never reuse one
+KEPT_SNAPSHOTS = 4              # jobs whose snapshot node 0 keeps to graft their answer (the newest)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class PreDraftJob:
     """Grow the tree rooted at `context` (the committed context when the job was made) by `calls` calls."""
     seq: int
@@ -135,6 +141,7 @@ class PreDrafting:
         self.since_expansion = 0              # pre-draft calls since the last expansion
         self.measured_s = 0.0
         self.shipped: tuple[int, ...] = ()    # the context the drafter's replica holds the rows of
+        self.snaps: OrderedDict[int, tuple[PreDraftJob, DraftSnapshot]] = OrderedDict()   # jobs sent
 
     # ---- jobs ---------------------------------------------------------------------------------------
     def new_round(self) -> None:
@@ -152,7 +159,7 @@ class PreDrafting:
         if self.mode == "drafter" and not self.present():
             return []
         self.stats.jobs += 1
-        job = self.out = PreDraftJob(self.stats.jobs, tuple(context), self.calls)
+        job = self.out = PreDraftJob(next(_JOB_SEQ), tuple(context), self.calls)
         self.done = 0
         if self.mode == "idle":
             return [WhenIdle(PreDraftStep(job))]
@@ -175,6 +182,9 @@ class PreDrafting:
             self.out = None
             return []
         self.shipped = tuple(context)
+        self.snaps[job.seq] = (job, snap)
+        while len(self.snaps) > KEPT_SNAPSHOTS:
+            self.snaps.popitem(last=False)
         return [Offload(job, snap, request_bytes=snap.nbytes())]
 
     def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
@@ -185,7 +195,7 @@ class PreDrafting:
         job = event.job
         if isinstance(event, PreDrafted):
             return self._answered(event, context)
-        if job != self.out:
+        if job is not self.out:
             return [], False
         if not self.gaps.fits(now, self.call_s if self.call_s is not None else self.measured_s):
             self.out = None
@@ -203,15 +213,20 @@ class PreDrafting:
 
     def _answered(self, event: PreDrafted, context: list[int]) -> tuple[list, bool]:
         """Graft the drafter's answer (any job's: a late one still holds valid nodes under the new root)."""
-        if event.job == self.out:
+        if event.job is self.out:
             self.out = None
-        if event.growth is None:   # no answer: the next job ships the whole context
+        sent = self.snaps.get(event.job.seq)   # kept after an empty outcome: the answer may still come late
+        if event.growth is not None:
+            self.snaps.pop(event.job.seq, None)
+        if event.growth is None or sent is None or sent[0] is not event.job:
+            # no answer, or one for a job this engine no longer holds (e.g. before a replay): the next
+            # job ships the whole context
             self.stats.unanswered += 1
             self.shipped = ()
             return [], False
         if tuple(context) != event.job.context:
             self.stats.late += 1
-        nodes, rows = graft(self.drafter, event.growth)
+        nodes, rows = graft(self.drafter, event.growth, sent[1])
         self.stats.grafted += nodes
         self.stats.adopted += rows
         self.stats.calls += len(event.growth.calls)
