@@ -329,13 +329,20 @@ class _SimRun:
             except ReplicaBehind:
                 growth = None
         calls = [Compute("draft", tokens, ctx, "predraft") for tokens, ctx, _ in (growth.calls if growth else [])]
-        start = max(t + self.costs.transfer_s(0, -1, a.request_bytes), self.drafter_free)
+        arrived = self._over_link((0, -1), t, a.request_bytes)   # jobs queue on the link as segments do
+        start = max(arrived, self.drafter_free)
         end = start + sum(self.costs.compute_s(0, c) for c in calls)
         if end > start:
             self.trace.add(TraceEvent("drafter", "compute", "predraft", start, end, sum(c.tokens for c in calls)))
         self.drafter_free = end
         reply = growth.nbytes() if growth is not None else 16
-        self._push(end + self.costs.transfer_s(-1, 0, reply), 0, _Delivery(key, PreDrafted(a.job, growth)))
+        self._push(self._over_link((-1, 0), end, reply), 0, _Delivery(key, PreDrafted(a.job, growth)))
+
+    def _over_link(self, link: tuple[int, int], t: float, nbytes: int) -> float:
+        """When `nbytes` sent at `t` have crossed `link` (-1: the drafter), after what it already carries."""
+        start = max(t, self.link_free.get(link, 0.0))
+        end = self.link_free[link] = start + self.costs.transfer_s(link[0], link[1], nbytes)
+        return end
 
     def _send(self, node: int, t: float, a: Send) -> None:
         if node in self.down:
