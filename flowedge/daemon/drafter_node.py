@@ -132,7 +132,9 @@ class DrafterNode:
             self._to_head(proto.DraftReady(model=setup.model, error=proto.bounded(why, 1000)))
             return
         settle()
-        self.server = DraftServer(model, self.drops)
+        # a replica per request the head may run at once (its max_concurrent, as this node's config says;
+        # more would evict replicas and resend whole contexts), at least the default 8
+        self.server = DraftServer(model, self.drops, max(8, 2 * self.config.max_concurrent))
         log.info("draft model %s loaded in %.1f s; serving pre-draft jobs", setup.model, time.monotonic() - t0)
         self.phase = f"drafting with {setup.model}"
         self.notifier.ready(self.phase)
