@@ -131,3 +131,8 @@ class AddressInUse(LinkError):
 
 class PeerUnreachable(LinkError):
     """A send found no peer to take it (gone, never there, or not taking more): the message is dropped."""
+
+
+class ReplicaBehind(FlowedgeError):
+    """A drafter's replica lacks the committed K/V rows a pre-draft job assumes (a restarted drafter, an
+    evicted request): node 0 ships the whole context next time (engine/draft_sync.py)."""

@@ -139,7 +139,7 @@ def test_idle_page_shows_the_three_nodes(stack, browser, shots):
 def test_page_moves_while_an_answer_streams(stack, browser, shots):
     """The page's own chat box asks (?ask=); while the answer streams, tokens/s and `running` move, which
     they only can because the head counts tokens as they are sent (not when the answer ends)."""
-    browser.open(stack["url"] + "/?ask=1%202%203%204&max=400")
+    browser.open(stack["url"] + "/?ask=1%202%203%204&max=1500")   # long enough to be seen moving on a loaded box
     assert browser.wait_for("Number(document.body.dataset.maxTps || 0) > 0", 60), browser.eval(BODY)
     assert browser.eval("document.body.dataset.answered") is None   # it moved before the answer ended
     assert browser.eval("Number(document.body.dataset.maxRunning)") >= 1

@@ -23,13 +23,11 @@ from flowedge.core.merge import match_paths, merge_by_path
 from flowedge.core.tree import ROOT, DraftTree, find_path, reindex, subtree
 from flowedge.engine.draft_slots import CacheSlots
 from flowedge.engine.drafter import Drafter, TreeShape
+from flowedge.errors import ReplicaBehind
 
 log = logging.getLogger(__name__)
 
-
-class ReplicaBehind(Exception):
-    """The replica lacks committed rows the snapshot assumes (a restarted drafter, an evicted request):
-    node 0 ships the whole context next time."""
+__all__ = ["DraftGrowth", "DraftSnapshot", "DrafterDevice", "ReplicaBehind", "check_growth", "graft", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)
