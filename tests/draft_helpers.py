@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.transport import protocol as p
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 4
@@ -28,3 +29,17 @@ def draft_answer(n: int = 5, ran=(3, 4), **kw) -> p.DraftAnswer:
                   rows=rows(len(ran)), calls=[(4, 9, 0.01), (4, 11, 0.02)])
     fields.update(kw)
     return p.DraftAnswer(**fields)
+
+
+def rooted(model, context: list[int]) -> Drafter:
+    """A drafter with a two-level tree at `context`, its calls drained: node 0 as a job would find it."""
+    d = Drafter(model)
+    d.build(context, TreeShape(4, 2))
+    d.drain_calls()
+    return d
+
+
+def tree_paths(d: Drafter) -> dict[tuple[int, ...], float]:
+    """Every node of the stored tree by token path, with its score."""
+    t = d.base
+    return {tuple(t.path_tokens(i)): round(float(t.log_scores[i]), 4) for i in range(len(t))}

@@ -16,9 +16,10 @@ from flowedge.daemon import draft_wire
 from flowedge.daemon.draft_serve import DraftServer
 from flowedge.daemon.droplog import DropLog
 from flowedge.engine.draft_sync import graft, snapshot
-from flowedge.engine.drafter import Drafter, TreeShape
+from flowedge.engine.drafter import Drafter
 from flowedge.errors import ProtocolError
 from flowedge.models.stage import StageModel
+from draft_helpers import rooted, tree_paths
 from flowedge.transport import protocol as p
 
 CONTEXT = list(range(3, 15))
@@ -31,15 +32,10 @@ def draft_model(tiny_pair):
 
 
 def _rooted(model, context=CONTEXT) -> Drafter:
-    d = Drafter(model)
-    d.build(context, TreeShape(4, 2))
-    d.drain_calls()
-    return d
+    return rooted(model, context)
 
 
-def _paths(d: Drafter) -> dict:
-    t = d.base
-    return {tuple(t.path_tokens(i)): round(float(t.log_scores[i]), 4) for i in range(len(t))}
+_paths = tree_paths
 
 
 def _server(model) -> DraftServer:

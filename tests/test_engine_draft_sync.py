@@ -10,6 +10,7 @@ from flowedge.core.tree import DraftTree
 from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind, _depths, check_growth, graft, snapshot
 from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.models.stage import StageModel
+from draft_helpers import rooted, tree_paths
 
 CONTEXT = list(range(3, 15))
 WIDTH, LOOKUP = 4, 0
@@ -21,16 +22,10 @@ def draft_model(tiny_pair):
 
 
 def _rooted(model, context=CONTEXT) -> Drafter:
-    d = Drafter(model)
-    d.build(context, TreeShape(4, 2))
-    d.drain_calls()
-    return d
+    return rooted(model, context)
 
 
-def _paths(d: Drafter) -> dict[tuple[int, ...], float]:
-    """Every node of the stored tree by token path, with its score."""
-    t = d.base
-    return {tuple(t.path_tokens(i)): round(float(t.log_scores[i]), 4) for i in range(len(t))}
+_paths = tree_paths
 
 
 def _ran_paths(d: Drafter) -> set[tuple[int, ...]]:
