@@ -1,4 +1,5 @@
-"""Building C kernels: one build per source/compiler/CPU, reused after; clear errors without a compiler."""
+"""Building C kernels: one build per source (and the headers it includes)/compiler/CPU, reused after; clear
+errors without a compiler."""
 from __future__ import annotations
 
 import shutil
@@ -32,6 +33,32 @@ def test_a_changed_source_builds_anew(source, tmp_path):
     source.write_text(SOURCE + "int sub(int a, int b) { return a - b; }\n")
     second = build.build(source, tmp_path / "cache")
     assert second.compiled and second.path != first.path and second.lib.sub(5, 3) == 2
+
+
+def test_a_changed_header_rebuilds_every_source_that_includes_it(tmp_path):
+    """Directly or through another header; a source that does not include it keeps its build."""
+    (tmp_path / "shared.h").write_text("static int two(void) { return 2; }\n")
+    (tmp_path / "wrap.h").write_text('#include "shared.h"\n')
+    sources = {"a.c": '#include <stdint.h>\n#include "wrap.h"\nint a(void) { return two(); }\n',
+               "b.c": ' # include "shared.h"\nint b(void) { return two() + 1; }\n', "c.c": SOURCE}
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    paths = [tmp_path / name for name in sources]
+    assert [p.name for p in build.inputs(paths[0])] == ["a.c", "wrap.h", "shared.h"]
+    first = [build.build(p, tmp_path / "cache") for p in paths]
+    assert first[0].lib.a() == 2 and first[1].lib.b() == 3
+    (tmp_path / "shared.h").write_text("static int two(void) { return 20; }\n")
+    second = [build.build(p, tmp_path / "cache") for p in paths]
+    assert [b.compiled for b in second] == [True, True, False] and second[2].path == first[2].path
+    assert second[0].lib.a() == 20 and second[1].lib.b() == 21
+
+
+def test_a_missing_header_is_left_to_the_compiler(tmp_path):
+    source = tmp_path / "lost.c"
+    source.write_text('#include "nowhere.h"\nint f(void) { return 1; }\n')
+    assert build.inputs(source) == [source]
+    with pytest.raises(build.BuildError, match=r"failed on lost\.c: .*nowhere\.h"):
+        build.build(source, tmp_path / "cache")
 
 
 def test_missing_compiler_is_a_build_error(source, tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """Compile a kernel's C source once per machine and load it with ctypes.
 
-The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<key>.so`, the key hashing the source, the
-compiler's version and the flags it expands `-march=native` to: a new source, compiler or CPU builds
-anew, anything else reuses the file. The compiler writes to a private temporary name that is renamed
+The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<key>.so`, the key hashing the source and the
+headers it includes with quotes (transitively: the tiled kernels share tiles.h), the compiler's version
+and the flags it expands `-march=native` to: a new source or header, compiler or CPU builds anew,
+anything else reuses the file. The compiler writes to a private temporary name that is renamed
 into place, so processes building at once never load a half-written file.
 
 No compiler, a failed build or `FLOWEDGE_KERNELS=torch` -> `load()` returns None and says why once
@@ -15,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shlex
 import subprocess
 import tempfile
@@ -30,6 +32,7 @@ KERNELS_ENV = "FLOWEDGE_KERNELS"   # "torch": never use the native kernels (A/B 
 CC_ENV = "CC"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
+LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +65,29 @@ def _native_flags(cc: list[str]) -> str:
     return "\n".join(line.strip() for line in out.splitlines() if line.strip().startswith(("-march=", "-m")))
 
 
+def inputs(source: Path) -> list[Path]:
+    """`source` and the headers it includes with quotes, transitively, each found next to the file that
+    includes it (as the compiler looks first); a missing one is left for the compiler to report."""
+    found, pending = [source], [source]
+    while pending:
+        path = pending.pop()
+        for name in LOCAL_INCLUDE.findall(path.read_bytes()):
+            header = path.parent / name.decode()
+            if header.is_file() and header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
+
+
 def cache_key(source: Path, cc: list[str]) -> str:
     try:
         version = _run([*cc, "--version"]).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BuildError(f"compiler {shlex.join(cc)!r} cannot run ({exc})") from exc
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), _native_flags(cc).encode(), " ".join(FLAGS).encode()):
+    source_code, *headers = inputs(source)   # a source with no headers keys as it did before headers counted
+    code = [source_code.read_bytes(), *(part for path in headers for part in (path.name.encode(), path.read_bytes()))]
+    for part in (*code, version.encode(), _native_flags(cc).encode(), " ".join(FLAGS).encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -19,15 +19,15 @@
  */
 #include <float.h>
 #include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
 
-#define TILE 16
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define WIDE_KERNELS 1
+#else
+#define WIDE_KERNELS 0
+#endif
+#include "tiles.h"
+
 #define QMAX 127
-
-static int64_t rows_per_pass(int64_t M);
 
 typedef struct {   /* one call's quantized activations */
     int8_t *q;     /* [M, K] stream, see above */
@@ -36,8 +36,16 @@ typedef struct {   /* one call's quantized activations */
     float *xs;     /* [M, K/G] X_g */
 } acts;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#include <immintrin.h>
+typedef struct {   /* one call's arguments, read by every thread */
+    const uint8_t *w;   /* the tiles */
+    int64_t M, K, G, N, ng, bt;   /* ng = K / G groups, bt bytes a tile */
+    int w4;             /* W4A16 tiles (1) or W8A16 tiles (0) */
+    acts a;
+    const float *bias;
+    float *y;
+} job_t;
+
+#if WIDE_KERNELS
 
 const char *int8act_isa(void) { return "avx512vnni"; }
 
@@ -81,10 +89,6 @@ static void quantize_group(const float *xg, int64_t G, int w4, int8_t *dst, int6
     *xs = total;
 }
 
-#define MAX_T 4
-#define MAX_R 12
-#define UNROLL _Pragma("GCC unroll 16")
-
 /* acc += u8(w) . s8(the dword at x, broadcast), 4 products a lane. A separate vpbroadcastd, not the
  * {1to16} memory operand w4a16.c folds in: on Zen 4 vpdpbusd with a broadcast memory operand ran at
  * 0.4-0.6 a cycle, from a register at 0.95 (measured, 8-12 accumulators). */
@@ -92,11 +96,6 @@ static inline __m512i dot4(__m512i acc, __m512i w, const int32_t *x) {
     __m512i xv = _mm512_set1_epi32(*x);
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(xv));   /* in place (the intrinsic made gcc copy it) */
     return acc;
-}
-
-static inline __m512 load_bf16x16(const uint8_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* W8A16 block pair (32 bytes: byte 2i + e = output i at input 2j + e, then the same for 2j + 2) ->
@@ -120,10 +119,7 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
     const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const __m512i perm = w8_perm();
     __m512 acc[MAX_T][MAX_R];
-    UNROLL
-    for (int t = 0; t < T; t++)
-        UNROLL
-        for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+    ZERO_TILES(acc, R, T);
     const int64_t blk = w4 ? 64 + 8 * G : 64 + 16 * G;
     for (int64_t g = 0; g < ng; g++) {
         __m512i gacc[MAX_T][MAX_R];
@@ -135,10 +131,7 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
         }
         const int32_t *xg = xq + g * (G / 4) * R;
         for (int64_t b = 0; b < G / (w4 ? 8 : 4); b++) {   /* 64 bytes of codes a tile */
-            if (R == 1) {   /* one row streams weights from DRAM: fetch ~1 KB ahead */
-                UNROLL
-                for (int t = 0; t < T; t++) _mm_prefetch((const char *)(w + t * blk_tile + g * blk + b * 64 + 1024), _MM_HINT_T0);
-            }
+            if (R == 1) prefetch_tiles(w, blk_tile, g, blk, b * 64, T);
             UNROLL
             for (int t = 0; t < T; t++) {
                 __m512i d = _mm512_loadu_si512((const void *)(w + t * blk_tile + g * blk + 64 + b * 64));
@@ -168,13 +161,7 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
             }
         }
     }
-    UNROLL
-    for (int t = 0; t < T; t++) {
-        __m512 bv = bias ? _mm512_loadu_ps(bias + n0 + t * TILE) : _mm512_setzero_ps();
-        UNROLL
-        for (int r = 0; r < R; r++)
-            _mm512_storeu_ps(y + r * N + n0 + t * TILE, bias ? _mm512_add_ps(acc[t][r], bv) : acc[t][r]);
-    }
+    STORE_TILES(acc, bias, y, N, n0, R, T, 0);
 }
 
 typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int32_t *, const float *, const int32_t *,
@@ -190,49 +177,19 @@ typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int32_
                              int64_t N, int64_t n0) {                                                          \
         tile_kernel(w, bt, ng, G, xq, sa, corr, xs, bias, y, N, n0, R, T, 0);                                  \
     }
-KERNEL(1, 1) KERNEL(1, 4)
-KERNEL(2, 1) KERNEL(2, 4)
-KERNEL(3, 1) KERNEL(3, 4)
-KERNEL(4, 1) KERNEL(4, 2)
-KERNEL(5, 1) KERNEL(5, 2)
-KERNEL(6, 1) KERNEL(6, 2)
-KERNEL(7, 1) KERNEL(8, 1)
-KERNEL(9, 1) KERNEL(10, 1) KERNEL(11, 1) KERNEL(12, 1)
+TILE_SHAPES(KERNEL)
 
-#define ROW_BLOCK MAX_R
-#define ROWS_OF(k)                                                                                        \
-    {{0, 0}, {k##_1_1, k##_1_4}, {k##_2_1, k##_2_4}, {k##_3_1, k##_3_4}, {k##_4_1, k##_4_2},              \
-     {k##_5_1, k##_5_2}, {k##_6_1, k##_6_2}, {k##_7_1, k##_7_1}, {k##_8_1, k##_8_1}, {k##_9_1, k##_9_1}, \
-     {k##_10_1, k##_10_1}, {k##_11_1, k##_11_1}, {k##_12_1, k##_12_1}}
 static const kern_fn KERNELS[2][ROW_BLOCK + 1][2] = {ROWS_OF(k8), ROWS_OF(k4)};   /* [w4][R][wide?] */
-static const int WIDE_T[ROW_BLOCK + 1] = {0, 4, 4, 4, 2, 2, 2, 1, 1, 1, 1, 1, 1};
 
-static int64_t rows_per_pass(int64_t M) {   /* balanced passes of at most ROW_BLOCK rows */
-    int64_t passes = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-    return (M + passes - 1) / passes;
+static inline void pass(const void *job, int64_t m, int64_t R, int64_t t, int wide) {
+    const job_t *j = job;
+    int64_t ng = j->ng;
+    KERNELS[j->w4][R][wide](j->w + t * j->bt, j->bt, ng, j->G, (const int32_t *)(j->a.q + m * j->K), j->a.sa + m * ng,
+                            j->a.corr + m * ng, j->a.xs + m * ng, j->bias, j->y + m * j->N, j->N, t * TILE);
 }
 
-static int64_t tile_step(int64_t M) { return WIDE_T[rows_per_pass(M)]; }
-
-static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N, int w4,
-                      acts a, const float *bias, float *y) {
-    int64_t ng = K / G, bt = ng * (w4 ? 64 + 8 * G : 64 + 16 * G), rb = rows_per_pass(M);
-    for (int64_t t = t0; t < t1;) {
-        int64_t T = t1 - t >= WIDE_T[rb] ? WIDE_T[rb] : 1;
-        for (int64_t m = 0; m < M; m += rb) {
-            int64_t R = M - m < rb ? M - m : rb;
-            const int32_t *xq = (const int32_t *)(a.q + m * K);
-            const float *sa = a.sa + m * ng, *xs = a.xs + m * ng;
-            const int32_t *corr = a.corr + m * ng;
-            if (WIDE_T[R] == T) {
-                KERNELS[w4][R][T > 1](w + t * bt, bt, ng, G, xq, sa, corr, xs, bias, y + m * N, N, t * TILE);
-            } else {
-                for (int64_t u = t; u < t + T; u++)
-                    KERNELS[w4][R][0](w + u * bt, bt, ng, G, xq, sa, corr, xs, bias, y + m * N, N, u * TILE);
-            }
-        }
-        t += T;
-    }
+static void run_tiles(const void *job, int64_t t0, int64_t t1) {
+    row_passes(job, t0, t1, ((const job_t *)job)->M, pass);
 }
 
 #else /* portable: plain C over 16-lane vectors (gcc maps them onto the target's registers) */
@@ -271,17 +228,6 @@ static void quantize_group(const float *xg, int64_t G, int w4, int8_t *dst, int6
     *xs = total;
 }
 
-
-static int64_t rows_per_pass(int64_t M) {   /* rows one at a time: the stream stays row-major */
-    (void)M;
-    return 1;
-}
-
-static int64_t tile_step(int64_t M) {
-    (void)M;
-    return 1;
-}
-
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* wq[p] = the unsigned codes (W4: 0..15; W8: code + 128) of the tile's 16 outputs at stream place p */
@@ -307,19 +253,20 @@ static void unpack_group(const uint8_t *p, int64_t G, int w4, v16i *wq) {
 static inline float bf16_at(const uint8_t *p, int i) {
     uint16_t h;
     memcpy(&h, p + 2 * i, 2);
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16_to_f32(h);
 }
 
-static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64_t K, int64_t G, int64_t N, int w4,
-                      acts a, const float *bias, float *y) {
-    int64_t ng = K / G, blk = w4 ? 64 + 8 * G : 64 + 16 * G, bt = ng * blk;
+/* w4 is a constant after inlining: one copy of the loop per tile kind (see run_tiles) */
+static inline __attribute__((always_inline)) void tiles_of(const job_t *j, int64_t t0, int64_t t1, const int w4) {
+    const uint8_t *w = j->w;
+    int64_t M = j->M, K = j->K, G = j->G, N = j->N, ng = K / G, blk = w4 ? 64 + 8 * G : 64 + 16 * G, bt = ng * blk;
+    acts a = j->a;   /* locals: clear_tile's memset could otherwise change what j points to */
+    const float *bias = j->bias;
+    float *y = j->y;
     v16i wq[256];
     float s[TILE], z[TILE];
     for (int64_t t = t0; t < t1; t++) {
-        for (int64_t m = 0; m < M; m++) memset(y + m * N + t * TILE, 0, TILE * sizeof(float));
+        clear_tile(y, M, N, t);
         for (int64_t g = 0; g < ng; g++) {
             const uint8_t *p = w + t * bt + g * blk;
             for (int i = 0; i < TILE; i++) {
@@ -342,17 +289,23 @@ static void run_tiles(const uint8_t *w, int64_t t0, int64_t t1, int64_t M, int64
                 }
             }
         }
-        if (bias)
-            for (int64_t m = 0; m < M; m++)
-                for (int i = 0; i < TILE; i++) y[m * N + t * TILE + i] += bias[t * TILE + i];
+        add_bias(y, M, N, t, bias);
     }
+}
+
+static void run_tiles(const void *job, int64_t t0, int64_t t1) {
+    const job_t *j = job;
+    if (j->w4)
+        tiles_of(j, t0, t1, 1);
+    else
+        tiles_of(j, t0, t1, 0);
 }
 #endif
 
 static void quantize_x(const float *x, int64_t M, int64_t K, int64_t G, int w4, acts a) {
     int64_t ng = K / G, rb = rows_per_pass(M);
     for (int64_t m = 0; m < M; m++) {
-        int64_t m0 = m - m % rb, R = M - m0 < rb ? M - m0 : rb;
+        int64_t m0, R = pass_of(m, M, rb, &m0);
         int8_t *row = a.q + m0 * K + (m - m0) * 4;
         for (int64_t g = 0; g < ng; g++)
             quantize_group(x + m * K + g * G, G, w4, row + g * G * R, R, a.sa + m * ng + g, a.corr + m * ng + g,
@@ -362,26 +315,15 @@ static void quantize_x(const float *x, int64_t M, int64_t K, int64_t G, int w4, 
 
 static int linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                   float *y, int nthreads, int w4) {
-    if (M <= 0 || K <= 0 || N <= 0 || N % TILE || G % 16 || G > 256 || K % G) return -1;
+    if (bad_shape(M, K, N, G)) return -1;
     int64_t ng = K / G;
     acts a = {malloc((size_t)(M * K)), malloc((size_t)(M * ng) * sizeof(float)),
               malloc((size_t)(M * ng) * sizeof(int32_t)), malloc((size_t)(M * ng) * sizeof(float))};
     int rc = -1;
     if (a.q && a.sa && a.corr && a.xs) {
         quantize_x(x, M, K, G, w4, a);
-        int64_t tiles = N / TILE, step = tile_step(M), units = (tiles + step - 1) / step;
-        if (nthreads < 1) nthreads = 1;
-        if (nthreads > units) nthreads = (int)units;
-        if (nthreads == 1) {
-            run_tiles(w, 0, tiles, M, K, G, N, w4, a, bias, y);
-        } else {   /* threads split N only, in whole steps of tiles, taking chunks as they finish */
-            int64_t per = (units + 4 * nthreads - 1) / (4 * nthreads), chunks = (units + per - 1) / per;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-            for (int64_t c = 0; c < chunks; c++) {
-                int64_t lo = c * per * step, hi = (c + 1) * per * step;
-                run_tiles(w, lo, hi < tiles ? hi : tiles, M, K, G, N, w4, a, bias, y);
-            }
-        }
+        job_t job = {w, M, K, G, N, ng, ng * (w4 ? 64 + 8 * G : 64 + 16 * G), w4, a, bias, y};
+        split_tiles(&job, N / TILE, M, nthreads, run_tiles);
         rc = 0;
     }
     free(a.q);

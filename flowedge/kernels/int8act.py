@@ -66,43 +66,12 @@ def use_int8() -> bool:
 
 def linear4(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32 over W4A16 tiles, activations int8 (the custom op under compile)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flowedge.w4a8_linear(x, weight.tiles, weight.out_features, weight.in_features,
-                                              weight.group_size, bias, threads or 0)
-    return KERNEL4.call(x, weight.tiles, weight.out_features, weight.in_features, weight.group_size, bias,
-                        threads or torch.get_num_threads())
+    """x [M, K] float32 -> [M, N] float32 over W4A16 tiles, activations int8 (`flowedge::w4a8_linear`
+    under compile)."""
+    return KERNEL4.linear(x, weight, bias, threads)
 
 
 def linear8(x: torch.Tensor, weight: W8A16Weight, bias: torch.Tensor | None = None,
             threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32 over W8A16 tiles, activations int8."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flowedge.w8a8_linear(x, weight.tiles, weight.out_features, weight.in_features,
-                                              weight.group_size, bias, threads or 0)
-    return KERNEL8.call(x, weight.tiles, weight.out_features, weight.in_features, weight.group_size, bias,
-                        threads or torch.get_num_threads())
-
-
-@torch.library.custom_op("flowedge::w4a8_linear", mutates_args=())
-def _linear4_op(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-                bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return KERNEL4.call(x, tiles, out_features, in_features, group_size, bias, threads or torch.get_num_threads())
-
-
-@torch.library.custom_op("flowedge::w8a8_linear", mutates_args=())
-def _linear8_op(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-                bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return KERNEL8.call(x, tiles, out_features, in_features, group_size, bias, threads or torch.get_num_threads())
-
-
-@_linear4_op.register_fake
-def _linear4_shape(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-                   bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-@_linear8_op.register_fake
-def _linear8_shape(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-                   bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    """x [M, K] float32 -> [M, N] float32 over W8A16 tiles, activations int8 (`flowedge::w8a8_linear`)."""
+    return KERNEL8.linear(x, weight, bias, threads)

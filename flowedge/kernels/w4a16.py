@@ -34,37 +34,22 @@ from typing import Protocol
 import torch
 
 from flowedge.kernels import tiled
-from flowedge.kernels.tiled import TILE, TiledKernel
+from flowedge.kernels.tiled import TILE, PackedShape, TiledKernel, TiledWeight
 
 SOURCE = Path(__file__).with_name("w4a16.c")
 REPACK_ROWS = 4096   # outputs repacked at once (bounds the temporaries for a vocabulary-sized lm_head)
 
 
-class PackedWeight(Protocol):
-    """The portable W4A16 layout the kernel repacks (`models.quant.PackedInt4` is one), described here
-    so the kernels stay below the model code that imports them."""
+class PackedWeight(PackedShape, Protocol):
+    """The portable W4A16 layout the kernel repacks (`models.quant.PackedInt4` is one)."""
     qweight: torch.Tensor   # uint8 [N, K / 2]
     scales: torch.Tensor    # bfloat16 [N, K / G]
     zeros: torch.Tensor     # bfloat16 [N, K / G]
 
-    @property
-    def out_features(self) -> int: ...
-
-    @property
-    def in_features(self) -> int: ...
-
-    @property
-    def group_size(self) -> int: ...
-
 
 @dataclass(frozen=True, slots=True)
-class W4A16Weight:
+class W4A16Weight(TiledWeight):
     """A weight in the kernel's tiled layout: tiles uint8 [N/16, K/G, 64 + 8G]."""
-
-    tiles: torch.Tensor
-    out_features: int
-    in_features: int
-    group_size: int
 
 
 KERNEL = TiledKernel(SOURCE, "w4a16")
@@ -83,9 +68,7 @@ def isa() -> str | None:
 
 def prepare(w: PackedWeight) -> W4A16Weight:
     """Repack the portable layout into tiles (one pass, REPACK_ROWS outputs at a time)."""
-    n, k, g = w.out_features, w.in_features, w.group_size
-    if not supports(n, k, g):
-        raise ValueError(f"W4A16 kernel needs N % 16 == 0 and G in 16..256 dividing K (N={n}, K={k}, G={g})")
+    n, k, g = tiled.checked_shape(w, "W4A16")
     parts = [_repack(q, s, z, g) for q, s, z in zip(w.qweight.split(REPACK_ROWS), w.scales.split(REPACK_ROWS),
                                                    w.zeros.split(REPACK_ROWS))]
     return W4A16Weight(torch.cat(parts).contiguous(), n, k, g)
@@ -109,28 +92,5 @@ def _repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g:
 def linear(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None = None,
            threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 -> [M, N] float32 (plus a float32 bias [N]); `threads` defaults to torch's.
-
-    Eager calls go straight to the C function (~3 us of overhead); under torch.compile the call is the
-    custom op `flowedge::w4a16_linear`, so a compiled step has no graph break here (the op's eager
-    dispatch would cost ~25 us a call, hence not used outside compile)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flowedge.w4a16_linear(x, weight.tiles, weight.out_features, weight.in_features,
-                                               weight.group_size, bias, threads or 0)
-    return _call(x, weight, bias, threads or torch.get_num_threads())
-
-
-def _call(x: torch.Tensor, weight: W4A16Weight, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return KERNEL.call(x, weight.tiles, weight.out_features, weight.in_features, weight.group_size, bias, threads)
-
-
-@torch.library.custom_op("flowedge::w4a16_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-               bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    weight = W4A16Weight(tiles, out_features, in_features, group_size)
-    return _call(x, weight, bias, threads or torch.get_num_threads())
-
-
-@_linear_op.register_fake
-def _linear_shape(x: torch.Tensor, tiles: torch.Tensor, out_features: int, in_features: int, group_size: int,
-                  bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+    Under torch.compile the call is the custom op `flowedge::w4a16_linear` (no graph break)."""
+    return KERNEL.linear(x, weight, bias, threads)

@@ -1,0 +1,102 @@
+/* What the two bf16-activation kernels (w4a16.c, w8a16.c) share on top of tiles.h: the activation stream
+ * (x rounded to bf16 pairs, a pass's rows interleaved), one call's arguments, the AVX-512 dot product with
+ * a broadcast pair, and the portable build's loop over a tile's groups and rows.
+ *
+ * The two differ in the tile layout only: w4a16 has bf16 scales and zeros (y also takes zero * X_g),
+ * w8a16 fp32 scales and no zeros.
+ */
+#ifndef FLOWEDGE_BF16ACT_H
+#define FLOWEDGE_BF16ACT_H
+
+#include "tiles.h"
+
+typedef struct {   /* one call's arguments, read by every thread */
+    const uint8_t *w;   /* the tiles */
+    int64_t M, K, G, N, ng, bt;   /* ng = K / G groups, bt bytes a tile */
+    const uint32_t *xp; /* the activation stream (pack_pairs) */
+    const float *xs;    /* [M, ng] group sums of bf16(x) (w4a16), or NULL */
+    const float *bias;
+    float *y;
+} bf16_job;
+
+/* x [M, K] fp32 -> xp: bf16 pairs (inputs 2j, 2j+1 in one u32), interleaved per pass of R rows
+ * (pass base + j * R + r), so a kernel reaches every row of its pass from one pointer. */
+static void pack_pairs(const float *x, int64_t M, int64_t K, uint32_t *xp) {
+    int64_t rb = rows_per_pass(M);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        int64_t m0, R = pass_of(m, M, rb, &m0);
+        uint32_t *dst = xp + m0 * (K / 2) + (m - m0);
+        for (int64_t j = 0; j < K / 2; j++)
+            dst[j * R] = (uint32_t)bf16_rne(xr[2 * j]) | (uint32_t)bf16_rne(xr[2 * j + 1]) << 16;
+    }
+}
+
+#if WIDE_KERNELS
+
+/* acc += w . broadcast(the bf16 pair at x): written out because gcc does not fold the broadcast
+ * into the instruction's memory operand (a separate vpbroadcastd per row doubled the instructions) */
+static inline __m512 dot_pair(__m512 acc, __m512bh w, const uint32_t *x) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+#else /* portable: plain C that the compiler vectorizes over the 16 outputs of a tile */
+
+/* A tile's 16 outputs as two 8-lane vectors: gcc maps the type onto the target (one AVX2 or two NEON
+ * registers) and computes each lane on its own, no reassociation: every row sees the same operations. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define HALF 8
+#define PASS 4   /* rows per pass over an unpacked group (8 accumulators in registers) */
+
+static inline v8f load_v8f(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_v8f(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* rows m0 .. m0 + R - 1 of one group of one tile; R and zp (zero points?) are constants after inlining */
+static inline __attribute__((always_inline)) void
+group_rows(v8f (*wf)[2], int64_t G, const uint32_t *xr, int64_t xstride, const float *xg, int64_t ng,
+           v8f s0, v8f s1, v8f z0, v8f z1, float *yr, int64_t N, const int R, const int zp) {
+    v8f a0[PASS], a1[PASS];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = (v8f){0};
+    for (int64_t j = 0; j < G / 2; j++)
+        for (int e = 0; e < 2; e++) {
+            v8f w0 = wf[2 * j + e][0], w1 = wf[2 * j + e][1];
+            for (int r = 0; r < R; r++) {
+                float xv = bf16_to_f32((uint16_t)(xr[r * xstride + j] >> (16 * e)));
+                a0[r] = a0[r] + w0 * xv;
+                a1[r] = a1[r] + w1 * xv;
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        float *o = yr + r * N;
+        if (zp) {
+            store_v8f(o, (load_v8f(o) + a0[r] * s0) + z0 * xg[r * ng]);
+            store_v8f(o + HALF, (load_v8f(o + HALF) + a1[r] * s1) + z1 * xg[r * ng]);
+        } else {
+            store_v8f(o, load_v8f(o) + a0[r] * s0);
+            store_v8f(o + HALF, load_v8f(o + HALF) + a1[r] * s1);
+        }
+    }
+}
+
+/* rows m .. m + min(PASS, M - m) - 1 of one group of one tile: group_rows for a constant R */
+static inline __attribute__((always_inline)) void
+group_pass(v8f (*wf)[2], int64_t G, const uint32_t *xr, int64_t xstride, const float *xg, int64_t ng, v8f s0,
+           v8f s1, v8f z0, v8f z1, float *yr, int64_t N, int64_t rows, const int zp) {
+    switch (rows < PASS ? rows : PASS) {
+    case 1: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 1, zp); break;
+    case 2: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 2, zp); break;
+    case 3: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 3, zp); break;
+    default: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 4, zp);
+    }
+}
+#endif
+
+#endif /* FLOWEDGE_BF16ACT_H */
