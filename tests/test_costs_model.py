@@ -95,14 +95,62 @@ def test_decode_speed_within_10_percent_of_measured(device: str, path: str, conf
     assert predicted_tok_s == pytest.approx(measured_tok_s, rel=0.10)
 
 
-def test_x86_profile_reproduces_dev_machine_measurements() -> None:
+def test_x86_fp32_path_still_reproduces_the_hf_measurements() -> None:
+    """The HF transformers fp32 path, kept for the record: design.md's 353 / 141 ms a token, tree ~2.2x."""
     dev = load_device("x86-cpu")
-    assert decode_time_s(dev, QWEN_1P5B, CTX) == pytest.approx(0.353, rel=0.15)
-    assert decode_time_s(dev, QWEN_0P5B, CTX) == pytest.approx(0.141, rel=0.15)
+    assert decode_time_s(dev, QWEN_1P5B, CTX, "cpu-fp32") == pytest.approx(0.353, rel=0.15)
+    assert decode_time_s(dev, QWEN_0P5B, CTX, "cpu-fp32") == pytest.approx(0.141, rel=0.15)
     body = shape_of_layers(QWEN_1P5B, 0, 28)
-    one_s = forward_time_s(dev, body, 1, CTX) + lm_head_time_s(dev, QWEN_1P5B, 1)
-    tree_s = forward_time_s(dev, body, 16, CTX) + lm_head_time_s(dev, QWEN_1P5B, 16)
+    one_s = forward_time_s(dev, body, 1, CTX, "cpu-fp32") + lm_head_time_s(dev, QWEN_1P5B, 1, "cpu-fp32")
+    tree_s = forward_time_s(dev, body, 16, CTX, "cpu-fp32") + lm_head_time_s(dev, QWEN_1P5B, 16, "cpu-fp32")
     assert tree_s / one_s == pytest.approx(2.2, rel=0.15)
+
+
+# flowedge's native runtime on the dev VM, 1 thread, context 200, ms (device_profiles/README.md, x86-cpu):
+# calls -> {rows: measured median}
+NATIVE_MEASURED = {
+    "stage 0-14": {1: 30.6, 2: 34.7, 4: 51.3, 8: 84.0, 16: 150.0, 32: 270.4},
+    "stage 0-7": {1: 17.1, 2: 18.9, 4: 27.4, 8: 44.4, 16: 76.8, 32: 137.6},
+    "last": {1: 42.7, 2: 48.7, 4: 70.0, 8: 112.3, 16: 198.0, 32: 351.8},
+    "draft": {1: 30.1, 2: 34.4, 4: 48.5, 8: 70.4, 16: 126.9, 32: 238.4},
+}
+
+
+def _native_call_s(dev, call: str, rows: int) -> float:
+    native_ctx = 200
+    if call == "draft":
+        return draft_time_s(dev, QWEN_0P5B, rows, native_ctx, head_quantized=True)
+    if call == "last":
+        return forward_time_s(dev, shape_of_layers(QWEN_1P5B, 14, 28), rows, native_ctx) + lm_head_time_s(
+            dev, QWEN_1P5B, rows)
+    end = int(call.split("-")[1])
+    return forward_time_s(dev, shape_of_layers(QWEN_1P5B, 0, end), rows, native_ctx)
+
+
+@pytest.mark.parametrize("call", sorted(NATIVE_MEASURED))
+def test_x86_profile_reproduces_the_native_runtime_per_row_count(call: str) -> None:
+    """The default path (cpu-native) within 10% of every measured stage step, last-stage step (W8A16
+    lm_head) and draft call (W4A16 lm_head) at 1-32 rows: bandwidth-bound at one row, compute-bound from 4."""
+    dev = load_device("x86-cpu")
+    assert dev.default_path == "cpu-native" and dev.draft_path == "cpu-native"
+    for rows, ms in NATIVE_MEASURED[call].items():
+        assert 1e3 * _native_call_s(dev, call, rows) == pytest.approx(ms, rel=0.10), (call, rows)
+
+
+def test_unpacking_adds_its_bytes_outside_the_roofline() -> None:
+    """A one-thread kernel unpacks every weight in line: the same seconds at 1 row and at 32 rows, on top of
+    whichever bound holds; a path without it (every GPU path) is unchanged."""
+    dev = load_device("x86-cpu")
+    p = dev.paths["cpu-native"]
+    shape = shape_of_layers(QWEN_1P5B, 0, 14)
+    bare = replace(dev, paths=dict(dev.paths, **{"cpu-native": replace(p, unpack_s_per_gb=0.0)}))
+    for rows in (1, 2, 32):
+        added = forward_time_s(dev, shape, rows, CTX) - forward_time_s(bare, shape, rows, CTX)
+        assert added == pytest.approx(shape.params * p.bytes_per_param * p.unpack_s_per_gb / 1e9)
+    assert p.unpack_s_per_gb > 0
+    assert all(q.unpack_s_per_gb == 0.0 for q in load_device("orin-nano-8gb").paths.values())
+    with pytest.raises(ConfigError, match="unpack_s_per_gb"):
+        replace(p, unpack_s_per_gb=-1.0)
 
 
 def test_lm_head_includes_large_vocab_sampling() -> None:

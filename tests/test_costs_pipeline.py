@@ -24,7 +24,8 @@ def _work(what: str, tokens: int, context: int = 64) -> SimpleNamespace:
 def test_the_simulated_draft_runs_the_numerics_it_is_charged_for() -> None:
     assert draft_quant_for("orin-nano-8gb") == "int4"             # torch-int4 stages and draft
     assert draft_quant_for("orin-nano-8gb", "hf-bnb4") == "none"  # bnb testbed: the draft runs fp16
-    assert draft_quant_for("x86-cpu") == "none"                   # fp32 CPU path
+    assert draft_quant_for("x86-cpu") == "int4"                   # flowedge's W4A16 CPU kernels
+    assert draft_quant_for("x86-cpu", "cpu-fp32") == "none"       # the HF fp32 path
     assert draft_quant_for(None) == "none"
 
 
@@ -32,7 +33,7 @@ def test_node0_drafts_on_the_stage_kernels_except_a_dequantizing_family() -> Non
     orin = load_device("orin-nano-8gb")
     assert draft_path_for(orin) == "torch-int4"
     assert draft_path_for(orin, "hf-bnb4") == "hf-fp16"     # a family name, not a path: fp16 drafting
-    assert draft_path_for(load_device("x86-cpu")) == "cpu-fp32"
+    assert draft_path_for(load_device("x86-cpu")) == "cpu-native"
 
 
 def test_free_costs_charge_nothing() -> None:

@@ -8,7 +8,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.costs.pipeline import CostModel, draft_path_for
+from flowedge.costs.pipeline import DRAFT_QUANT_OF_PATH, CostModel, draft_path_for
 from flowedge.costs.profiles import list_devices, load_device
 from flowedge.costs.sizing import tree_costs
 from flowedge.engine.auto_policy import (AR_PP, FLOWSPEC, PIPEDEC, START_TOKENS, AutoPolicy, Chooser,
@@ -31,7 +31,7 @@ def _prediction(device: str, nodes: int, drafter: DrafterCosts | None = None) ->
     ranges = balanced(BASE.num_hidden_layers, nodes - 1)
     path = draft_path_for(dev)
     return predict_from_costs(tree_costs(BASE, DRAFT, ranges, [dev] * len(ranges), dev, draft_path=path,
-                                         draft_quantized=path == "torch-int4"), drafter)
+                                         draft_quantized=DRAFT_QUANT_OF_PATH.get(path) == "int4"), drafter)
 
 
 @pytest.mark.parametrize("device", list_devices())

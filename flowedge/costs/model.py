@@ -131,7 +131,9 @@ def forward_time_s(
 
 def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens: int, context: int,
                 attended: float | None = None) -> float:
-    """max(memory time, compute time) of one forward, without the fixed overheads."""
+    """max(memory time, compute time) of one forward, without the fixed overheads, plus the weights'
+    unpacking where one CPU thread does it in the same instruction stream as the dot products (flowedge's
+    W4A16/W8A16 kernels: it hides under neither the DRAM stream nor the arithmetic)."""
     bandwidth_Bps = p.eta_bw * device.bandwidth_Bps
     kv_bytes = context * shape.kv_bytes_per_token * (p.act_bytes / 2.0)
     # tiled kernels (tinygemm) stream the weights once per tile of tokens: flat up to the tile size
@@ -141,7 +143,8 @@ def _roofline_s(device: DeviceProfile, p: ComputePath, shape: ModelShape, tokens
     attention_flops = 4.0 * shape.layers * shape.hidden * ((context if attended is None else attended) + tokens / 2.0)
     flops_s = _eta_flops(p, tokens) * device.flops
     compute_s = tokens * (shape.flops_per_token + attention_flops) / flops_s
-    return max(memory_s, compute_s)
+    unpack_s = shape.params * p.bytes_per_param * p.unpack_s_per_gb / 1e9
+    return max(memory_s, compute_s) + unpack_s
 
 
 def lm_head_time_s(device: DeviceProfile, config: Any, tokens: int, path: str | None = None) -> float:

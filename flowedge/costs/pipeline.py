@@ -48,12 +48,13 @@ def draft_path_for(dev: DeviceProfile, stage_path: str | None = None) -> str | N
 
 # Profile paths whose kernels node 0 also runs its draft on, and the quantization that gives the draft
 # those kernels' numerics (flowedge quantizes all of a draft, lm_head included: engine/drafter.py).
-DRAFT_QUANT_OF_PATH = {"torch-int4": "int4"}
+DRAFT_QUANT_OF_PATH = {"torch-int4": "int4", "cpu-native": "int4"}
 
 
 def draft_quant_for(device: str | None, stage_path: str | None = None) -> str:
     """How the simulated draft is quantized, so its proposals are the ones the charged kernels would
-    make: a real int4 draft on int4 paths; fp32 elsewhere (fp32 stands in for fp16, as for the stages)."""
+    make: a real int4 draft on int4 paths (torch's on CUDA, flowedge's W4A16 kernels on CPU); fp32 elsewhere
+    (fp32 stands in for fp16, as for the stages)."""
     if device is None:
         return "none"
     return DRAFT_QUANT_OF_PATH.get(draft_path_for(load_device(device), stage_path) or "", "none")

@@ -37,6 +37,7 @@ class ComputePath:
     sample_s_per_mvocab: float = 0.0  # per lm_head call: logits copy-out + sampling, per 1M vocab
     head_path: str | None = None  # path the lm_head runs on when this one is chosen (bnb skips it)
     token_tile: int = 0  # tokens per pass over the weights (tinygemm: 16); 0 = one pass for any count
+    unpack_s_per_gb: float = 0.0  # seconds per GB of weights unpacked in line, overlapping neither bound
 
     def __post_init__(self) -> None:
         positive = {"bytes_per_param": self.bytes_per_param, "act_bytes": self.act_bytes}
@@ -49,6 +50,7 @@ class ComputePath:
             "overhead_fwd_s": self.overhead_fwd_s,
             "overhead_layer_s": self.overhead_layer_s,
             "sample_s_per_mvocab": self.sample_s_per_mvocab,
+            "unpack_s_per_gb": self.unpack_s_per_gb,
         }
         if self.token_tile < 0:
             raise ConfigError(f"path {self.name}: token_tile must be >= 0, got {self.token_tile}")
