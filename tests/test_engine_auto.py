@@ -38,9 +38,10 @@ def _prediction(device: str, nodes: int, drafter: DrafterCosts | None = None) ->
 def test_auto_starts_with_flowspec_on_bandwidth_bound_devices_and_ar_pp_on_cpus(device):
     """The Jetsons in FlowSpec's setting (5 nodes; flowspec measured 2.55x ar-pp on the Orin Nano); the
     CPUs on 2 and 3 nodes, where flowspec measured slower than ar-pp (docs/bench/sim-x86-cpu-3nodes,
-    zmq-x86-cpu-3nodes-lookup)."""
+    zmq-x86-cpu-3nodes-lookup); on flowedge's native x86 runtime up to 5 nodes (a 16-row step costs ~5x a
+    row: device_profiles/README.md, x86-cpu)."""
     if device in COMPUTE_BOUND:
-        for nodes in (2, 3):
+        for nodes in (2, 3, 4, 5) if device == "x86-cpu" else (2, 3):
             chooser = Chooser(_prediction(device, nodes))
             assert chooser.choice == AR_PP, (nodes, chooser.reason)
     else:
