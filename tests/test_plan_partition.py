@@ -166,6 +166,15 @@ def test_predicted_costs_use_the_plans_kernel_path_not_the_profiles_default():
     assert trees["hf-bnb4-multi"].pipeline_latency_s > 2 * trees["torch-int4"].pipeline_latency_s
 
 
+def test_int4_stages_are_priced_on_the_kernels_each_device_runs_them_on():
+    """flowedge's own W4A16 kernels on the x86 profile (its fitted `cpu-native`, not the estimated torch int4
+    path it keeps), torch's tinygemm on a Jetson; unquantized weights on x86 still take the fp32 path."""
+    x86, orin = load_device("x86-cpu"), load_device("orin-nano-8gb")
+    assert [d.path for d in stage_devices([x86, orin], quant="int4")] == ["cpu-native", "torch-int4"]
+    assert [d.path for d in stage_devices([x86], quant="none")] == ["cpu-fp32"]
+    assert [d.path for d in stage_devices([x86], quant="int4", path="torch-int4")] == ["torch-int4"]
+
+
 def test_a_device_that_slows_the_pipeline_is_left_out_with_the_reason():
     used_all = plan_partition(_inputs("llama-2-7b", MIXED, quant="int4"))
     assert len(used_all.stages) == 4 and not used_all.unused   # by default every device serves layers

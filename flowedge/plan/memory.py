@@ -21,8 +21,9 @@ RUNTIME_OVERHEAD_BYTES = int(0.75 * GiB)
 OS_RESERVE_BYTES = 1 * GiB
 
 
-# The profile path a stage's kernels take for a quantization, first one the device has (else its default).
-QUANT_PATHS = {"int4": ("torch-int4",), "auto": ("torch-int4",), "nf4": ("hf-bnb4",),
+# The profile path a stage's kernels take for a quantization, first one the device has (else its default):
+# int4 runs flowedge's own W4A16 kernels on a CPU that has a profile for them (`cpu-native`), torch's on CUDA.
+QUANT_PATHS = {"int4": ("cpu-native", "torch-int4"), "auto": ("cpu-native", "torch-int4"), "nf4": ("hf-bnb4",),
                "none": ("torch-fp16", "hf-fp16", "cpu-fp32")}
 
 
