@@ -1,6 +1,7 @@
 /* What the two bf16-activation kernels (w4a16.c, w8a16.c) share on top of tiles.h: the activation stream
- * (x rounded to bf16 pairs, a pass's rows interleaved), one call's arguments, the AVX-512 dot product with
- * a broadcast pair, and the portable build's loop over a tile's groups and rows.
+ * (x rounded to bf16 pairs, a pass's rows interleaved, and the group sums zero points need), the body of
+ * their entry points, the AVX-512 dot product with a broadcast pair, and the portable build's loop over a
+ * tile's groups and rows.
  *
  * The two differ in the tile layout only: w4a16 has bf16 scales and zeros (y also takes zero * X_g),
  * w8a16 fp32 scales and no zeros.
@@ -30,6 +31,44 @@ static void pack_pairs(const float *x, int64_t M, int64_t K, uint32_t *xp) {
         for (int64_t j = 0; j < K / 2; j++)
             dst[j * R] = (uint32_t)bf16_rne(xr[2 * j]) | (uint32_t)bf16_rne(xr[2 * j + 1]) << 16;
     }
+}
+
+/* xs [M, K/G]: group sums of the rounded values in 16 fixed lanes, then the lanes in order (the zero
+ * points' term, w4a16). */
+static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *xs) {
+    int64_t ng = K / G;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        for (int64_t g = 0; g < ng; g++) {
+            float lane[16] = {0};
+            for (int64_t k = 0; k < G; k += 16)
+                for (int j = 0; j < 16; j++) lane[j] += bf16_to_f32(bf16_rne(xr[g * G + k + j]));
+            float s = 0.f;
+            for (int j = 0; j < 16; j++) s += lane[j];
+            xs[m * ng + g] = s;
+        }
+    }
+}
+
+/* The body of either kernel's entry point: the activation stream (and group sums, with_sums), then the
+ * tiles (blk bytes a tile's group) by `run` on up to nthreads threads. 0, or -1 on bad arguments / no memory. */
+static int bf16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G,
+                       const float *bias, float *y, int nthreads, int64_t blk, int with_sums, tiles_fn run) {
+    if (bad_shape(M, K, N, G)) return -1;
+    int64_t ng = K / G;
+    uint32_t *xp = malloc((size_t)(M * K / 2) * sizeof(uint32_t));
+    float *xs = with_sums ? malloc((size_t)(M * ng) * sizeof(float)) : NULL;
+    int rc = -1;
+    if (xp && (xs || !with_sums)) {
+        pack_pairs(x, M, K, xp);
+        if (with_sums) group_sums(x, M, K, G, xs);
+        bf16_job job = {w, M, K, G, N, ng, ng * blk, xp, xs, bias, y};
+        split_tiles(&job, N / TILE, M, nthreads, run);
+        rc = 0;
+    }
+    free(xp);
+    free(xs);
+    return rc;
 }
 
 #if WIDE_KERNELS
@@ -95,6 +134,32 @@ group_pass(v8f (*wf)[2], int64_t G, const uint32_t *xr, int64_t xstride, const f
     case 2: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 2, zp); break;
     case 3: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 3, zp); break;
     default: group_rows(wf, G, xr, xstride, xg, ng, s0, s1, z0, z1, yr, N, 4, zp);
+    }
+}
+
+/* The tile layout's part of the portable loop, one per kernel file: the group at p's scales in s[0..1]
+ * (zeros in z[0..1] where it has them) and its weights as floats in wf[k][half]. */
+typedef void (*unpack_fn)(const uint8_t *p, int64_t G, v8f (*wf)[2], v8f *s, v8f *z);
+
+/* Tiles t0..t1: per tile and group, unpack once, then the rows PASS at a time; zp (zero points?) and
+ * unpack are constants after inlining. */
+static inline __attribute__((always_inline)) void
+portable_tiles(const bf16_job *j, int64_t t0, int64_t t1, int64_t blk, unpack_fn unpack, const int zp) {
+    int64_t M = j->M, K = j->K, G = j->G, N = j->N, ng = K / G, bt = ng * blk;
+    const uint8_t *w = j->w;   /* locals: clear_tile's memset could otherwise change what j points to */
+    const uint32_t *xp = j->xp;
+    const float *xs = j->xs, *bias = j->bias;
+    float *y = j->y;
+    v8f wf[256][2], s[2], z[2] = {{0}, {0}};
+    for (int64_t t = t0; t < t1; t++) {
+        clear_tile(y, M, N, t);
+        for (int64_t g = 0; g < ng; g++) {
+            unpack(w + t * bt + g * blk, G, wf, s, z);
+            for (int64_t m = 0; m < M; m += PASS)
+                group_pass(wf, G, xp + m * (K / 2) + g * G / 2, K / 2, zp ? xs + m * ng + g : NULL, ng, s[0], s[1],
+                           z[0], z[1], y + m * N + t * TILE, N, M - m, zp);
+        }
+        add_bias(y, M, N, t, bias);
     }
 }
 #endif

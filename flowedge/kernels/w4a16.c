@@ -19,22 +19,6 @@
 #endif
 #include "bf16act.h"
 
-/* xs [M, K/G]: group sums of the rounded values in 16 fixed lanes, then the lanes in order. */
-static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *xs) {
-    int64_t ng = K / G;
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * K;
-        for (int64_t g = 0; g < ng; g++) {
-            float lane[16] = {0};
-            for (int64_t k = 0; k < G; k += 16)
-                for (int j = 0; j < 16; j++) lane[j] += bf16_to_f32(bf16_rne(xr[g * G + k + j]));
-            float s = 0.f;
-            for (int j = 0; j < 16; j++) s += lane[j];
-            xs[m * ng + g] = s;
-        }
-    }
-}
-
 #if WIDE_KERNELS
 
 const char *w4a16_isa(void) { return "avx512bf16"; }
@@ -118,9 +102,10 @@ static inline v8f bf16x8(const uint8_t *p) {   /* 8 bf16 -> fp32 */
     return (v8f)u;
 }
 
-/* wf[k][half] = (code - 8) of the group's input k for the tile's outputs 8 * half .. 8 * half + 7 */
-static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2]) {
+/* s, z = the group's scales and zeros; wf[k][half] = (code - 8) of input k for outputs 8 * half .. + 7 */
+static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2], v8f *s, v8f *z) {
     static const int shift[8] = {0, 16, 4, 20, 8, 24, 12, 28};   /* c0..c7 in a dword (see the layout) */
+    s[0] = bf16x8(p), s[1] = bf16x8(p + 16), z[0] = bf16x8(p + 32), z[1] = bf16x8(p + 48);
     for (int64_t b = 0; b < G / 8; b++)
         for (int h = 0; h < 2; h++) {
             v8u d;
@@ -132,44 +117,12 @@ static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2]) {
 
 static void run_tiles(const void *job, int64_t t0, int64_t t1) {
     const bf16_job *j = job;
-    int64_t M = j->M, K = j->K, G = j->G, N = j->N, ng = K / G, blk = 64 + 8 * G, bt = ng * blk;
-    const uint8_t *w = j->w;   /* locals: clear_tile's memset could otherwise change what j points to */
-    const uint32_t *xp = j->xp;
-    const float *xs = j->xs, *bias = j->bias;
-    float *y = j->y;
-    v8f wf[256][2];
-    for (int64_t t = t0; t < t1; t++) {
-        clear_tile(y, M, N, t);
-        for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *p = w + t * bt + g * blk;
-            v8f s0 = bf16x8(p), s1 = bf16x8(p + 16), z0 = bf16x8(p + 32), z1 = bf16x8(p + 48);
-            unpack_group(p, G, wf);
-            for (int64_t m = 0; m < M; m += PASS)
-                group_pass(wf, G, xp + m * (K / 2) + g * G / 2, K / 2, xs + m * ng + g, ng, s0, s1, z0, z1,
-                           y + m * N + t * TILE, N, M - m, 1);
-        }
-        add_bias(y, M, N, t, bias);
-    }
+    portable_tiles(j, t0, t1, 64 + 8 * j->G, unpack_group, 1);
 }
 #endif
 
 /* y[M, N] = x[M, K] @ W^T (+ bias). Returns 0, or -1 on bad arguments / no memory. */
 int w4a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                  float *y, int nthreads) {
-    if (bad_shape(M, K, N, G)) return -1;
-    int64_t ng = K / G;
-    uint32_t *xp = malloc((size_t)(M * K / 2) * sizeof(uint32_t));
-    float *xs = malloc((size_t)(M * ng) * sizeof(float));
-    if (!xp || !xs) {
-        free(xp);
-        free(xs);
-        return -1;
-    }
-    pack_pairs(x, M, K, xp);
-    group_sums(x, M, K, G, xs);
-    bf16_job job = {w, M, K, G, N, ng, ng * (64 + 8 * G), xp, xs, bias, y};
-    split_tiles(&job, N / TILE, M, nthreads, run_tiles);
-    free(xp);
-    free(xs);
-    return 0;
+    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 8 * G, 1, run_tiles);
 }

@@ -84,9 +84,11 @@ static void run_tiles(const void *job, int64_t t0, int64_t t1) {
 
 const char *w8a16_isa(void) { return "portable"; }
 
-/* wf[k][half] = code of the group's input k for the tile's outputs 8 * half .. 8 * half + 7 */
-static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2]) {
+/* s = the group's scales (no zeros); wf[k][half] = code of input k for outputs 8 * half .. 8 * half + 7 */
+static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2], v8f *s, v8f *z) {
     const int8_t *c = (const int8_t *)(p + 64);
+    (void)z;
+    s[0] = load_v8f((const float *)p), s[1] = load_v8f((const float *)p + HALF);
     for (int64_t j = 0; j < G / 2; j++)
         for (int e = 0; e < 2; e++)
             for (int h = 0; h < 2; h++) {
@@ -98,37 +100,12 @@ static void unpack_group(const uint8_t *p, int64_t G, v8f (*wf)[2]) {
 
 static void run_tiles(const void *job, int64_t t0, int64_t t1) {
     const bf16_job *j = job;
-    int64_t M = j->M, K = j->K, G = j->G, N = j->N, ng = K / G, blk = 64 + 16 * G, bt = ng * blk;
-    const uint8_t *w = j->w;   /* locals: clear_tile's memset could otherwise change what j points to */
-    const uint32_t *xp = j->xp;
-    const float *bias = j->bias;
-    float *y = j->y;
-    v8f wf[256][2], none = {0};
-    for (int64_t t = t0; t < t1; t++) {
-        clear_tile(y, M, N, t);
-        for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *p = w + t * bt + g * blk;
-            v8f s0 = load_v8f((const float *)p), s1 = load_v8f((const float *)p + HALF);
-            unpack_group(p, G, wf);
-            for (int64_t m = 0; m < M; m += PASS)
-                group_pass(wf, G, xp + m * (K / 2) + g * G / 2, K / 2, NULL, ng, s0, s1, none, none,
-                           y + m * N + t * TILE, N, M - m, 0);
-        }
-        add_bias(y, M, N, t, bias);
-    }
+    portable_tiles(j, t0, t1, 64 + 16 * j->G, unpack_group, 0);
 }
 #endif
 
 /* y[M, N] = x[M, K] @ W^T (+ bias). Returns 0, or -1 on bad arguments / no memory. */
 int w8a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                  float *y, int nthreads) {
-    if (bad_shape(M, K, N, G)) return -1;
-    uint32_t *xp = malloc((size_t)(M * K / 2) * sizeof(uint32_t));
-    if (!xp) return -1;
-    pack_pairs(x, M, K, xp);
-    int64_t ng = K / G;
-    bf16_job job = {w, M, K, G, N, ng, ng * (64 + 16 * G), xp, NULL, bias, y};
-    split_tiles(&job, N / TILE, M, nthreads, run_tiles);
-    free(xp);
-    return 0;
+    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 16 * G, 0, run_tiles);
 }
