@@ -1,59 +1,22 @@
-"""The native W4A16 kernel: bitwise row and thread invariance, accuracy, shapes, and the torch fallback."""
+"""The native W4A16 kernel: accuracy next to torch's int4pack, Int4Linear on it, and the torch fallback
+(the invariance every tiled kernel keeps: test_kernels_tiled.py)."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
+from kernel_helpers import check_native_linear
+from kernel_helpers import make as make_kernel
+from kernel_helpers import rebuilt, rel_err  # noqa: F401 (rebuilt: a fixture)
 
 from flowedge.kernels import build, w4a16
-from flowedge.models.quant import Int4Linear, pack_int4
+from flowedge.models.quant import Int4Linear
 
 pytestmark = pytest.mark.skipif(not w4a16.available(), reason="no C compiler: the fallback tests cover this")
 
 
 def make(n: int, k: int, g: int = 32, seed: int = 0) -> tuple:
-    gen = torch.Generator().manual_seed(seed)
-    packed = pack_int4(torch.randn(n, k, generator=gen) * 0.05, g)
-    return packed, w4a16.prepare(packed), torch.randn(64, k, generator=gen), torch.randn(n, generator=gen)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def rebuilt(monkeypatch, tmp_path):
-    """Build (and load) the kernel afresh under a private FLOWEDGE_HOME with the env the test sets."""
-    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
-    build.load.cache_clear()
-    yield
-    build.load.cache_clear()
-
-
-@pytest.mark.parametrize("n,k", [(64, 256), (208, 512)])   # 208: 13 tiles, not a multiple of the wide step
-def test_each_row_equals_the_row_alone_for_1_to_64_rows(n, k):
-    _, weight, x, bias = make(n, k)
-    alone = torch.cat([w4a16.linear(x[i:i + 1], weight, bias) for i in range(64)])
-    for m in range(1, 65):
-        assert torch.equal(w4a16.linear(x[:m], weight, bias), alone[:m]), f"M={m}"
-
-
-def test_a_row_ignores_its_neighbours():
-    _, weight, x, _ = make(64, 256)
-    alone = w4a16.linear(x[:1], weight)
-    for seed in range(4):
-        others = torch.randn(11, 256, generator=torch.Generator().manual_seed(seed)) * 10 ** seed
-        together = w4a16.linear(torch.cat([others[:seed * 3], x[:1], others[seed * 3:]]), weight)
-        assert torch.equal(together[seed * 3], alone[0])
-
-
-@pytest.mark.parametrize("m", [1, 2, 5, 19])   # each row-pass width splits the tiles its own way
-def test_thread_count_does_not_change_a_bit(m):
-    _, weight, x, bias = make(208, 512)
-    one = w4a16.linear(x[:m], weight, bias, threads=1)
-    for threads in (2, 3, 5, 64):
-        assert torch.equal(w4a16.linear(x[:m], weight, bias, threads=threads), one)
+    """(packed, tiles, x [64, K], bias [N])"""
+    return make_kernel("w4a16", n, k, g, seed)[:4]
 
 
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
@@ -67,28 +30,10 @@ def test_close_to_the_dequantized_reference_like_int4pack(g):
     assert err < 5e-3 and err <= 1.5 * rel_err(int4pack, ref)
 
 
-def test_bias_is_added_once():
-    _, weight, x, bias = make(48, 128)
-    assert torch.equal(w4a16.linear(x, weight, bias), w4a16.linear(x, weight) + bias)
-
-
-def test_bad_inputs_are_refused():
-    _, weight, x, _ = make(48, 128)
-    with pytest.raises(ValueError, match="float32"):
-        w4a16.linear(x.bfloat16(), weight)
-    with pytest.raises(ValueError, match="N % 16"):
-        w4a16.prepare(pack_int4(torch.randn(40, 128), 32))
-    assert w4a16.linear(x[:0], weight).shape == (0, 48)
-
-
 def test_int4_linear_uses_it_and_keeps_its_behaviour():
     packed, _, x, bias = make(48, 128)
     layer = Int4Linear.from_packed(packed, bias)
-    assert layer.native and "kernel=native" in repr(layer)
-    x3 = x[:12].reshape(2, 6, 128)
-    assert layer(x3).shape == (2, 6, 48) and layer(x3).dtype == torch.float32
-    assert layer(x3.bfloat16()).dtype == torch.bfloat16
-    assert torch.equal(layer(x3)[1, 2], layer(x3[1, 2:3])[0])
+    check_native_linear(layer, x)
     assert rel_err(layer(x[:12]), x[:12] @ packed.dequantize().T + bias) < 5e-3
 
 
@@ -108,22 +53,3 @@ def test_missing_compiler_falls_back_with_one_clear_line(monkeypatch, rebuilt, c
     packed, _, x, _ = make(48, 128)
     assert not Int4Linear.from_packed(packed, None).native
 
-
-@pytest.mark.skipif(shutil.which("gcc") is None or w4a16.isa() != "avx512bf16", reason="needs gcc on AVX512-BF16")
-def test_portable_build_is_row_invariant_and_accurate(monkeypatch, rebuilt):
-    monkeypatch.setenv(build.CC_ENV, "gcc -mno-avx512f")   # an AVX2-only x86
-    assert w4a16.isa() == "portable"
-    packed, weight, x, bias = make(208, 256)
-    full = w4a16.linear(x[:33], weight, bias)
-    assert all(torch.equal(full[i], w4a16.linear(x[i:i + 1], weight, bias)[0]) for i in range(33))
-    assert torch.equal(w4a16.linear(x[:33], weight, bias, threads=3), full)
-    assert rel_err(full, x[:33] @ packed.dequantize().T + bias) < 5e-3
-
-
-def test_compiles_without_a_graph_break_and_gives_the_same_bits():
-    import torch._dynamo
-
-    packed, _, x, bias = make(48, 128)
-    layers = torch.nn.Sequential(Int4Linear.from_packed(packed, bias), torch.nn.SiLU())
-    assert torch._dynamo.explain(layers)(x[:5]).graph_break_count == 0
-    assert torch.equal(torch.compile(layers, backend="eager")(x[:5]), layers(x[:5]))
