@@ -6,10 +6,8 @@ from these numbers (flowedge.models.quant.default_backend).
 """
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
+from bench_helpers import bench_parser, best_s
 from torch import nn
 
 from flowedge.models.quant import available_backends, quantize_module
@@ -26,16 +24,6 @@ VARIANTS = (  # (label, backend, compute dtype, activation dtype, group size)
 )
 
 
-def time_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def bench_one(shape, label, backend, compute, act, group, repeats) -> list[float]:
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(*shape, bias=False))
@@ -47,15 +35,12 @@ def bench_one(shape, label, backend, compute, act, group, repeats) -> list[float
     with torch.inference_mode():
         for n in TOKENS:
             x = torch.randn(n, shape[0]).to(act)
-            out.append(time_ms(lambda: layer(x), repeats))
+            out.append(best_s(lambda: layer(x), repeats) * 1e3)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     torch.set_num_threads(args.threads)
     usable = available_backends("cpu")
     print(f"torch {torch.__version__}, {args.threads} thread(s), cpu capability "

@@ -11,11 +11,10 @@ slow the torch op after it?). Weights are random codes: speed does not depend on
 """
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Callable
 
 import torch
+from bench_helpers import COLD_BYTES, bench_parser, best_s, interleaved_times, rotating
 
 from flowedge.kernels import int8act, w4a16
 from flowedge.models.quant import PackedInt4, pack_int4, unpack_codes
@@ -27,7 +26,6 @@ SHAPES = (  # (name, K, N)
 ROWS = (1, 16, 32)
 GROUP = 32
 CHUNK = 4096
-COLD_BYTES = 96 << 20   # rotate over copies of a weight adding up to 3x this CPU's L3: read from DRAM as in decode
 
 
 def random_packed(n: int, k: int, g: int = GROUP) -> PackedInt4:
@@ -42,27 +40,6 @@ def int4pack_fn(w: PackedInt4) -> Callable[[torch.Tensor], torch.Tensor]:
                         for q in w.qweight.split(CHUNK)])
     sz = torch.stack([w.scales, w.zeros], dim=-1).transpose(0, 1).contiguous()
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, w.group_size, sz)
-
-
-def best_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def rotating(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Each call runs the next copy, so a copy is out of the caches when its turn comes again."""
-    state = {"i": 0}
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        state["i"] = (state["i"] + 1) % len(fns)
-        return fns[state["i"]](x)
-
-    return call
 
 
 KERNELS = ("native", "w4a8", "int4pack")   # native: W4A16 (bf16 activations); w4a8: the same tiles, int8 ones
@@ -80,17 +57,7 @@ def bench_shape(name: str, k: int, n: int, repeats: int, kernels: tuple[str, ...
         fn = w4a16.linear if kernel == "native" else int8act.linear4
         return rotating([lambda x, wt=wt: fn(x, wt) for wt in weights])
 
-    calls = {kernel: make(kernel) for kernel in kernels}
-    times: dict[str, list[float]] = {kernel: [] for kernel in kernels}
-    for m in ROWS:
-        x = torch.randn(m, k)
-        reps = max(3, repeats if n * k * m < 64e6 else repeats // 4)
-        best: dict[str, list[float]] = {kernel: [] for kernel in kernels}
-        for _ in range(3):   # A/B interleaved, best of each
-            for kernel, call in calls.items():
-                best[kernel].append(best_s(lambda: call(x), reps))
-        for kernel in kernels:
-            times[kernel].append(min(best[kernel]))
+    times = interleaved_times({kernel: make(kernel) for kernel in kernels}, k, n, ROWS, repeats)
     for kernel, ts in times.items():
         cells = "  ".join(f"M={m}: {t * 1e6:8.0f} us" for m, t in zip(ROWS, ts))
         ratios = "  ".join(f"M{m}/M1 {t / ts[0]:5.1f}" for m, t in zip(ROWS[1:], ts[1:]))
@@ -139,9 +106,7 @@ def bench_alternating(repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser = bench_parser(__doc__)
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
     parser.add_argument("--no-extras", action="store_true", help="the shape table only (no accuracy, overhead)")

@@ -7,10 +7,9 @@ with `--int8` also W8A8 and W4A8 (the same tiles with int8 activations, kernels/
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
-from bench_w4a16 import COLD_BYTES, GROUP, best_s, random_packed, rotating
+from bench_helpers import COLD_BYTES, bench_parser, interleaved_times, rotating
+from bench_w4a16 import GROUP, random_packed
 
 from flowedge.kernels import int8act, w4a16, w8a16
 from flowedge.models.quant8 import PackedInt8
@@ -36,16 +35,7 @@ def bench_shape(name: str, k: int, n: int, repeats: int, int8: bool = False) -> 
         sizes |= {"w4a8": sizes["w4a16"], "w8a8": sizes["w8a16"]}
         fns |= {"w4a8": rotating([lambda x, w=w: int8act.linear4(x, w) for w in w4]),
                 "w8a8": rotating([lambda x, w=w: int8act.linear8(x, w) for w in w8])}
-    times: dict[str, list[float]] = {kind: [] for kind in fns}
-    for m in ROWS:
-        x = torch.randn(m, k)
-        reps = max(3, repeats if n * k * m < 64e6 else repeats // 4)
-        runs: dict[str, list[float]] = {kind: [] for kind in fns}
-        for _ in range(3):   # A/B interleaved, best of each
-            for kind, fn in fns.items():
-                runs[kind].append(best_s(lambda fn=fn: fn(x), reps))
-        for kind in fns:
-            times[kind].append(min(runs[kind]))
+    times = interleaved_times(fns, k, n, ROWS, repeats)
     for kind, ts in times.items():
         cells = "  ".join(f"M={m}: {t * 1e6:8.0f} us" for m, t in zip(ROWS, ts))
         print(f"{name:8s} K={k:5d} N={n:6d} {kind:5s} {cells}  | M=1 {sizes[kind] / ts[0] / 1e9:5.1f} GB/s  "
@@ -53,9 +43,7 @@ def bench_shape(name: str, k: int, n: int, repeats: int, int8: bool = False) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser = bench_parser(__doc__)
     parser.add_argument("--int8", action="store_true", help="also the int8-activation kernels (W4A8, W8A8)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
