@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # one graph per (half, row count, model): the default limit of 8 would silently leave the second model eager
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     rows_list = [int(r) for r in args.rows.split(",")]
     if 1 not in rows_list:
         rows_list.insert(0, 1)
