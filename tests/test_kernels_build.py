@@ -35,6 +35,13 @@ def test_a_changed_source_builds_anew(source, tmp_path):
     assert second.compiled and second.path != first.path and second.lib.sub(5, 3) == 2
 
 
+def test_extra_compiler_flags_are_another_build(source, tmp_path, monkeypatch):
+    plain = build.build(source, tmp_path / "cache")
+    monkeypatch.setenv(build.CC_ENV, "gcc -O0 -DFLOWEDGE_TEST=1")
+    flagged = build.build(source, tmp_path / "cache")
+    assert flagged.compiled and flagged.path != plain.path and flagged.lib.add(2, 3) == 5
+
+
 def test_a_changed_header_rebuilds_every_source_that_includes_it(tmp_path):
     """Directly or through another header; a source that does not include it keeps its build."""
     (tmp_path / "shared.h").write_text("static int two(void) { return 2; }\n")

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -173,6 +174,44 @@ def test_int4_stages_are_priced_on_the_kernels_each_device_runs_them_on():
     assert [d.path for d in stage_devices([x86, orin], quant="int4")] == ["cpu-native", "torch-int4"]
     assert [d.path for d in stage_devices([x86], quant="none")] == ["cpu-fp32"]
     assert [d.path for d in stage_devices([x86], quant="int4", path="torch-int4")] == ["torch-int4"]
+
+
+def test_a_head_of_another_kind_is_priced_drafting_on_its_own_kernels():
+    """An x86 head beside Orin stages drafts on its own cpu-native kernels, as the live head prices it
+    (engine/assembly.profile_tree_costs), not on the Orins' torch-int4 path the x86 profile also lists."""
+    from flowedge.costs.model import draft_time_s
+    from flowedge.plan.predict import cost_model
+
+    draft = load_shape("qwen2.5-coder-0.5b")
+    cluster = plan_cluster("qwen2.5-coder-1.5b", ["orin-nano-8gb"] * 2, head_device="x86-cpu")
+    costs = cost_model(cluster, draft, draft_quantized=True)
+    charged = costs.compute_s(0, SimpleNamespace(what="draft", tokens=10, context=200))
+    x86 = load_device("x86-cpu")
+    assert charged == pytest.approx(draft_time_s(x86, draft, 10, 200, "cpu-native", True))
+    assert charged < draft_time_s(x86, draft, 10, 200, "torch-int4", True) / 2
+    same = plan_cluster("qwen2.5-coder-1.5b", ["orin-nano-8gb"] * 2)   # an Orin head drafts as its stages
+    orin = load_device("orin-nano-8gb")
+    assert cost_model(same, draft, draft_quantized=True).compute_s(
+        0, SimpleNamespace(what="draft", tokens=10, context=200)) == pytest.approx(
+        draft_time_s(orin, draft, 10, 200, "torch-int4", True))
+
+
+def test_the_live_heads_tree_costs_price_stages_on_their_quantizations_path():
+    """The head sizes flowspec's tree from the stages' reported devices: fp32 stages on x86 (quant none)
+    cost the fp32 path, int4 stages flowedge's kernels; the planner prices them the same way."""
+    from flowedge.costs.sizing import tree_costs
+    from flowedge.engine.assembly import profile_tree_costs
+    from flowedge.core.config import SpecConfig
+
+    base, draft = load_shape("qwen2.5-coder-1.5b"), load_shape("qwen2.5-coder-0.5b")
+    ranges, x86, spec = [(0, 14), (14, 28)], load_device("x86-cpu"), SpecConfig()
+    costs = {q: profile_tree_costs(base, draft, ranges, "x86-cpu", ["x86-cpu"] * 2, spec, True, quant=q)
+             for q in ("int4", "none")}
+    for quant, path in (("int4", "cpu-native"), ("none", "cpu-fp32")):
+        assert costs[quant] == tree_costs(base, draft, ranges, [x86, x86], x86, draft_path="cpu-native",
+                                          stage_paths=[path, path], l_max=spec.l_max, topk=spec.topk,
+                                          draft_quantized=True)
+    assert costs["none"].pipeline_latency_s > 2 * costs["int4"].pipeline_latency_s
 
 
 def test_a_device_that_slows_the_pipeline_is_left_out_with_the_reason():

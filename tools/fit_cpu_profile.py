@@ -5,10 +5,12 @@
         [--before cpu-fp32] [--fit]
 
 Without `--fit` it prints the profile's own predictions for every measured call (how well the shipped
-path fits); with `--fit` it first fits the path's `eta_bw`, `eta_flops_small`, `overhead_fwd_s` and
-`overhead_layer_s` to minimise the squared log error over all calls and row counts (the box's drift is
-multiplicative), with `bytes_per_param` taken from the loaded models' weight bytes (`weight_bytes` in the
-JSON) and the lm_head on the path's `head_path`. Several JSON files (runs at different minutes) are
+path fits); with `--fit` it first fits the path's `eta_bw`, `eta_flops_small` (= `eta_flops_large`),
+`overhead_fwd_s`, `overhead_layer_s` and `unpack_s_per_gb` to minimise the squared log error over all calls
+and row counts (the box's drift is multiplicative). `bytes_per_param` is the profile's own (the TOML),
+not fitted: the loaded models' bytes per parameter (`weight_bytes` in the JSON) are printed, and a
+warning says when the TOML's value is more than 1% away from them (re-count it after a model or quant
+change). The lm_head runs on the path's `head_path`. Several JSON files (runs at different minutes) are
 averaged per call first. `--before` adds a column with another path's predictions (the old fp32 one).
 Shapes: the first 14 layers of the 1.5B (stage), its last 14 + lm_head (last), the whole 0.5B (draft).
 """
@@ -114,7 +116,12 @@ def main() -> None:
     measured, weight_bytes = _measured(args.files)
     dev = load_device(args.device)
     if weight_bytes:
-        print("bytes per parameter:", json.dumps({k: round(v, 4) for k, v in weight_mix(weight_bytes, base, draft).items()}))
+        mix = weight_mix(weight_bytes, base, draft)
+        print("bytes per parameter:", json.dumps({k: round(v, 4) for k, v in mix.items()}))
+        shipped = dev.paths[args.path].bytes_per_param
+        if abs(shipped / mix["base_layers"] - 1) > 0.01:
+            print(f"WARNING: {args.path}.bytes_per_param is {shipped} but the loaded base layers hold "
+                  f"{mix['base_layers']:.4f} bytes a parameter: set it before fitting")
     if args.fit:
         used = {k: v for k, v in measured.items() if k[0] != args.holdout}
         dev = fit(dev, args.path, used, args.context, base, draft)

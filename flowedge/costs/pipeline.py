@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from flowedge.core.config import SpecConfig
 from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
-                                  shape_of_layers, transfer_time_s)
+                                  resolve_path, shape_of_layers, transfer_time_s)
 from flowedge.costs.profiles import DeviceProfile, load_device, load_link
 from flowedge.costs.sizing import TreeCosts, tree_costs
 
@@ -86,3 +86,17 @@ def profile_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[in
         costs.tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
                                 draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
     return costs
+
+
+# The profile path a stage's kernels take for a quantization, first one the device has (else its default):
+# int4 runs flowedge's own W4A16 kernels on a CPU that has a profile for them (`cpu-native`), torch's on CUDA.
+QUANT_PATHS = {"int4": ("cpu-native", "torch-int4"), "auto": ("cpu-native", "torch-int4"), "nf4": ("hf-bnb4",),
+               "none": ("torch-fp16", "hf-fp16", "cpu-fp32")}
+
+
+def path_for_quant(device: DeviceProfile, quant: str) -> str:
+    """The kernel path that runs `quant` weights on `device` (a CPU runs unquantized weights in fp32)."""
+    default = resolve_path(device, None, 1)
+    if quant == "none" and default.bytes_per_param >= 2.0:
+        return device.default_path
+    return next((p for p in QUANT_PATHS.get(quant, ()) if device.has_path(p)), device.default_path)

@@ -101,7 +101,8 @@ class HeadEngines:
             costs = None
             if plan.draft_model is not None:
                 costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,
-                                                    cfg.device, list(devices), spec, cfg.draft_quant != "none")
+                                                    cfg.device, list(devices), spec, cfg.draft_quant != "none",
+                                                    quant=cfg.quant)
             sizing = cfg.tree_size == "profile" and not cfg.tree_nodes
             self.builders[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
                                         cfg.stages, spec, stop_ids(plan.base_config),

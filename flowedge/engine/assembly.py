@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from flowedge.core.config import SpecConfig
-from flowedge.costs.pipeline import draft_path_for
+from flowedge.costs.pipeline import draft_path_for, path_for_quant
 from flowedge.costs.profiles import load_device, load_named_device
 from flowedge.costs.sizing import sized_spec_for, tree_costs
 from flowedge.engine.auto_policy import predict_from_costs
@@ -75,9 +75,10 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
 
 
 def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stage_devices: list[str],
-                       spec: SpecConfig, draft_quantized: bool):
+                       spec: SpecConfig, draft_quantized: bool, quant: str = "int4"):
     """TreeCosts from node 0's device profile and the stages' (names as reported by the stages: only
-    shipped profiles are looked up, never a path); None where a device has no profile."""
+    shipped profiles are looked up, never a path), each stage priced on the kernel path that runs `quant`
+    weights there (fp32 stages on a CPU are not int4 ones); None where a device has no profile."""
     try:
         head_dev = load_device(head_device)
         stage_devs = [load_named_device(n) for n in stage_devices]
@@ -86,6 +87,7 @@ def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stag
                  [head_device, *stage_devices])
         return None
     return tree_costs(base_config, draft_config, ranges, stage_devs, head_dev, draft_path=draft_path_for(head_dev),
+                      stage_paths=[path_for_quant(d, quant) for d in stage_devs],
                       l_max=spec.l_max, topk=spec.topk, draft_quantized=draft_quantized)
 
 

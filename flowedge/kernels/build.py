@@ -87,7 +87,8 @@ def cache_key(source: Path, cc: list[str]) -> str:
     digest = hashlib.sha256()
     source_code, *headers = inputs(source)   # a source with no headers keys as it did before headers counted
     code = [source_code.read_bytes(), *(part for path in headers for part in (path.name.encode(), path.read_bytes()))]
-    for part in (*code, version.encode(), _native_flags(cc).encode(), " ".join(FLAGS).encode()):
+    flags = (shlex.join(cc[1:]), _native_flags(cc), " ".join(FLAGS))   # CC="gcc -O0" is another build
+    for part in (*code, version.encode(), *(f.encode() for f in flags)):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

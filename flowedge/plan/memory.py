@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowedge.costs.model import resolve_path, shape_of_head, shape_of_layers, shape_of_model
+from flowedge.costs.pipeline import path_for_quant  # noqa: F401  (the planner's modules import it from here)
 from flowedge.costs.profiles import DeviceProfile
 from flowedge.errors import ConfigError
 
@@ -19,20 +20,6 @@ HEAD_BYTES_PER_PARAM = 2.0          # embedding, norms and lm_head stay 16-bit (
 RUNTIME_OVERHEAD_BYTES = int(0.75 * GiB)
 # When a device reports no free memory, the OS, its services and the display keep this much of the total.
 OS_RESERVE_BYTES = 1 * GiB
-
-
-# The profile path a stage's kernels take for a quantization, first one the device has (else its default):
-# int4 runs flowedge's own W4A16 kernels on a CPU that has a profile for them (`cpu-native`), torch's on CUDA.
-QUANT_PATHS = {"int4": ("cpu-native", "torch-int4"), "auto": ("cpu-native", "torch-int4"), "nf4": ("hf-bnb4",),
-               "none": ("torch-fp16", "hf-fp16", "cpu-fp32")}
-
-
-def path_for_quant(device: DeviceProfile, quant: str) -> str:
-    """The kernel path that runs `quant` weights on `device` (a CPU runs unquantized weights in fp32)."""
-    default = resolve_path(device, None, 1)
-    if quant == "none" and default.bytes_per_param >= 2.0:
-        return device.default_path
-    return next((p for p in QUANT_PATHS.get(quant, ()) if device.has_path(p)), device.default_path)
 
 
 def weight_bytes_per_param(device: DeviceProfile, quant: str, path: str | None) -> float:

@@ -39,9 +39,12 @@ def ar_pp_tokens_per_s(cluster: ClusterSpec, context: int = SIZING_CONTEXT) -> f
 
 
 def _stage_path(cluster: ClusterSpec) -> str | None:
-    """The stages' kernel path when node 0 has it too (it drafts on the same kernels: costs/pipeline.draft_path_for)."""
-    path = cluster.devices[0].path
-    return path if path and cluster.head_device.has_path(path) else None
+    """The stages' kernel path where node 0 is the same kind of device (it then drafts on the same kernels:
+    costs/pipeline.draft_path_for); None for another kind, whose draft runs on its own draft path, as the
+    live head prices it (an x86 head beside Orin stages drafts on cpu-native, not on a torch-int4 estimate)."""
+    first = cluster.devices[0]
+    same_kind = first.profile.name == cluster.head_device.name
+    return first.path if same_kind and first.path and cluster.head_device.has_path(first.path) else None
 
 
 def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool, hidden_scale: float = 1.0,
