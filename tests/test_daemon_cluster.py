@@ -278,3 +278,19 @@ def test_bogus_returned_segments_never_reach_the_head_engine(cluster, references
     with Client(cluster.spec.addr) as c:
         head = c.status()[0]
     assert head.get("dropped", {}).get("return_ids", 0) >= 1, (head, logs(cluster.run_dir))
+
+
+def test_up_gives_every_process_every_core_with_idle_threads_asleep(monkeypatch):
+    """The processes of one box take turns: each turn runs on all cores, and idle OpenMP threads sleep
+    (spinning ones collapsed three concurrent requests to a sixth of the rate); a user's own wait policy
+    and an explicit --threads win."""
+    import os
+
+    from flowedge.daemon.local_cluster import node_env
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert LocalClusterSpec(nodes=3).per_process_threads() == 6
+    assert LocalClusterSpec(nodes=3, threads=1).per_process_threads() == 1
+    env = node_env(6, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "passive", "OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "6"}
+    assert node_env(2, {"OMP_WAIT_POLICY": "active"})["OMP_WAIT_POLICY"] == "active"

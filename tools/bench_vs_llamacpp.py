@@ -11,7 +11,8 @@ reversed on odd repeats), so slow drift of a shared box falls on both sides alik
 prompt tokens: flowedge's tokenizer and chat template make them here, llama.cpp gets the ids. The figure
 compared is decode tok/s, (new tokens - 1) / (time after the first token): model load and prefill are
 excluded on both sides. Peak RSS is each process's own maximum (wait4's ru_maxrss); for the cluster the
-sum of its processes' VmHWM. `--cluster` runs `flowedge up --nodes 3` (one thread per process) in the
+sum of its processes' VmHWM. `--cluster` runs `flowedge up --nodes 3` (`--cluster-threads` per process: 1, the issue's setup,
+by default; 0 for up's own default, every core) in the
 block of the largest thread count and prompts it with `flowedge prompt --json`.
 
 Writes OUT/raw.jsonl (one line per run, token ids included) and OUT/table.md (per prompt kind and overall:
@@ -151,10 +152,11 @@ def run_flowedge(case: Case, model: str, strategy: str, threads: int, max_new: i
 
 
 class LocalCluster:
-    """`flowedge up --nodes 3 --detach` (one thread per process) prompted with `flowedge prompt --json`."""
+    """`flowedge up --nodes 3 --detach` (`threads` per process; 0: up's default, every core) prompted with
+    `flowedge prompt --json`."""
 
-    def __init__(self, model: str, port: int) -> None:
-        self.model, self.port = model, port
+    def __init__(self, model: str, port: int, threads: int = 1) -> None:
+        self.model, self.port, self.threads = model, port, threads
         self.pids: list[int] = []
 
     def flowedge(self, *args: str) -> str:
@@ -167,7 +169,7 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         from flowedge.daemon.config import flowedge_home
 
-        self.flowedge("up", "--nodes", "3", "--threads", "1", "--detach", "--port", str(self.port),
+        self.flowedge("up", "--nodes", "3", "--threads", str(self.threads), "--detach", "--port", str(self.port),
                       "--model", self.model)
         state = json.loads((flowedge_home() / "run" / f"up-{self.port}" / "cluster.json").read_text())
         self.pids = state["pids"]
@@ -197,7 +199,7 @@ class LocalCluster:
         rate = decode_rate(n, decode_s)
         return Run(CLUSTER, block_threads, case.prompt_id, case.kind, repeat, n, decode_s,
                    round(rate, 3) if rate else None, first_s, self.peak_rss_mb(), res["token_ids"],
-                   {"strategy": res.get("strategy"), "threads_per_process": 1,
+                   {"strategy": res.get("strategy"), "threads_per_process": self.threads or "every core",
                     "wall_tokens_per_s": res.get("wall_tokens_per_s")})
 
 
@@ -262,8 +264,8 @@ def pooled_rate(runs: list[Run]) -> float | None:
 
 
 def speed_table(runs: list[Run], sides: list[str], threads: int) -> list[str]:
-    rows = [f"### {threads} thread{'s' if threads > 1 else ''}" + (" (cluster: 1 per process)" if CLUSTER in sides
-                                                                    else ""), "",
+    per = next((r.extra.get("threads_per_process") for r in runs if r.side == CLUSTER), None)
+    rows = [f"### {threads} thread{'s' if threads > 1 else ''}" + (f" (cluster: {per} per process)" if per else ""), "",
             "| kind | " + " | ".join(f"{s} tok/s" for s in sides) + " | " + " | ".join(f"{s} RSS MB" for s in sides)
             + " |", "|---" * (1 + 2 * len(sides)) + "|"]
     by_kind: dict[str, list[Run]] = defaultdict(list)
@@ -336,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each side per prompt (A/B, B/A, ...)")
     ap.add_argument("--cluster", action="store_true", help="also `flowedge up --nodes 3` at the largest thread count")
     ap.add_argument("--cluster-port", type=int, default=5755)
+    ap.add_argument("--cluster-threads", type=int, default=1,
+                    help="threads per cluster process (1: the issue's setup; 0: up's default, every core)")
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out" / "vs-llamacpp")
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out / "raw.jsonl", "w") as sink:
         for threads in args.threads:
             if args.cluster and threads == max(args.threads):
-                with LocalCluster(args.model, args.cluster_port) as cluster:
+                with LocalCluster(args.model, args.cluster_port, args.cluster_threads) as cluster:
                     runs += run_block(args, cases, threads, cluster, sink)
             else:
                 runs += run_block(args, cases, threads, None, sink)

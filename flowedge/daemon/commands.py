@@ -153,7 +153,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @click.option("--draft", default="qwen2.5-coder-0.5b", show_default=True)
 @click.option("--strategy", default="auto", show_default=True)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
-@click.option("--threads", default=0, help="Torch threads per process (default: cores / nodes).")
+@click.option("--threads", default=0, help="Torch threads per process (default: every core; the processes take turns, idle threads sleep).")
 @click.option("--wire-dtype", type=click.Choice(WIRE_DTYPES), default=DEFAULT_WIRE_DTYPE,
               show_default=True, help="Hidden states on the wire: float32 (the stages' activations: exact) or a "
               "16-bit dtype (half the bytes; may flip a greedy token at a near-tie).")
