@@ -12,12 +12,13 @@ from flowedge.daemon import drafter_node, head_node, stage_node, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
 from flowedge.daemon.data_port import bind_data_port
 from flowedge.daemon.draft_dispatch import DraftDispatch
-from flowedge.daemon.drafter_node import DrafterNode, DrafterParts
+from flowedge.daemon.drafter_node import DrafterNode
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_node import HeadNode, HeadParts
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
 from flowedge.daemon.membership import Membership
+from flowedge.daemon.node_base import NodeParts
 from flowedge.daemon.plan import Replanner
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.stage_node import StageNode, StageNodeParts
@@ -72,14 +73,14 @@ def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: L
     except BaseException:
         link.close()
         raise
-    parts = StageNodeParts(link, data_in, data_addr, flowedge_home(), DropLog(stage_node.log))
+    parts = StageNodeParts(link, DropLog(stage_node.log), flowedge_home(), data_in=data_in, data_addr=data_addr)
     return StageNode(config, parts, stop)
 
 
 
 def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> DrafterNode:
     """A drafter: it only dials the head (jobs and answers share the control connection)."""
-    parts = DrafterParts(link or node_link(config), DropLog(drafter_node.log), flowedge_home())
+    parts = NodeParts(link or node_link(config), DropLog(drafter_node.log), flowedge_home())
     return DrafterNode(config, parts, stop)
 
 

@@ -10,7 +10,8 @@ Lifecycle: JOIN (HELLO until WELCOME) -> wait ASSIGN -> shard (local, cache or f
 -> serve. If the head goes silent for `stage_timeout_s` the node goes back to JOIN (the head may have
 restarted); a SHUTDOWN ends it. An ASSIGN the node cannot carry out (a shard that fails its checksum
 or cannot be fetched, a layer range the shard lacks, a load error) is answered with a REFUSE naming
-why; the node stays connected, unassigned, heartbeating, and takes the next ASSIGN.
+why; the node stays connected, unassigned, heartbeating, and takes the next ASSIGN. What it shares with
+a drafter (HELLO, heartbeats, head liveness, shard chunks, systemd) is `node_base.NodeBase`'s.
 """
 from __future__ import annotations
 
@@ -18,137 +19,78 @@ import logging
 import statistics
 import threading
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
 from flowedge.allocator import settle
 from flowedge.daemon import shard_fetch, wire
-from flowedge.daemon.beating import BeatingWorker
-from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
-from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.config import NodeConfig, tcp
 from flowedge.daemon.membership import too_old_for_the_data_plane
-from flowedge.daemon.sd_notify import Notifier
+from flowedge.daemon.node_base import HELLO_TIMEOUT_S, NodeBase, NodeParts
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
-from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
+from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.transport import protocol as proto
-from flowedge.transport.handshake import hello_exchange
-from flowedge.transport.link import Endpoint, Inbound, Kind, Link
+from flowedge.transport.link import Endpoint, Inbound, Kind
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH_MESSAGES = 256   # most messages taken off the sockets for one batched step
 
-HELLO_TIMEOUT_MS = 5000
-
 
 @dataclass
-class StageNodeParts:
+class StageNodeParts(NodeParts):
     """What a stage runs with, built from the config by `roots.build_stage`."""
-    link: Link
     data_in: Endpoint      # INBOUND: segments (and prune sets) from the previous hop
     data_addr: str         # where the previous hop reaches `data_in` (announced in HELLO)
-    home: Path             # FLOWEDGE_HOME: the shard cache
-    drops: DropLog         # dropped messages and failed requests, counted for `flowedge status`
 
 
-class StageNode:
+class StageNode(NodeBase):
+    ROLE = "stage"
+    FETCHING = "the shard fetch"
+
     def __init__(self, config: NodeConfig, parts: StageNodeParts, stop: threading.Event | None = None) -> None:
-        self.config = config
-        self.stop = stop or threading.Event()
-        self.node_id = config.name
-        self.home = parts.home
-        self.repair = shard_fetch.CacheRepair(self.home)   # damaged cache files: deleted, fetched again
-        self.head_host, self.head_port = split_addr(config.head)
-        self.link, self.data_in, self.data_addr = parts.link, parts.data_in, parts.data_addr
-        self.ctrl: Endpoint | None = None
+        super().__init__(config, parts, stop)
+        self.data_in, self.data_addr = parts.data_in, parts.data_addr
         self.data_out: Endpoint | None = None
         self.assign: proto.Assign | None = None
         self.worker: StageWorker | None = None
         self.inbox: StageInbox | None = None
-        self.drops = parts.drops
-        self.notifier = Notifier()  # systemd: READY once serving, a watchdog fed by every loop
-        self.phase = "starting"     # what STATUS= says the node is doing
         self.step_s: list[float] = []
-        self.busy_s = 0.0
-        self.last_beat = time.monotonic()
-        self.stats: dict = {}       # the last heartbeat's stats (re-sent as they were while a step runs)
-        self.compute = BeatingWorker("stage-compute")   # loads and forwards, heartbeats going on meanwhile
         self.wire = wire.WireCounter(curve=not config.insecure)
 
-    # ---- lifecycle ------------------------------------------------------------------------------
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                try:
-                    self._join()
-                    self._serve()
-                except Rejoin as why:
-                    log.warning("rejoining: %s", why)
-                    self.phase = f"rejoining: {why}"
-        finally:
-            self.notifier.stopping()
-            self.close()
-
-    def close(self) -> None:
-        self.link.close()
-        self.notifier.close()
-        self.compute.close()
-
-    def _connect_ctrl(self) -> None:
-        if self.ctrl is not None:
-            self.ctrl.close()
-        self.ctrl = self.link.connect(Kind.DEALER, tcp(self.head_host, self.head_port))
-
-    def _to_head(self, msg: proto.Message) -> None:
-        """A control message to the head; one the link cannot take is dropped (liveness judges the head)."""
-        try:
-            self.ctrl.send(msg)
-        except PeerUnreachable as err:
-            log.debug("to the head: %s", err)
-
+    # ---- joining --------------------------------------------------------------------------------
     def _join(self) -> None:
         """HELLO until the head answers, then wait for the assignment and get ready."""
-        hello = proto.Hello(node_id=self.node_id, role="stage", device=self.config.device,
-                            free_memory_bytes=int(psutil.virtual_memory().available),
-                            capabilities={"data_addr": self.data_addr, "want_stage": self.config.stage,
-                                          "cached_shards": shard_fetch.cached_shas(self.home)})
         self.phase = f"joining the head at {self.config.head}"
         log.info("waiting for the head at %s to answer (HELLO every %.0f s; start it with `flowedge serve` "
-                 "or `flowedge up`)", self.config.head, HELLO_TIMEOUT_MS / 1000)
-        while not self.stop.is_set():
-            self.notifier.tick(self._sd_status)
-            self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
-            try:
-                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_MS / 1000)
-                if not too_old_for_the_data_plane(welcome.version):
-                    break
-                log.error("the head speaks flowedge protocol %s; this stage's data plane needs %d.%d or newer: "
-                          "upgrade the head", proto.version_text(welcome.version), proto.PROTOCOL_VERSION[0],
-                          proto.Segment.MIN_MINOR)
-                time.sleep(5.0)
-            except (ProtocolError, PeerUnreachable) as err:
-                log.warning("joining %s: %s", self.config.head, err)
-                if "refused" in str(err) or "protocol" in str(err):
-                    time.sleep(2.0)
-        else:
+                 "or `flowedge up`)", self.config.head, HELLO_TIMEOUT_S)
+        welcome = self._hello({"data_addr": self.data_addr, "want_stage": self.config.stage,
+                               "cached_shards": shard_fetch.cached_shas(self.home)})
+        if welcome is None:
             return
-        self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
         log.info("joined head %s at %s; data port %s", welcome.node_id, self.config.head, self.data_addr)
-        self.last_head = time.monotonic()
         while not self.stop.is_set():
-            msg = self._recv_ctrl(200)
+            msg = self._recv_ctrl(0.2)
             if isinstance(msg, proto.Assign) and self._take(msg):
                 return
             if isinstance(msg, proto.Refuse):   # our slot went to another node (we could not serve it)
                 raise Rejoin(f"the head gave this node's slot away: {msg.reason}")
             self._beat()
+
+    def _welcome_ok(self, welcome: proto.Welcome) -> bool:
+        if not too_old_for_the_data_plane(welcome.version):
+            return True
+        log.error("the head speaks flowedge protocol %s; this stage's data plane needs %d.%d or newer: "
+                  "upgrade the head", proto.version_text(welcome.version), proto.PROTOCOL_VERSION[0],
+                  proto.Segment.MIN_MINOR)
+        time.sleep(5.0)
+        return False
 
     def _take(self, assign: proto.Assign) -> bool:
         """Carry out an assignment; on failure tell the head why (REFUSE) and stay up, unassigned."""
@@ -192,26 +134,21 @@ class StageNode:
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
 
     def _load(self, assign: proto.Assign, parts: StageParts) -> StageModel:
-        """Find or fetch the assigned files and load them (the load checks their sha256); a cached file
-        that fails the check is deleted and fetched again (shard_fetch.CacheRepair, bounded)."""
-        while True:
-            model_dir = self._shard_dir(assign)
-            if parts.head:
-                self._head_file(assign, model_dir)
-            try:
-                return self._load_beating(model_dir, parts, assign.quant)
-            except ChecksumError as err:
-                self.repair.repair(model_dir, assign, err)
-
-    def _load_beating(self, model_dir: Path, parts: StageParts, quant: str) -> StageModel:
-        """Load in a worker thread while this one keeps heartbeating: repacking a W4A16 shard takes tens
-        of seconds on a slow device, which must not look like a dead stage to the head."""
-        model = self.compute.run(lambda: StageModel.load(model_dir, parts, quant=quant), self._beat, 0.2)
+        """Find or fetch the assigned files and load them (the load checks their sha256), heartbeating."""
+        model = self._load_fetched(assign, lambda: self._shard_dir(assign, parts.head),
+                                   lambda model_dir: StageModel.load(model_dir, parts, quant=assign.quant))
         settle()   # freeze the loaded model out of the collector's passes
         return model
 
-    def _shard_dir(self, assign: proto.Assign) -> Path:
-        """A directory holding this stage's verified shard: the head's own files, the cache, or a fetch."""
+    def _shard_dir(self, assign: proto.Assign, with_head: bool) -> Path:
+        """A directory holding this stage's verified shard (and the head file `with_head`): the head's own
+        files, the cache, or a fetch."""
+        model_dir = self._shard_files(assign)
+        if with_head:
+            self._head_file(assign, model_dir)
+        return model_dir
+
+    def _shard_files(self, assign: proto.Assign) -> Path:
         local = Path(assign.source_dir) if self.config.same_host and assign.source_dir else None
         if local is not None and (local / "manifest.json").is_file() and any(
                 s.sha256 == assign.shard_sha256 for s in Manifest.load(local).stages):
@@ -230,30 +167,10 @@ class StageNode:
             return   # the head's own split directory (same host): it is there
         shard_fetch.fetch_head_file(assign, model_dir, self._to_head, self._next_chunk)
 
-    def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.stop.is_set():
-            msg = self._recv_ctrl(200)
-            self._beat()
-            if isinstance(msg, proto.ShardChunk):
-                return msg
-            if isinstance(msg, proto.Shutdown):
-                raise FlowedgeError(f"head shut down during the shard fetch: {msg.reason}")
-        return None
-
     # ---- serving --------------------------------------------------------------------------------
-    def _serve(self) -> None:
-        wait_s = min(100, self.config.heartbeat_ms // 2) / 1000   # a beat is never late by more than half a period
-        while not self.stop.is_set():
-            if self.link.wait([self.ctrl, self.data_in], wait_s):
-                self._take_arrived()
-            self._beat()
-            self.drops.tick()
-            # judged on what could be read: the head's heartbeats that came in during a long step are
-            # still queued, and a head is dead only if nothing from it is waiting either
-            if time.monotonic() - self.last_head > self.config.stage_timeout_s and \
-                    not self.link.wait([self.ctrl], 0):
-                raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:g} s")
+    def _poll(self, wait_s: float) -> None:
+        if self.link.wait([self.ctrl, self.data_in], wait_s):
+            self._take_arrived()
 
     def _take_arrived(self) -> None:
         """Everything queued on both sockets, then one `receive_all`: segments of several requests that
@@ -278,34 +195,14 @@ class StageNode:
         if events:
             self._handle_all(events)
 
-    def _recv_ctrl(self, timeout_ms: int) -> proto.Message | None:
-        got = self.ctrl.next_message(timeout_ms / 1000)
-        return None if got is None else self._decode_ctrl(got)
-
-    def _decode_ctrl(self, got: Inbound) -> proto.Message | None:
-        try:
-            msg = proto.decode(got.frames)
-        except ProtocolError as err:
-            self.drops.drop("malformed", f"from the head: {err}")
-            return None
-        self.last_head = time.monotonic()
-        if isinstance(msg, proto.Shutdown):
-            log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
-            self.stop.set()
-        return msg
-
     def _on_ctrl(self, msg: proto.Message | None) -> list:
         """Control messages are handled here; engine messages come back as events for the worker."""
-        if msg is None or isinstance(msg, (proto.Heartbeat, proto.Shutdown, proto.Welcome)):
-            return []
         if isinstance(msg, proto.Assign):
             self._take(msg)
-        elif isinstance(msg, proto.Refuse):
-            raise Rejoin(f"the head dropped this node: {msg.reason}")
         elif isinstance(msg, (proto.Prune, proto.Reset, proto.Segment)):
             return self._admit(msg)
         else:
-            log.warning("ignoring unexpected %s from the head", msg.TYPE)
+            self._on_other(msg)
         return []
 
     def _on_data(self, got: Inbound) -> list:
@@ -348,29 +245,15 @@ class StageNode:
         dropped = sum(self.drops.counts.values())
         return f"{self.phase}; {live} requests live, {dropped} messages dropped"
 
-    def _beat(self, busy: bool = False) -> None:
-        """A heartbeat to the head when one is due. `busy`: a step runs on the compute thread, so the
-        worker's state is not read (its last stats are sent again) and the load counts as full."""
-        self.notifier.tick(self._sd_status)   # every loop (join, fetch, serve) passes here
-        now = time.monotonic()
-        period = getattr(self, "heartbeat_s", self.config.heartbeat_ms / 1000)
-        if now - self.last_beat < period or self.ctrl is None:
-            return
-        load = 1.0 if busy else self.busy_s / max(now - self.last_beat, 1e-6)
-        if not busy:
-            recent = self.step_s[-256:]
-            self.stats = {"steps": len(self.step_s),
-                          "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
-                          "step_ms_longest": round(1000 * self.compute.longest_s, 3),
-                          "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
-                          "kv_tokens": self.worker.cached_tokens() if self.worker is not None else 0,
-                          "requests": len(self.worker.slots) if self.worker is not None else 0,
-                          "batched": {"forwards": self.worker.forwards, "requests": self.worker.forward_requests}
-                          if self.worker is not None else None,
-                          "dropped": self.drops.snapshot()}
-        self._to_head(proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
-                                            rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))
-        if not busy:
-            self.busy_s = 0.0
-        self.last_beat = now
-
+    def _stats(self) -> dict:
+        recent = self.step_s[-256:]
+        worker = self.worker
+        return {"steps": len(self.step_s),
+                "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
+                "step_ms_longest": round(1000 * self.compute.longest_s, 3),
+                "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
+                "kv_tokens": worker.cached_tokens() if worker is not None else 0,
+                "requests": len(worker.slots) if worker is not None else 0,
+                "batched": {"forwards": worker.forwards, "requests": worker.forward_requests}
+                if worker is not None else None,
+                "dropped": self.drops.snapshot()}

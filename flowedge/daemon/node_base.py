@@ -1,0 +1,226 @@
+"""The life every node the head drives shares (a stage, a drafter): one control connection to the head.
+
+Lifecycle (`run`): JOIN (HELLO until WELCOME) -> the node's own setup -> serve, and back to JOIN on
+`Rejoin` (a head silent for `stage_timeout_s`, a REFUSE) until a SHUTDOWN or `stop`. Through every loop:
+a heartbeat to the head when one is due, systemd's watchdog and STATUS= (`_beat`); long work (a load, a
+batched step, a draft job) on one worker thread while this thread keeps beating (beating.py); files the
+head serves fetched chunk by chunk, and a damaged cache repaired and fetched again (bounded).
+
+A base class, not a part the nodes hold: the lifecycle calls the node back (its join, its poll, its
+heartbeat stats, its status line) and the node calls the lifecycle (heartbeats, the control socket, the
+fetch); as two objects each would hold the other. A node kind keeps only what is its own: `ROLE`,
+`_join` (its HELLO's capabilities, what it waits for after the WELCOME), `_poll` (its sockets and
+messages), `_stats` and `_sd_status`. Logs go to the node kind's own module logger, as they always did.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import psutil
+
+from flowedge.daemon import shard_fetch
+from flowedge.daemon.beating import BeatingWorker
+from flowedge.daemon.config import NodeConfig, split_addr, tcp
+from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.sd_notify import Notifier
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
+from flowedge.transport import protocol as proto
+from flowedge.transport.handshake import hello_exchange
+from flowedge.transport.link import Endpoint, Inbound, Kind, Link
+
+T = TypeVar("T")
+
+HELLO_TIMEOUT_S = 5.0   # a HELLO's wait for the WELCOME: the pace of tries while the head is away
+LOAD_BEAT_S = 0.2       # how often a load on the compute thread lets this thread beat
+
+
+@dataclass
+class NodeParts:
+    """What every node runs with, built from the config by its composition root (roots.py)."""
+    link: Link
+    drops: DropLog         # dropped messages and failed requests, counted for `flowedge status`
+    home: Path             # FLOWEDGE_HOME: the cache of the files the head serves
+
+
+class NodeBase(ABC):
+    ROLE: ClassVar[str]         # the HELLO's role; also names the compute thread
+    FETCHING: ClassVar[str]     # what a fetch is called in errors ("head shut down during ...")
+
+    def __init__(self, config: NodeConfig, parts: NodeParts, stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        self.node_id = config.name
+        self.link, self.drops, self.home = parts.link, parts.drops, parts.home
+        self.repair = shard_fetch.CacheRepair(self.home)   # damaged cache files: deleted, fetched again
+        self.head_host, self.head_port = split_addr(config.head)
+        self.ctrl: Endpoint | None = None
+        self.notifier = Notifier()  # systemd: READY once serving, a watchdog fed by every loop
+        self.phase = "starting"     # what STATUS= (and a drafter's heartbeat) says the node is doing
+        self.heartbeat_s = config.heartbeat_ms / 1000   # the head's own period once it WELCOMEd us
+        self.last_beat = self.last_head = time.monotonic()
+        self.busy_s = 0.0
+        self.stats: dict[str, Any] = {}   # the last heartbeat's stats (re-sent as they were while a step runs)
+        self.compute = BeatingWorker(f"{self.ROLE}-compute")
+        self.log = logging.getLogger(type(self).__module__)
+
+    # ---- what a node kind says ------------------------------------------------------------------
+    @abstractmethod
+    def _join(self) -> None:
+        """HELLO (`_hello`) and whatever the node waits for before serving; returns early on `stop`."""
+
+    @abstractmethod
+    def _poll(self, wait_s: float) -> None:
+        """Wait up to `wait_s` for the node's sockets and handle what came."""
+
+    @abstractmethod
+    def _stats(self) -> dict[str, Any]:
+        """The heartbeat's stats (not called while a step runs on the compute thread)."""
+
+    def _sd_status(self) -> str:
+        """systemd's STATUS= line."""
+        return self.phase
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    self._join()
+                    self._serve()
+                except Rejoin as why:
+                    self.log.warning("rejoining: %s", why)
+                    self.phase = f"rejoining: {why}"
+        finally:
+            self.notifier.stopping()
+            self.close()
+
+    def close(self) -> None:
+        self.link.close()
+        self.notifier.close()
+        self.compute.close()
+
+    def _hello(self, capabilities: dict[str, Any]) -> proto.Welcome | None:
+        """HELLO until the head WELCOMEs this node (and `_welcome_ok` takes it); None once stopped."""
+        hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
+                            free_memory_bytes=int(psutil.virtual_memory().available), capabilities=capabilities)
+        while not self.stop.is_set():
+            self.notifier.tick(self._sd_status)
+            self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
+            try:
+                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_S)
+                if self._welcome_ok(welcome):
+                    break
+            except (ProtocolError, PeerUnreachable) as err:
+                self.log.warning("joining %s: %s", self.config.head, err)
+                if "refused" in str(err) or "protocol" in str(err):
+                    time.sleep(2.0)
+        else:
+            return None
+        self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
+        self.last_head = time.monotonic()
+        return welcome
+
+    def _welcome_ok(self, welcome: proto.Welcome) -> bool:
+        """Whether this node can work with the head that WELCOMEd it (False: HELLO again)."""
+        return True
+
+    def _connect_ctrl(self) -> None:
+        if self.ctrl is not None:
+            self.ctrl.close()
+        self.ctrl = self.link.connect(Kind.DEALER, tcp(self.head_host, self.head_port))
+
+    # ---- serving --------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        wait_s = min(100, self.config.heartbeat_ms // 2) / 1000   # a beat is never late by more than half a period
+        while not self.stop.is_set():
+            self._poll(wait_s)
+            self._beat()
+            self.drops.tick()
+            # judged on what could be read: the head's heartbeats that came in during a long step are
+            # still queued, and a head is dead only if nothing from it is waiting either
+            if time.monotonic() - self.last_head > self.config.stage_timeout_s and \
+                    not self.link.wait([self.ctrl], 0):
+                raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:g} s")
+
+    # ---- the control connection -----------------------------------------------------------------
+    def _to_head(self, msg: proto.Message) -> None:
+        """A control message to the head; one the link cannot take is dropped (liveness judges the head)."""
+        try:
+            self.ctrl.send(msg)
+        except PeerUnreachable as err:
+            self.log.debug("to the head: %s", err)
+
+    def _recv_ctrl(self, timeout_s: float) -> proto.Message | None:
+        got = self.ctrl.next_message(timeout_s)
+        return None if got is None else self._decode_ctrl(got)
+
+    def _decode_ctrl(self, got: Inbound) -> proto.Message | None:
+        """The message (None: malformed, dropped and counted); a SHUTDOWN stops the node here."""
+        self.last_head = time.monotonic()   # any word from the head says it is up
+        try:
+            msg = proto.decode(got.frames)
+        except ProtocolError as err:
+            self.drops.drop("malformed", f"from the head: {err}")
+            return None
+        if isinstance(msg, proto.Shutdown):
+            self.log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
+            self.stop.set()
+        return msg
+
+    def _on_other(self, msg: proto.Message | None) -> None:
+        """A control message no node kind handles itself: a REFUSE sends it back to JOIN; heartbeats,
+        WELCOMEs and SHUTDOWNs (taken at decode) are no news; anything else is logged and ignored."""
+        if isinstance(msg, proto.Refuse):
+            raise Rejoin(f"the head dropped this node: {msg.reason}")
+        if msg is not None and not isinstance(msg, (proto.Heartbeat, proto.Shutdown, proto.Welcome)):
+            self.log.warning("ignoring unexpected %s from the head", msg.TYPE)
+
+    def _beat(self, busy: bool = False) -> None:
+        """A heartbeat to the head when one is due, and systemd's watchdog and STATUS= on every call
+        (every loop passes here: join, fetch, load, serve). `busy`: a step runs on the compute thread,
+        so the node's state is not read (its last stats are sent again) and the load counts as full."""
+        self.notifier.tick(self._sd_status)
+        now = time.monotonic()
+        if now - self.last_beat < self.heartbeat_s or self.ctrl is None:
+            return
+        load = 1.0 if busy else self.busy_s / max(now - self.last_beat, 1e-6)
+        if not busy:
+            self.stats = self._stats()
+        self._to_head(proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
+                                      rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))
+        if not busy:
+            self.busy_s = 0.0
+        self.last_beat = now
+
+    # ---- files from the head --------------------------------------------------------------------
+    def _load_fetched(self, spec: Any, find: Callable[[], Path], load: Callable[[Path], T]) -> T:
+        """`load` the directory `find` gives (local, cached or fetched) on the compute thread, beating
+        meanwhile (a W4A16 repack takes tens of seconds on a slow board, which must not look like a dead
+        node); a cached file that fails its checksum is deleted and fetched again (shard_fetch.CacheRepair,
+        bounded). `spec` is the ASSIGN or DraftSetup naming the files."""
+        while True:
+            where = find()
+            try:
+                return self.compute.run(lambda: load(where), self._beat, LOAD_BEAT_S)
+            except ChecksumError as err:
+                self.repair.repair(where, spec, err)
+
+    def _next_chunk(self, timeout_s: float) -> proto.ShardChunk | None:
+        """The next shard chunk from the head (beating meanwhile; other messages are dropped); None after
+        `timeout_s` of silence. FlowedgeError if the head shuts down meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            msg = self._recv_ctrl(0.2)
+            self._beat()
+            if isinstance(msg, proto.ShardChunk):
+                return msg
+            if isinstance(msg, proto.Shutdown):
+                raise FlowedgeError(f"head shut down during {self.FETCHING}: {msg.reason}")
+        return None
