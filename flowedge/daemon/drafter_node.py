@@ -30,6 +30,7 @@ from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
 
+
 def load_draft(spec: str | Path, quant: str):
     """The draft model: a directory fetched from the head, or the name the head gave resolved (fetched
     and converted if need be) here."""
