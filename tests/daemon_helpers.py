@@ -1,4 +1,5 @@
-"""Helpers for the daemon tests: free ports, a local cluster of real processes, log inspection."""
+"""Helpers for the daemon tests: free ports, a local cluster of real processes, log inspection, a head played
+by the test on the in-memory link."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,9 @@ from pathlib import Path
 
 from flowedge.daemon import local_cluster
 from flowedge.daemon.client import wait_ready
+from flowedge.transport import protocol as proto
+from flowedge.transport.link import Inbound, Kind, port_of
+from flowedge.transport.memory_link import MemoryNetwork
 
 READY_TIMEOUT_S = 180.0
 
@@ -83,3 +87,29 @@ def wait_for_text(path: Path, text: str, timeout_s: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+class ScriptedHead:
+    """A head's ROUTER on the in-memory link, driven by the test: it reads what a node sends and answers."""
+
+    def __init__(self, net: MemoryNetwork) -> None:
+        self.link = net.link()
+        self.router = self.link.listen(Kind.ROUTER, "127.0.0.1")
+        self.addr = f"127.0.0.1:{port_of(self.router.address)}"
+
+    def next(self, kind: type, timeout_s: float = 5.0) -> tuple[proto.Message, bytes]:
+        """The next message of type `kind` (others skipped) and its sender."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = self.router.receive(0.05)
+            if isinstance(got, Inbound):
+                msg = proto.decode(got.frames)
+                if isinstance(msg, kind):
+                    return msg, got.peer
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def welcome(self, heartbeat_ms: int = 40) -> tuple[proto.Hello, bytes]:
+        """Wait for a HELLO and WELCOME it; the HELLO and its sender."""
+        hello, peer = self.next(proto.Hello)
+        self.router.send(proto.Welcome(node_id="head", heartbeat_interval_ms=heartbeat_ms), peer)
+        return hello, peer

@@ -2,20 +2,31 @@
 (`LocalClusterSpec(drafter=True)`, predraft = "drafter"). Flowspec's answers at T=0 equal plain greedy
 decoding while the drafter answers jobs; a SIGSTOPped drafter silences no request and is dropped; a
 drafter killed with -9 mid-request leaves the answer complete and identical, with no error, and the
-next request runs without one."""
+next request runs without one. In this process, on the in-memory link against a head played by the test:
+jobs are declined until a setup, a setup loads once what the head names, a model that cannot load is
+reported and the drafter stays up."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair, logs, spawn_join, start_cluster
+from daemon_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
 from flowedge.daemon.client import Client
+from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.drafter_node import DrafterNode
+from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.daemon.node_base import NodeParts
 from flowedge.runner import GenerateRequest, run_generate
+from flowedge.transport import protocol as proto
+from flowedge.transport.memory_link import MemoryNetwork
 
 PROMPTS = ["abc def ghi jkl", "The quick brown fox"]
 MAX_NEW = 120
@@ -162,3 +173,70 @@ def test_a_drafter_with_nothing_on_it_fetches_the_draft_model_from_the_head(clus
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# ---- the drafter node in this process, on the in-memory link, against a head played by the test ----------
+def _memory_drafter(head: ScriptedHead, net: MemoryNetwork, tmp_path: Path, loader) -> tuple[DrafterNode, threading.Thread]:
+    cfg = NodeConfig(role="drafter", node_id="d1", head=head.addr, insecure=True, heartbeat_ms=50, stage_timeout_s=10.0)
+    node = DrafterNode(cfg, NodeParts(net.link(), DropLog(logging.getLogger(__name__)), tmp_path), loader=loader)
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    return node, thread
+
+
+def _job_frames() -> list[bytes]:
+    """A message that says it is a job (the drafter hands it to its server whole)."""
+    return [msgpack.packb({"v": list(proto.PROTOCOL_VERSION), "type": proto.DraftJob.TYPE})]
+
+
+def test_in_memory_a_drafter_declines_jobs_until_set_up_then_loads_once_what_the_head_names(tiny_pair, tmp_path):
+    from flowedge.daemon.drafter_node import load_draft
+
+    loads = []
+
+    def loader(spec, quant):
+        loads.append((spec, quant))
+        return load_draft(spec, quant)
+
+    net = MemoryNetwork()
+    head = ScriptedHead(net)
+    node, thread = _memory_drafter(head, net, tmp_path, loader)
+    try:
+        hello, peer = head.welcome()
+        assert hello.role == "drafter" and hello.capabilities == {"role": "drafter"}
+        head.router.send_frames(_job_frames(), peer)
+        declined, _ = head.next(proto.DraftDeclined)
+        assert declined.why == "error" and "no draft model yet" in declined.detail
+        setup = proto.DraftSetup(model=str(tiny_pair[1]), quant="none")   # no files served: the name is resolved here
+        head.router.send(setup, peer)
+        ready, _ = head.next(proto.DraftReady, 120)
+        assert ready.error == "" and loads == [(str(tiny_pair[1]), "none")]
+        beat, _ = head.next(proto.Heartbeat)
+        assert beat.stats["phase"] == f"drafting with {tiny_pair[1]}" and beat.stats["drafter"]["jobs"] == 0
+        head.router.send(setup, peer)   # the same model again: ready at once, not loaded twice
+        assert head.next(proto.DraftReady)[0].error == "" and len(loads) == 1
+        head.router.send(proto.Shutdown(reason="done"), peer)
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        node.stop.set()
+
+
+def test_in_memory_a_model_that_cannot_load_is_reported_and_the_drafter_stays_up(tmp_path):
+    def loader(spec, quant):
+        raise RuntimeError("no such model")
+
+    net = MemoryNetwork()
+    head = ScriptedHead(net)
+    node, thread = _memory_drafter(head, net, tmp_path, loader)
+    try:
+        _, peer = head.welcome()
+        head.router.send(proto.DraftSetup(model="missing", quant="none"), peer)
+        ready, _ = head.next(proto.DraftReady)
+        assert ready.error == "cannot load the draft model missing: RuntimeError: no such model"
+        beat, _ = head.next(proto.Heartbeat)
+        assert beat.stats["phase"] == ready.error and beat.stats["drafter"] is None
+        assert thread.is_alive()
+    finally:
+        node.stop.set()
+        thread.join(10)

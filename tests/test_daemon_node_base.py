@@ -1,7 +1,8 @@
 """The node lifecycle a stage and a drafter share (daemon/node_base.py), on the in-memory link against a head
 played by the test: HELLO until WELCOME, heartbeats at the head's period carrying the node's stats, a silent
 head or a REFUSE sends the node back to HELLO, a SHUTDOWN ends it, malformed input is dropped and counted,
-shard chunks are waited for with heartbeats, and a damaged cache file is repaired and fetched again once."""
+shard chunks are waited for with heartbeats, and a load that fails its checksum finds its files again after a
+repair (files that are not the node's to repair end it)."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from daemon_helpers import ScriptedHead
 from flowedge.daemon import shard_fetch
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.node_base import NodeBase, NodeParts
 from flowedge.errors import ChecksumError, FlowedgeError
 from flowedge.transport import protocol as p
-from flowedge.transport.link import Inbound, Kind, port_of
 from flowedge.transport.memory_link import MemoryNetwork
 
 log = logging.getLogger(__name__)
@@ -50,38 +51,12 @@ class TinyNode(NodeBase):
         return {"joins": self.joins}
 
 
-class Head:
-    """The head's ROUTER, driven by the test."""
-
-    def __init__(self, net: MemoryNetwork) -> None:
-        self.link = net.link()
-        self.router = self.link.listen(Kind.ROUTER, "127.0.0.1")
-        self.addr = f"127.0.0.1:{port_of(self.router.address)}"
-
-    def next(self, kind: type, timeout_s: float = 5.0) -> tuple[p.Message, bytes]:
-        """The next message of type `kind` (others skipped) and its sender."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = self.router.receive(0.05)
-            if isinstance(got, Inbound):
-                msg = p.decode(got.frames)
-                if isinstance(msg, kind):
-                    return msg, got.peer
-        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
-
-    def welcome(self, heartbeat_ms: int = 40) -> bytes:
-        hello, peer = self.next(p.Hello)
-        assert hello.role == "stage" and hello.capabilities == {"tiny": True}
-        self.router.send(p.Welcome(node_id="head", heartbeat_interval_ms=heartbeat_ms), peer)
-        return peer
-
-
 @pytest.fixture
 def net():
     return MemoryNetwork()
 
 
-def _node(net: MemoryNetwork, head: Head, tmp_path: Path, **config) -> TinyNode:
+def _node(net: MemoryNetwork, head: ScriptedHead, tmp_path: Path, **config) -> TinyNode:
     cfg = NodeConfig(role="stage", node_id="tiny", head=head.addr, insecure=True,
                      **({"heartbeat_ms": 50, "stage_timeout_s": 10.0} | config))
     return TinyNode(cfg, NodeParts(net.link(), DropLog(log), tmp_path))
@@ -94,10 +69,11 @@ def _running(node: TinyNode) -> threading.Thread:
 
 
 def test_hello_welcome_heartbeats_with_the_nodes_stats_then_shutdown_ends_it(net, tmp_path):
-    head = Head(net)
+    head = ScriptedHead(net)
     node = _node(net, head, tmp_path)
     thread = _running(node)
-    peer = head.welcome(heartbeat_ms=40)
+    hello, peer = head.welcome(heartbeat_ms=40)
+    assert hello.role == "stage" and hello.node_id == "tiny" and hello.capabilities == {"tiny": True}
     beats = [head.next(p.Heartbeat)[0] for _ in range(3)]
     assert all(b.node_id == "tiny" and b.stats == {"joins": 1} for b in beats)
     assert node.heartbeat_s == 0.04   # the head's period, not the config's 50 ms
@@ -107,7 +83,7 @@ def test_hello_welcome_heartbeats_with_the_nodes_stats_then_shutdown_ends_it(net
 
 
 def test_a_silent_head_sends_the_node_back_to_hello(net, tmp_path, caplog):
-    head = Head(net)
+    head = ScriptedHead(net)
     node = _node(net, head, tmp_path, stage_timeout_s=0.3)
     thread = _running(node)
     try:
@@ -125,11 +101,11 @@ def test_a_silent_head_sends_the_node_back_to_hello(net, tmp_path, caplog):
 
 
 def test_a_refuse_rejoins_and_bad_input_is_dropped_not_fatal(net, tmp_path):
-    head = Head(net)
+    head = ScriptedHead(net)
     node = _node(net, head, tmp_path)
     thread = _running(node)
     try:
-        peer = head.welcome()
+        _, peer = head.welcome()
         head.router.send_frames([b"\x00not msgpack"], peer)
         head.router.send(p.Ready(stage_index=1), peer)   # not for a node: ignored
         head.router.send(p.Refuse(reason="slot taken"), peer)
@@ -141,7 +117,7 @@ def test_a_refuse_rejoins_and_bad_input_is_dropped_not_fatal(net, tmp_path):
         thread.join(5)
 
 
-def _connected(net: MemoryNetwork, head: Head, tmp_path: Path) -> tuple[TinyNode, bytes]:
+def _connected(net: MemoryNetwork, head: ScriptedHead, tmp_path: Path) -> tuple[TinyNode, bytes]:
     """A node with its control socket up (no thread): the test calls its methods itself."""
     node = _node(net, head, tmp_path)
     node._connect_ctrl()
@@ -150,7 +126,7 @@ def _connected(net: MemoryNetwork, head: Head, tmp_path: Path) -> tuple[TinyNode
 
 
 def test_next_chunk_waits_heartbeating_and_a_shutdown_ends_the_fetch(net, tmp_path):
-    head = Head(net)
+    head = ScriptedHead(net)
     node, peer = _connected(net, head, tmp_path)
     node.heartbeat_s = 0.05
     assert node._next_chunk(0.3) is None
@@ -174,7 +150,7 @@ class FakeRepair:
 
 
 def test_load_fetched_finds_again_after_a_repair_and_stops_where_it_may_not_repair(net, tmp_path):
-    head = Head(net)
+    head = ScriptedHead(net)
     node = _node(net, head, tmp_path)
     node.repair = FakeRepair()
     finds, tries = iter([tmp_path / "first", tmp_path / "again"]), []
