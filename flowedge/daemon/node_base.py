@@ -50,6 +50,8 @@ class NodeParts:
 
 
 class NodeBase(ABC):
+    """A node the head drives; subclasses are the node kinds (stage_node.py, drafter_node.py)."""
+
     ROLE: ClassVar[str]         # the HELLO's role; also names the compute thread
     FETCHING: ClassVar[str]     # what a fetch is called in errors ("head shut down during ...")
 
