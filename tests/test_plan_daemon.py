@@ -34,7 +34,7 @@ def test_planned_counts_follow_the_devices_and_respect_manual_layers(caplog):
     assert planned_counts(cfg.with_(layers=[16, 16]), config, [16, 16], mixed) is None
     assert planned_counts(cfg, config, [16, 16], [_hello("my-laptop"), _hello("orin-nano-8gb")]) is None
     # the current split does not fit a stage's free memory: re-split even on equal devices
-    short = [_hello("orin-nano-8gb", 6.0), _hello("orin-nano-8gb", 2.5)]
+    short = [_hello("orin-nano-8gb", 6.0), _hello("orin-nano-8gb", 3.0)]
     counts = planned_counts(cfg, config, [16, 16], short)
     assert counts is not None and counts[1] < 16
     # a device the planner would leave out: every slot still serves (the daemon keeps `stages`), and the

@@ -12,8 +12,10 @@ from flowedge.errors import ConfigError
 
 GiB = 1 << 30
 # Weight bytes per parameter at rest and in memory. int4 (W4A16): 4-bit codes + a 16-bit scale and zero
-# per group of 32 (models/quant.py); nf4 (bitsandbytes): 4-bit codes + absmax per 64; none: 16-bit.
-QUANT_BYTES_PER_PARAM = {"none": 2.0, "int4": 0.625, "auto": 0.625, "nf4": 0.5625}
+# per group of 32 (models/quant.py, 0.625), with the tensors a Q4_K_M GGUF keeps at 6-8 bits at W8A16
+# (models/quant8.py, 1.125): 0.701 measured on the real pair's loaded layers (device_profiles/README.md),
+# so 0.70 plans what a stage really holds; nf4 (bitsandbytes): 4-bit codes + absmax per 64; none: 16-bit.
+QUANT_BYTES_PER_PARAM = {"none": 2.0, "int4": 0.70, "auto": 0.70, "nf4": 0.5625}
 HEAD_BYTES_PER_PARAM = 2.0          # embedding, norms and lm_head stay 16-bit (W4A16)
 # Python + torch + allocator slack per process: measured stage RSS minus shard bytes on x86 is ~0.3 GB;
 # a CUDA context on a Jetson adds a few hundred MB more (est), so plan with 0.75 GiB.
