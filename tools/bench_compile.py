@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from flowedge.engine.drafter import load_draft_model
+from bench_steps import load_model, median_s, tree_mask   # this directory's step timer (run as a script)
 from flowedge.kernels.attention import attend
 from flowedge.models import decoder
-from flowedge.models.resolve import resolve_model
-from flowedge.models.stage import StageModel, StageParts, bool_to_float_mask, causal_mask
+from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
 
 CONTEXT = 200
 
@@ -68,12 +66,6 @@ def split_forward(active: dict):
     return forward
 
 
-def _model(what: str) -> StageModel:
-    if what == "draft":
-        return load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
-    return StageModel.load(resolve_model("qwen2.5-coder-1.5b"), StageParts(0, 14))
-
-
 def _step_fn(model: StageModel):
     """A step of `rows` sibling rows over a CONTEXT-token cache, the cache cut back after it."""
     cache = model.new_cache(CONTEXT + 64)
@@ -81,26 +73,15 @@ def _step_fn(model: StageModel):
     model.forward_layers(hidden[:CONTEXT], torch.arange(CONTEXT), bool_to_float_mask(causal_mask(CONTEXT, 0)), cache)
 
     def step(rows: int) -> torch.Tensor:
-        allowed = torch.ones(rows, CONTEXT + rows, dtype=torch.bool)
-        allowed[:, CONTEXT:] = torch.eye(rows, dtype=torch.bool)
         out = model.forward_layers(hidden[CONTEXT:CONTEXT + rows], torch.full((rows,), CONTEXT),
-                                   bool_to_float_mask(allowed), cache)
+                                   tree_mask(rows, CONTEXT), cache)
         cache.truncate(CONTEXT)
         return out
     return step
 
 
-def _median_ms(call, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(samples)
-
-
 def measure(what: str, rows_list: list[int], rounds: int, repeats: int) -> dict:
-    model, eager, compiled = _model(what), Halves(), Halves(torch.compile(before_attention, dynamic=False),
+    model, eager, compiled = load_model(what), Halves(), Halves(torch.compile(before_attention, dynamic=False),
                                                              torch.compile(after_attention, dynamic=False))
     step, active = _step_fn(model), {"halves": eager}
     decoder.DecoderLayer.forward = split_forward(active)
@@ -121,7 +102,7 @@ def measure(what: str, rows_list: list[int], rounds: int, repeats: int) -> dict:
         for _ in range(rounds):
             for name, halves in (("eager", eager), ("compiled", compiled)):
                 active["halves"] = halves
-                best[name] = min(best[name], _median_ms(lambda: step(rows), repeats))
+                best[name] = min(best[name], 1000 * median_s(lambda: step(rows), repeats))
         for name, ms in best.items():
             out[f"{what}_{rows}_ms_{name}"] = round(ms, 2)
     return out

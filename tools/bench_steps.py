@@ -33,13 +33,15 @@ from flowedge.models.resolve import resolve_model
 from flowedge.models.stage import StageModel, StageParts, bool_to_float_mask, causal_mask
 
 
-def _tree_mask(rows: int, past: int) -> torch.Tensor:
+def tree_mask(rows: int, past: int) -> torch.Tensor:
+    """One tree level of `rows` siblings over `past` cached tokens, as an additive mask."""
     allowed = torch.ones(rows, past + rows, dtype=torch.bool)
     allowed[:, past:] = torch.eye(rows, dtype=torch.bool)        # siblings: each sees the context and itself
     return bool_to_float_mask(allowed)
 
 
-def _time(call, repeats: int) -> float:
+def median_s(call, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one untimed warm-up call."""
     call()
     samples = []
     for _ in range(repeats):
@@ -61,11 +63,11 @@ def _stepper(model: StageModel, context: int, max_rows: int, head: bool):
         def step() -> None:
             new = slice(context, context + rows)
             x = model.embed(ids[new]) if head and model.embed_tokens is not None else hidden[new]
-            h = model.forward_layers(x, torch.full((rows,), context), _tree_mask(rows, context), cache)
+            h = model.forward_layers(x, torch.full((rows,), context), tree_mask(rows, context), cache)
             if head:
                 model.logits(h)
             cache.truncate(context)
-        return _time(step, repeats)
+        return median_s(step, repeats)
     return timed
 
 
@@ -87,7 +89,7 @@ def _weight_bytes(model: StageModel) -> dict[str, int]:
 def _interleaved(whats: list[str], rows_list: list[int], args: argparse.Namespace, out: dict) -> None:
     """Every (model, rows) pair timed in turns, `rounds` times: the box's drift spreads over all of them."""
     label = {"draft": "draft_call", "stage": "stage_step", "last": "last_step"}
-    models = {w: _load(w, args.stage_layers) for w in whats}
+    models = {w: load_model(w, args.stage_layers) for w in whats}
     out["weight_bytes"] = {w: _weight_bytes(m) for w, m in models.items()}
     out["stage_layers"] = list(args.stage_layers)
     steppers = {w: _stepper(m, args.context, max(rows_list), head=w != "stage") for w, m in models.items()}
@@ -101,7 +103,8 @@ def _interleaved(whats: list[str], rows_list: list[int], args: argparse.Namespac
         out[f"{key}_spread"] = [round(min(values), 2), round(max(values), 2)]
 
 
-def _load(what: str, stage_layers: tuple[int, int] = (0, 14)) -> StageModel:
+def load_model(what: str, stage_layers: tuple[int, int] = (0, 14)) -> StageModel:
+    """The real pair's draft model, a stage of the 1.5B (`stage_layers`) or its last stage with the lm_head."""
     if what == "draft":
         return load_draft_model(resolve_model("qwen2.5-coder-0.5b"))
     start, end = stage_layers
@@ -114,7 +117,7 @@ def _ab(what: str, modes: list[str], args: argparse.Namespace, out: dict) -> Non
     models = {}
     for mode in modes:
         os.environ["FLOWEDGE_ACTIVATIONS"] = mode
-        models[mode] = _load(what, args.stage_layers)
+        models[mode] = load_model(what, args.stage_layers)
     label = {"draft": "draft_call", "stage": "stage_step", "last": "last_step"}[what]
     for rows in (1, 16):
         best = {mode: float("inf") for mode in modes}
@@ -156,7 +159,7 @@ def main() -> None:
             out[f"draft_call_{rows}_ms"] = round(1000 * _bench(draft, args.context, rows, args.repeats, head=True), 2)
         del draft
     if "stage" in what:
-        stage = _load("stage", args.stage_layers)
+        stage = load_model("stage", args.stage_layers)
         for rows in (1, 16):
             out[f"stage_step_{rows}_ms"] = round(1000 * _bench(stage, args.context, rows, args.repeats, head=False), 2)
         del stage
