@@ -37,6 +37,7 @@ def node_env(threads: int, base: dict[str, str] | None = None) -> dict[str, str]
     return {**PASSIVE_WAIT, **(os.environ if base is None else base),
             "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
+
 @dataclass
 class LocalClusterSpec:
     nodes: int = 3

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowedge.costs.model import resolve_path, shape_of_head, shape_of_layers, shape_of_model
-from flowedge.costs.pipeline import path_for_quant  # noqa: F401  (the planner's modules import it from here)
 from flowedge.costs.profiles import DeviceProfile
 from flowedge.errors import ConfigError
 

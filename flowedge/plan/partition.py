@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowedge.costs.model import forward_time_s, lm_head_time_s, shape_of_layers, transfer_time_s
+from flowedge.costs.pipeline import path_for_quant
 from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_link
 from flowedge.costs.sizing import SIZING_CONTEXT
 from flowedge.errors import PlanError
-from flowedge.plan.memory import GiB, MemoryNeed, path_for_quant, stage_need, usable_bytes
+from flowedge.plan.memory import GiB, MemoryNeed, stage_need, usable_bytes
 
 HIDDEN_WIRE_BYTES = 2   # hidden states travel as fp16/bf16
 IDLE_GAIN = 0.02        # leave devices out only for a plan at least 2% faster (a device in use also adds
