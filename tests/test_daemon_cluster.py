@@ -16,6 +16,7 @@ import zmq
 
 from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
                             wait_for_text)
+from flowedge.core.config import STRATEGY_NAMES
 from flowedge.daemon.client import Client, RequestFailed
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.errors import FlowedgeError
@@ -72,6 +73,16 @@ def test_cluster_answer_equals_plain_greedy(cluster, references, strategy):
                 head = next(n for n in client.status() if n["role"] == "head")
                 assert head["auto"] == res["auto"]
     assert max(len(r) for r in references.values()) >= 20   # the comparison covers real decoding
+
+
+def test_every_strategy_the_daemon_accepts_answers_as_plain_greedy(cluster, references):
+    """Every name the CLI and the HTTP API accept runs on the daemon (pipespec's "chain" segments once
+    ended the head: the wire refused a phase its own strategy made)."""
+    with Client(cluster.spec.addr, timeout_s=60) as client:
+        for strategy in STRATEGY_NAMES:
+            res = client.generate(PROMPTS[0], max_new_tokens=MAX_NEW, strategy=strategy)
+            assert res["token_ids"] == references[PROMPTS[0]], (strategy, logs(cluster.run_dir))
+        assert next(n for n in client.status() if n["role"] == "head")["ready"]
 
 
 def test_sampling_params_reach_the_token_choosing_last_stage(cluster, references):

@@ -30,6 +30,8 @@ PHASE_COLORS = {
     "verify": "#d62728",
     "prune": "#9467bd",
     "ar": "#ff7f0e",
+    "level": "#393b79",
+    "chain": "#637939",
     "idle-wait": "#e0e0e0",
 }
 EXTRA_COLORS = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#c5b0d5"]

@@ -13,6 +13,9 @@ COMPUTE_BOUND_RATIO = 2.0   # see SpecConfig.lm_head_for
 # engine/strategies/__init__.py's STRATEGIES must have exactly these (tested)
 STRATEGY_NAMES = ("auto", "flowspec", "flowspec-nosbd", "pipespec", "pipedec", "pruned-pp", "naive-pp", "ar-pp")
 DRAFT_QUANTS = ("auto", "int4", "nf4", "none")   # node 0's draft model: engine/drafter.load_draft_model
+# every phase a strategy may give a segment (engine.events.Segment.phase); the wire accepts exactly
+# these, so a strategy with a new phase is refused by its own engine, in the simulator too, not by a stage
+SEGMENT_PHASES = ("prefill", "draft", "init-segment", "expansion", "ar", "level", "chain")
 MAX_SEGMENT_NODES = 4096    # most rows one segment may carry: stages drop larger ones (transport/validate.py)
 
 

@@ -144,10 +144,14 @@ class HeadNode:
             got = endpoint.receive()
             if got is None:
                 return True
-            if isinstance(got, PeerEvent):
-                self._on_peer_event(got)
-            else:
-                handler(got)
+            try:
+                if isinstance(got, PeerEvent):
+                    self._on_peer_event(got)
+                else:
+                    handler(got)
+            except Exception as err:  # noqa: BLE001 - one message's bug must not take the head down
+                self.drops.drop("internal", f"handling a message raised {type(err).__name__}: {err}",
+                                level=logging.ERROR, exc_info=True)
             self.members.ping(self.requests.busy_clients())   # heartbeats keep going
         return False
 
@@ -183,7 +187,11 @@ class HeadNode:
                 self.requests.step(time.monotonic())
             self.requests.tick(time.monotonic(), ready)
 
-        self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
+        try:
+            self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
+        except Exception as err:  # noqa: BLE001 - requests fail one by one (requests.py); this is a bug past them
+            self.drops.drop("internal", f"an engine turn raised {type(err).__name__}: {err}",
+                            level=logging.ERROR, exc_info=True)
 
     # ---- control plane --------------------------------------------------------------------------
     def _on_ctrl(self, got: Inbound) -> None:

@@ -228,27 +228,46 @@ class HeadRequests:
 
     # ---- actions out ------------------------------------------------------------------------------
     def _carry_out(self, actions: list) -> None:
-        """The scheduler's actions, in order; a request that ended meanwhile (a stop string) gets no more."""
+        """The scheduler's actions, in order; a request that ended meanwhile (a stop string) gets no more.
+        An action that raises fails its own request, never the head: the rest still go out."""
         for a in actions:
-            client = self.clients.get(a.key)
-            if isinstance(a, ResetStages):
-                self.out.reset_stages(a.engine_id)
-            elif client is None:
-                continue
-            elif isinstance(a, FromEngine):
-                if isinstance(a.action, Send):
-                    self.out.to_stages(a.action)
-                elif isinstance(a.action, Offload):
-                    self.out.offload(a.key, a.action)
-            elif isinstance(a, Emitted):
-                self._stream(client, a.tokens)
-            elif isinstance(a, Finished):
-                self._finish(client, a.done)
-            elif isinstance(a, Failed):
-                self._fail(client, a.message)
-            elif isinstance(a, Cancelled):
-                self.clients.pop(a.key, None)
-                self.served["cancelled"] += 1
+            try:
+                self._carry_out_one(a)
+            except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
+                log.exception("request %d: could not carry out %s", a.key, type(a).__name__)
+                self._fail_after_bug(a.key, f"internal error: {type(err).__name__}: {err}")
+
+    def _fail_after_bug(self, key: int, message: str) -> None:
+        """End the request whose action raised; its asker hears why even if the scheduler had already
+        let it go (a bug while finishing)."""
+        client = self.clients.get(key)
+        actions = self.scheduler.fail(key, message)
+        if any(isinstance(a, Failed) for a in actions):
+            self._carry_out(actions)
+        elif client is not None:
+            self._carry_out(actions)
+            self._fail(client, message)
+
+    def _carry_out_one(self, a) -> None:
+        client = self.clients.get(a.key)
+        if isinstance(a, ResetStages):
+            self.out.reset_stages(a.engine_id)
+        elif client is None:
+            return
+        elif isinstance(a, FromEngine):
+            if isinstance(a.action, Send):
+                self.out.to_stages(a.action)
+            elif isinstance(a.action, Offload):
+                self.out.offload(a.key, a.action)
+        elif isinstance(a, Emitted):
+            self._stream(client, a.tokens)
+        elif isinstance(a, Finished):
+            self._finish(client, a.done)
+        elif isinstance(a, Failed):
+            self._fail(client, a.message)
+        elif isinstance(a, Cancelled):
+            self.clients.pop(a.key, None)
+            self.served["cancelled"] += 1
 
     def _stream(self, client: ClientRequest, tokens: list[int]) -> None:
         self.served["tokens"] += len(tokens)   # as they stream, so status shows live tokens/s

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowedge.core.config import SpecConfig
+from flowedge.core.config import SEGMENT_PHASES, SpecConfig
 from flowedge.core.prune import PruneSet, apply_alive, prune_after_walk
 from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import ROOT, DraftTree
@@ -235,6 +235,8 @@ class Head:
 
     def send_nodes(self, ids: torch.Tensor, phase: str) -> list:
         """Embed alive nodes `ids` and send them to stage 1 as one segment."""
+        if phase not in SEGMENT_PHASES:   # the wire would refuse it: say so where the bug is
+            raise ValueError(f"segment phase {phase!r} is not one of {SEGMENT_PHASES} (core/config.py)")
         r = self.round
         ids = ids[r.alive[ids]]
         if ids.numel() == 0:

@@ -146,6 +146,12 @@ class Scheduler:
         req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
         return [] if req is None else self._end(req, State.CANCELLED, why)
 
+    def fail(self, key: int, why: str) -> list[Action]:
+        """The driver could not carry out this request's action (a bug met by one request): it ends
+        failed, its stages reset, and every other request goes on."""
+        req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
+        return [] if req is None else self._end(req, State.FAILED, why, prefix="")
+
     def end(self, key: int) -> list[Action]:
         """Its asker ended the answer (a stop string): the stages drop its KV; no further action for it."""
         req = self.running.get(key)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Sequence
 import msgpack
 
 from flowedge import errors
+from flowedge.core.config import SEGMENT_PHASES
 from flowedge.errors import ProtocolError
 from flowedge.transport.buffers import (
     TOKEN_WIRE_DTYPES,
@@ -37,8 +38,8 @@ MAX_SHARD_CHUNK_BYTES = 64 << 20
 MAX_LIST_ITEMS = 4096
 MAX_TEXT_CHARS = 4096        # free-text fields (reasons, error messages): longer text is cut, not refused
 ROLES = ("head", "stage", "client", "drafter")
-# The engine's segment phases (flowedge.engine.events.Segment.phase).
-SEGMENT_KINDS = ("prefill", "draft", "init-segment", "expansion", "ar", "level")
+# The engine's segment phases (flowedge.engine.events.Segment.phase), one list for both sides.
+SEGMENT_KINDS = SEGMENT_PHASES
 # float32 exists for exactness tests: 16-bit rounding between stages can flip a greedy near-tie.
 HIDDEN_WIRE_NAMES = ("float16", "bfloat16", "float32")
 _U64 = (1 << 64) - 1
