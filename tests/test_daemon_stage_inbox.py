@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.daemon import wire
+from flowedge.daemon import stage_inbox, wire
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker, tree_rows
@@ -96,7 +96,8 @@ def test_an_error_inside_the_worker_fails_only_that_request(stage_model):
     assert len(out) == 1 and out[0].request_id == 2
 
 
-def test_a_request_past_the_model_context_is_reset(stage_model):
+def test_a_request_past_its_kv_bound_is_reset_and_reported(stage_model, monkeypatch):
+    monkeypatch.setattr(stage_inbox, "KV_ROOM_CONTEXTS", 1)   # the bound at one context, as small as the test's
     inbox = _inbox(stage_model)
     inbox.handle(_prefill())
     inbox.plan = type(inbox.plan)(hidden_size=H, hidden_wire="float16", max_positions=6)
@@ -104,6 +105,7 @@ def test_a_request_past_the_model_context_is_reset(stage_model):
     assert inbox.handle(_draft([2, 3], [1, 2])).sends == []          # 5 + 2 do not
     assert inbox.drops.counts == {"context_full": 1}
     assert inbox.worker.slots == {}
+    assert [rid for rid, _ in inbox.take_freed()] == [1] and inbox.take_freed() == []   # the head is told once
 
 
 # ---- the outside report's setup: 1,000 decode-valid random messages into a real StageWorker ---------

@@ -221,7 +221,7 @@ class HeadNode:
             proto.Cancel: self._on_cancel, proto.StatusRequest: self._on_status, proto.Shutdown: self._on_shutdown,
             proto.Hello: self._on_hello_again, proto.Refuse: self.members.on_refuse,
             proto.DraftReady: self.members.on_draft_ready, proto.DraftAnswer: self._on_draft_answer,
-            proto.DraftDeclined: self._on_draft_answer,
+            proto.DraftDeclined: self._on_draft_answer, proto.RequestDropped: self._on_request_dropped,
         }.get(type(msg))
         if handler is None:
             log.warning("ignoring %s from %s", msg.TYPE, peer.name)
@@ -239,6 +239,12 @@ class HeadNode:
             log.warning("%s from %s, which is not a drafter", msg.TYPE, peer.name)
             return
         self.drafts.on_answer(peer, msg)
+
+    def _on_request_dropped(self, peer: Peer, msg: proto.RequestDropped) -> None:
+        if not peer.stage:
+            log.warning("%s from %s, which is not a stage", msg.TYPE, peer.name)
+            return
+        self.requests.run_dropped(msg.request_id, msg.reason)
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())

@@ -191,6 +191,12 @@ class HeadRequests:
     def stage_lost(self, why: str, now: float) -> None:
         self._carry_out(self.scheduler.stage_lost(why, now))
 
+    def run_dropped(self, engine_id: int, reason: str) -> None:
+        """A stage freed run `engine_id`: its request fails now, saying why (a late notice is ignored)."""
+        run = self.scheduler.by_engine.get(engine_id)
+        if run is not None:
+            self._carry_out(self.scheduler.fail(run.key, f"a stage gave up on it ({reason})"))
+
     def tick(self, now: float, ready: bool) -> None:
         self._carry_out(self.scheduler.tick(now, ready))
 

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 1024       # segments and prunes a request may hold back waiting for an older prune
 MAX_LIVE_REQUESTS = 256  # requests a stage holds KV caches for at once
+KV_ROOM_CONTEXTS = 2     # most KV entries one request may hold, in model contexts (committed + unpruned rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class StageInbox:
         worker.contain_failures = True   # a request's error fails that request, not its batch-mates
         self.plan = plan
         self.drops = drops
+        self.freed: list[tuple[int, str]] = []   # runs this stage gave up on, and why: the head is told
 
     def admit(self, msg: proto.Message) -> object | None:
         """The engine event for `msg`, or None when it is dropped (counted, logged without flooding)."""
@@ -70,12 +72,13 @@ class StageInbox:
             self.drops.drop("request_failed", f"requests {failed} failed: {proto.bounded(repr(err), 300)}",
                             level=logging.ERROR, exc_info=True)
             for rid in failed:
-                self._free(rid)
+                self._free(rid, f"a compute error: {proto.bounded(repr(err), 200)}")
             return Handled()
         for a in actions:
             if isinstance(a, Failed):
                 self.drops.drop("request_failed", f"request {a.request_id} failed: {proto.bounded(a.error, 300)}",
                                 level=logging.ERROR)
+                self.freed.append((a.request_id, f"a compute error: {proto.bounded(a.error, 200)}"))
         return Handled(sends, any(isinstance(a, Compute) for a in actions))
 
     def handle(self, msg: proto.Message) -> Handled:
@@ -89,19 +92,30 @@ class StageInbox:
             return
         if isinstance(msg, proto.Segment) and msg.kind == "prefill" and int(msg.positions[0]) == 0:
             if msg.request_id not in self.worker.slots and len(self.worker.slots) >= MAX_LIVE_REQUESTS:
+                self.freed.append((msg.request_id, f"it already holds {MAX_LIVE_REQUESTS} requests"))
                 raise InvalidMessage("too_many_requests", f"this stage already holds {MAX_LIVE_REQUESTS}")
             return   # (re)starts the request from an empty cache
         slot = self.worker.slots.get(msg.request_id)
         if slot is None:
             return   # the worker ignores messages of requests it does not hold
         if len(slot.waiting) + len(slot.pending_prunes) >= MAX_PENDING:
-            self._free(msg.request_id)
+            self._free(msg.request_id, "the run fell out of step (a prune set never came)")
             raise InvalidMessage("request_out_of_step", f"more than {MAX_PENDING} messages wait for a "
                                                         "prune that never came: request freed")
-        if isinstance(msg, proto.Segment) and slot.cache.length + len(msg) > self.plan.max_positions:
-            self._free(msg.request_id)
-            raise InvalidMessage("context_full", f"{slot.cache.length} + {len(msg)} cache entries exceed the "
-                                                 f"model's context of {self.plan.max_positions}: request freed")
+        # A memory bound, not the context rule (each row's position is checked against the context in
+        # validate.py): the last round's rows stay cached until its prune set, which travels apart from
+        # the segments, is applied, so a next round's segment may rightly arrive while they are held.
+        held, limit = slot.cache.length, KV_ROOM_CONTEXTS * self.plan.max_positions
+        if isinstance(msg, proto.Segment) and held + len(msg) > limit:
+            self._free(msg.request_id, f"its KV cache would pass {limit:g} entries")
+            raise InvalidMessage("context_full", f"{held} + {len(msg)} cache entries exceed "
+                                                 f"{limit:g} ({KV_ROOM_CONTEXTS:g} x the model's context): request freed")
 
-    def _free(self, request_id: int) -> None:
+    def _free(self, request_id: int, reason: str) -> None:
         self.worker.receive_all([Finish(request_id)])
+        self.freed.append((request_id, reason))
+
+    def take_freed(self) -> list[tuple[int, str]]:
+        """The runs given up on since the last call, and why."""
+        freed, self.freed = self.freed, []
+        return freed

@@ -194,6 +194,14 @@ class StageNode(NodeBase):
                 break
         if events:
             self._handle_all(events)
+        self._report_freed()
+
+    def _report_freed(self) -> None:
+        """Tell the head of every run this stage gave up on, so that it fails or retries it at once."""
+        if self.inbox is None:
+            return
+        for request_id, reason in self.inbox.take_freed():
+            self._to_head(proto.RequestDropped(request_id=request_id, reason=f"{self.node_id}: {reason}"))
 
     def _on_ctrl(self, msg: proto.Message | None) -> list:
         """Control messages are handled here; engine messages come back as events for the worker."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +24,7 @@ from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.drafter import Drafter
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
+from flowedge.engine.round_state import Answer, Round, StepTimes
 from flowedge.engine.round_view import RoundView
 from flowedge.models.stage import StageModel
 
@@ -35,48 +36,6 @@ class Expand:
     """Internal follow-up event: run the strategy's expansion after the prune set went out."""
     round_id: int
     accepted: bool
-
-
-@dataclass
-class Answer:
-    """One request's run on this head (`start` makes a fresh one)."""
-    request_id: int = 0
-    prompt: list[int] = field(default_factory=list)
-    max_new: int = 0
-    params: SamplingParams = field(default_factory=SamplingParams)
-    gen: torch.Generator | None = None
-    outputs: list[int] = field(default_factory=list)
-    stats: Stats = field(default_factory=Stats)
-    version: int = 0                 # prune sets broadcast so far
-    round_id: int = 0
-    seq: int = 0                     # segments sent so far
-    prefix_len: int = 0              # committed context the stages hold
-    prefix_at_version: dict[int, int] = field(default_factory=dict)   # prefix_len after each prune
-    prefill_left: int = 0            # prompt chunks not back yet
-    finished: bool = False
-
-
-@dataclass
-class Round:
-    """One round's state (`_new_round` makes a fresh one)."""
-    base: int                        # context length the round's root sits at
-    tree: DraftTree
-    alive: torch.Tensor              # [len(tree)] bool: nodes not pruned yet
-    # nodes whose output came back: their final hidden state, or None where the last stage chose the token
-    arrived: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    logits_of: dict[int, torch.Tensor] = field(default_factory=dict)
-    token_of: dict[int, int] = field(default_factory=dict)   # base-model choices sent back by the last stage
-    cur: int = ROOT                  # the node the next verification walks from
-    in_flight: int = 0               # segments sent and not back yet
-    ended: bool = False
-
-
-@dataclass
-class StepTimes:
-    """Where a handler's time went: model calls and initial-tree building (reported apart), lm_head rows."""
-    model_s: float = 0.0
-    build_s: float = 0.0
-    lm_tokens: int = 0
 
 
 class Head:
@@ -92,6 +51,8 @@ class Head:
             raise ValueError(f"lm_head_at must be 'head' or 'last-stage', got {lm_head_at!r}")
         self.lm_head_at = lm_head_at   # "last-stage": the last stage returns chosen tokens (stage_worker)
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
+        # a stage's KV cache holds at most this many positions per request (the model's context)
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
         # requests sharing the pipeline now, this one included: set by the scheduler (engine/scheduler.py)
         self.running_requests: Callable[[], int] = lambda: 1
@@ -238,9 +199,10 @@ class Head:
         if phase not in SEGMENT_PHASES:   # the wire would refuse it: say so where the bug is
             raise ValueError(f"segment phase {phase!r} is not one of {SEGMENT_PHASES} (core/config.py)")
         r = self.round
-        ids = ids[r.alive[ids]]
+        ids = self._within_room(ids[r.alive[ids]])
         if ids.numel() == 0:
             return []
+        r.rows_sent += ids.numel()
         t0 = time.perf_counter()
         hidden = self.model.embed(r.tree.tokens[ids])
         self.times.model_s += time.perf_counter() - t0
@@ -252,6 +214,18 @@ class Head:
         if self.predraft is not None:   # when it is due back: pre-drafting fills the gap until then
             self.predraft.gaps.on_send(seg.seq, self.clock())
         return [Send(1, seg)]
+
+    def _within_room(self, ids: torch.Tensor) -> torch.Tensor:
+        """The nodes of `ids` that fit in the stages' KV room left this round (the model's context less the
+        committed prefix less the rows already sent); the rest are pruned here, before they are sent, so a
+        tree never overflows a stage near the context's edge. Node ids are topological (a parent's id is
+        smaller than its children's), so the smallest ids kept include every kept node's parent."""
+        r, room = self.round, self.room()
+        if ids.numel() <= room:
+            return ids
+        order = ids.sort().values
+        r.alive[order[max(room, 0):]] = False   # never sent: the walk stops before them, like pruned nodes
+        return ids[r.alive[ids]]
 
     def _next_seq(self) -> int:
         self.answer.seq += 1
@@ -373,8 +347,14 @@ class Head:
         first_send = next((i for i, a in enumerate(actions) if isinstance(a, Send) and isinstance(a.message, Segment)), len(actions))
         return actions[:first_send] + costs + actions[first_send:] if costs else actions
 
+    def room(self) -> int:
+        """Tree rows the stages can still take this round (their KV room before the model's context)."""
+        r = self.round
+        return self.max_positions - r.base - r.rows_sent
+
     def expand_later(self, accepted: bool) -> list:
-        return [Continue(Expand(self.round_id, accepted))]
+        """An expansion after the prune set went out; none when no row it drafts could be sent."""
+        return [Continue(Expand(self.round_id, accepted))] if self.room() > 0 else []
 
     # ---- pre-drafting (engine/predraft.py) --------------------------------------------------------
     def _plan_predraft(self) -> list:

@@ -197,3 +197,19 @@ class Shutdown(Message):
 
     def __post_init__(self) -> None:
         _text(self, "reason")
+
+
+@dataclass(**MESSAGE_OPTIONS)
+class RequestDropped(Message):
+    """Stage -> head (1.6): this stage freed run `request_id` (the engine's id, as in segments) and computes
+    no more of it, for `reason` (its context is full, it fell out of step, a compute error). Without it the
+    head would wait for segments that never come."""
+
+    TYPE: ClassVar[str] = "request-dropped"
+    MIN_MINOR: ClassVar[int] = 6
+    request_id: int
+    reason: str
+
+    def __post_init__(self) -> None:
+        _ints(self, "request_id")
+        _text(self, "reason")

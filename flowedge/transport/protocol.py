@@ -85,6 +85,7 @@ from flowedge.transport.msg_control import (  # noqa: F401
     Hello,
     Ready,
     Refuse,
+    RequestDropped,
     ShardChunk,
     ShardRequest,
     Shutdown,
