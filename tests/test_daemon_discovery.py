@@ -1,34 +1,156 @@
-"""Discovery (flowedge/daemon/discovery.py): choosing the head among those that answer, and a real
-`flowedge join` with no address in one network namespace finding by mDNS a head in another
-(a veth pair with 10.x addresses inside the two namespaces only)."""
+"""Discovery (flowedge/daemon/discovery.py): a head whose name another responder holds announces itself
+under another and is found; a stage that found an impostor moves on to the real head once it is announced
+(real zeroconf on this host's own interface); no announcer error ends the head; and a real `flowedge join`
+with no address in one network namespace finding by mDNS a head in another (a veth pair with 10.x
+addresses inside the two namespaces only)."""
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from zeroconf import NonUniqueNameException, ServiceInfo, Zeroconf
 
-from flowedge.daemon import discovery
-from flowedge.daemon.discovery import FoundHead
-from flowedge.errors import ConfigError
+from flowedge.daemon import discovery, node_base
+from flowedge.daemon.config import NodeConfig
+from flowedge.transport import protocol as proto
 from flowedge.transport import security
+from flowedge.transport.handshake import answer_hello
+from flowedge.transport.link import Inbound, Kind, port_of
+from flowedge.transport.zmq_link import ZmqLink
+
+LAB = f"lab.{discovery.SERVICE_TYPE}"
 
 
-def test_the_only_head_or_the_named_one_is_chosen(monkeypatch):
-    heads = [FoundHead("lab", "10.0.0.1", 5555), FoundHead("prod", "10.0.0.2", 6000)]
-    monkeypatch.setattr(discovery, "browse", lambda timeout_s: list(heads))
-    assert discovery.find_head("prod", 1).addr == "10.0.0.2:6000"
-    with pytest.raises(ConfigError, match=r"several flowedge heads.*lab at 10.0.0.1:5555.*--cluster NAME"):
-        discovery.find_head(None, 1)
-    with pytest.raises(ConfigError, match=r"no flowedge head named 'nosuch'.*flowedge join HOST:PORT"):
-        discovery.find_head("nosuch", 1)
-    heads.pop()
-    assert discovery.find_head(None, 1).cluster == "lab"
+def _lan_ip() -> str:
+    """An address of this host that mDNS announces (the head binds to it), or the test is skipped."""
+    ips = discovery.lan_addresses("0.0.0.0")
+    if not ips:
+        pytest.skip("no non-loopback IPv4 interface to announce on")
+    return ips[0]
+
+
+@contextmanager
+def _impostor(ip: str, port: int):
+    """Anyone on the LAN announcing the name `lab`, with no keys and no flowedge."""
+    zc = Zeroconf()
+    info = ServiceInfo(discovery.SERVICE_TYPE, LAB, port=port, parsed_addresses=[ip])
+    try:
+        zc.register_service(info)
+        yield info
+    finally:
+        zc.unregister_service(info)
+        zc.close()
+
+
+def test_a_head_whose_name_is_taken_announces_itself_under_another_and_is_found(caplog):
+    ip = _lan_ip()
+    with _impostor(ip, 40001), caplog.at_level(logging.WARNING, logger=discovery.__name__):
+        real = discovery.Announcer("lab", ip, 40002, "qwen2.5-coder-1.5b")   # today: NonUniqueNameException
+        try:
+            assert real.info.name != LAB and real.info.name.startswith("lab")
+            assert "already announces" in caplog.text and real.info.name in caplog.text
+            heads = discovery.browse(3.0, settle_s=0.5)
+            assert {h.addr for h in heads if h.cluster == "lab"} == {f"{ip}:40001", f"{ip}:40002"}, heads
+            assert [h.model for h in heads if h.port == 40002] == ["qwen2.5-coder-1.5b"]
+        finally:
+            real.close()
+
+
+class FakeHead:
+    """A head's control port with the cluster's keys: WELCOMEs every HELLO and keeps them."""
+
+    def __init__(self, keys: Path, ip: str) -> None:
+        self.link = ZmqLink(keys)
+        self.router = self.link.listen(Kind.ROUTER, ip)
+        self.addr = f"{ip}:{port_of(self.router.address)}"
+        self.hellos: list[proto.Hello] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            got = self.router.receive(0.05)
+            if isinstance(got, Inbound) and isinstance(proto.decode(got.frames), proto.Hello):
+                welcome = proto.Welcome(node_id="head", heartbeat_interval_ms=100)
+                self.hellos.append(answer_hello(self.router, got.peer, got.frames, welcome))
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+        self.link.close()
+
+
+def test_a_stage_that_found_an_impostor_moves_on_to_the_head_announced_later(monkeypatch, tmp_path):
+    """`flowedge join --cluster lab` finds only the impostor (a listener without the keys); the impostor
+    withdraws its name and the real head takes it: the stage's HELLOs reach the real head."""
+    from flowedge.daemon import commands
+    from flowedge.daemon.roots import build_node
+
+    ip = _lan_ip()
+    monkeypatch.setattr(node_base, "HELLO_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(discovery, "browse", functools.partial(discovery.browse, settle_s=0.3))
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path / "home"))
+    keys = tmp_path / "keys"
+    security.init_keys(keys)
+    keyless = ZmqLink(insecure=True)
+    rogue_port = port_of(keyless.listen(Kind.ROUTER, ip).address)
+    head, stop, announcer, nodes = FakeHead(keys, ip), threading.Event(), None, []
+
+    def run_here(cfg, *found) -> None:   # the node the CLI built, in a thread of this test
+        nodes.append(build_node(cfg, stop, None, *found))
+        nodes.append(threading.Thread(target=nodes[0].run, daemon=True))
+        nodes[1].start()
+
+    monkeypatch.setattr(commands, "_run_node", run_here)
+    try:
+        with _impostor(ip, rogue_port):
+            out = CliRunner().invoke(commands.join, ["--cluster", "lab", "--discover-timeout", "5",
+                                                     "--keys", str(keys), "--node-id", "edge-1", "--threads", "1"])
+            assert out.exit_code == 0 and f"at {ip}:{rogue_port}" in out.output, out.output
+        announcer = discovery.Announcer("lab", ip, port_of(head.router.address))   # the impostor still listens
+        deadline = time.monotonic() + 15
+        while not head.hellos and time.monotonic() < deadline and nodes[1].is_alive():
+            time.sleep(0.1)
+        assert [h.node_id for h in head.hellos[:1]] == ["edge-1"], nodes[0].phase
+        assert nodes[0].config.head == head.addr
+    finally:
+        stop.set()
+        if len(nodes) == 2:
+            nodes[1].join(10)
+        if announcer is not None:
+            announcer.close()
+        head.close()
+        keyless.close()
+
+
+@pytest.mark.parametrize("error", [NonUniqueNameException(), RuntimeError("zeroconf event loop blocked"),
+                                   OSError("no multicast"), ImportError("no zeroconf")])
+def test_no_announcer_error_ends_the_head(monkeypatch, caplog, error):
+    from flowedge.daemon.head_node import HeadNode
+
+    def failing(*args):
+        raise error
+
+    monkeypatch.setattr(discovery, "Announcer", failing)
+    node = HeadNode.__new__(HeadNode)   # only what _announce reads: no sockets, no model
+    node.host, node.port, node.announcer = "10.0.0.1", 5555, None
+    node.config = NodeConfig(cluster="lab")
+    with caplog.at_level(logging.WARNING):
+        node._announce()
+    assert node.announcer is None
+    assert "cannot announce on the LAN" in caplog.text and "flowedge join" in caplog.text
 
 
 def test_a_loopback_head_is_not_announced():

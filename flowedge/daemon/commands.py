@@ -14,6 +14,7 @@ import click
 from flowedge.core.config import DRAFT_QUANTS
 from flowedge.daemon.config import (DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES,
                                     load_node_config)
+from flowedge.daemon.head_search import HeadSearch
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -45,7 +46,7 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _run_node(cfg) -> None:
+def _run_node(cfg, search: HeadSearch | None = None) -> None:
     from flowedge.allocator import HeapTrimmer, limit_arenas
 
     limit_arenas()   # before torch and zmq start their threads
@@ -54,7 +55,7 @@ def _run_node(cfg) -> None:
     HeapTrimmer(stop).start()
     from flowedge.daemon.roots import build_node
 
-    build_node(cfg, stop).run()
+    build_node(cfg, stop, search=search).run()
 
 
 def liveness_options(head: bool):
@@ -128,23 +129,31 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
     """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
     its shard and serves its layers (or, with --drafter, a drafter node)."""
     daemon_logging()
-    if not head_addr:
-        try:
-            from flowedge.daemon.discovery import find_head
-        except ImportError:
-            raise click.UsageError("finding the head on the LAN needs the zeroconf package "
-                                   "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
-        click.echo(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
-                   f"(mDNS, up to {discover_timeout:g} s)...", err=True)
-        found = find_head(cluster, discover_timeout)
-        head_addr = found.addr
-        click.echo(f"found head of cluster {found.cluster!r} at {head_addr}"
-                   f"{f' serving {found.model}' if found.model else ''}; joining", err=True)
+    search = None
+    if not head_addr:   # found by mDNS: looked for again if it does not answer (an address given is kept)
+        search = _search_head(cluster, discover_timeout)
+        head_addr = search.head.addr
     cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)
-    _run_node(cfg)
+    _run_node(cfg, search)
+
+
+def _search_head(cluster: str | None, timeout_s: float) -> HeadSearch:
+    """The head on the LAN (mDNS) to join first, in a `HeadSearch` that looks again when it does not answer."""
+    try:
+        from flowedge.daemon.discovery import browse
+    except ImportError:
+        raise click.UsageError("finding the head on the LAN needs the zeroconf package "
+                               "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
+    click.echo(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
+               f"(mDNS, up to {timeout_s:g} s)...", err=True)
+    search = HeadSearch(browse, cluster)
+    found = search.start(timeout_s)
+    click.echo(f"found head of cluster {found.cluster!r} at {found.addr}"
+               f"{f' serving {found.model}' if found.model else ''}; joining", err=True)
+    return search
 
 
 @click.command()

@@ -1,9 +1,15 @@
 """Finding the head on the LAN by mDNS/DNS-SD (zeroconf), so `flowedge join` needs no address.
 
 The head registers `NAME._flowedge._tcp.local.` (NAME: its cluster name) with its control port and
-the addresses it listens on; `flowedge join` with no address browses for that type and takes the one
-head there is, or the one named with `--cluster` when there are several. A head bound to loopback is
-not announced (nobody else could reach it), nor one started with `--no-discovery`.
+the addresses it listens on; `flowedge join` with no address browses for that type and takes the heads
+of the one cluster there is, or of the one named with `--cluster` when there are several (which of them
+it dials, and when it looks again, is head_search.py's). A head bound to loopback is not announced
+(nobody else could reach it), nor one started with `--no-discovery`.
+
+The name is advice, never proof: anyone on the LAN may announce it. When another responder already
+holds the name (a second cluster left at the default name, or an impostor), the head takes the next
+free one (`NAME-2`, zeroconf's renaming) and says so; its `cluster` property keeps the cluster's name,
+so joining nodes still find it, and the cluster keys decide.
 """
 from __future__ import annotations
 
@@ -12,29 +18,16 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import ifaddr
 from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
-from flowedge.errors import ConfigError
+from flowedge.daemon.head_search import FoundHead
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_flowedge._tcp.local."
 SETTLE_S = 1.5            # after the first head answers, how long to listen for others
-
-
-@dataclass(frozen=True)
-class FoundHead:
-    cluster: str
-    host: str
-    port: int
-    model: str = ""
-
-    @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 def lan_addresses(host: str) -> list[str]:
@@ -62,14 +55,31 @@ class Announcer:
         self.info = ServiceInfo(SERVICE_TYPE, f"{cluster}.{SERVICE_TYPE}", port=port,
                                 parsed_addresses=self.addresses, server=f"{socket.gethostname()}.local.",
                                 properties={"cluster": cluster, "model": model.rsplit("/", 1)[-1][:200]})
+        wanted = self.info.name
         self.zc = Zeroconf()
-        self.zc.register_service(self.info, allow_name_change=False)
+        try:
+            self.zc.register_service(self.info, allow_name_change=True)   # a name held elsewhere: NAME-2, ...
+        except BaseException:
+            self.zc.close()
+            self.zc = None
+            raise
+        if self.info.name != wanted:
+            log.warning("discovery: another responder on the LAN already announces %r (a second cluster of that "
+                        "name, or an impostor): this head is announced as %r instead; nodes joining cluster %r by "
+                        "mDNS try every head of that name, and the cluster keys decide", wanted, self.info.name,
+                        cluster)
         log.info("discovery: announced cluster %r on %s port %d (mDNS %s)", cluster, ", ".join(self.addresses),
-                 port, SERVICE_TYPE)
+                 port, self.info.name)
 
     def close(self) -> None:
-        if self.zc is not None:
+        """Withdraw the announcement; a failure to is logged (the head is stopping anyway)."""
+        if self.zc is None:
+            return
+        try:
             self.zc.unregister_service(self.info)
+        except Exception as err:  # noqa: BLE001 - an unsent goodbye only leaves the record to expire
+            log.warning("discovery: withdrawing %r failed (%s: %s)", self.info.name, type(err).__name__, err)
+        finally:
             self.zc.close()
             self.zc = None
 
@@ -111,18 +121,3 @@ def _resolve(zc, name: str) -> FoundHead | None:
     props = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
     cluster = props.get("cluster") or name.removesuffix("." + SERVICE_TYPE)
     return FoundHead(cluster, info.parsed_addresses()[0], info.port, props.get("model", ""))
-
-
-def find_head(cluster: str | None, timeout_s: float) -> FoundHead:
-    """The head to join: the only one on the LAN, or the one named `cluster`; a clear error otherwise."""
-    heads = browse(timeout_s)
-    if cluster:
-        heads = [h for h in heads if h.cluster == cluster]
-    if len(heads) == 1:
-        return heads[0]
-    if not heads:
-        named = f" named {cluster!r}" if cluster else ""
-        raise ConfigError(f"no flowedge head{named} answered on the LAN (mDNS) within {timeout_s:g} s: give its "
-                          f"address (`flowedge join HOST:PORT`), or check it runs without --no-discovery")
-    listed = ", ".join(f"{h.cluster} at {h.addr}" for h in heads)
-    raise ConfigError(f"several flowedge heads on the LAN: {listed}; choose one with `flowedge join --cluster NAME`")

@@ -102,16 +102,16 @@ class HeadNode:
             self.close()
 
     def _announce(self) -> None:
-        """Tell the LAN where this head is (mDNS), unless told not to; a failure there is not fatal:
-        stages can still be given the address."""
+        """Tell the LAN where this head is (mDNS), unless told not to. Discovery is advisory: no failure
+        there (no zeroconf, no network, a zeroconf error) ends the head; stages can be given the address."""
         if not self.config.discovery:
             return
-        from flowedge.daemon.discovery import Announcer
         try:
+            from flowedge.daemon.discovery import Announcer
             self.announcer = Announcer(self.config.cluster, self.host, self.port, self.config.model)
-        except (OSError, ImportError) as err:
-            log.warning("discovery: cannot announce on the LAN (%s); stages need `flowedge join %s`",
-                        err, self.config.head)
+        except Exception as err:  # noqa: BLE001 - an announcement is a convenience, never worth the head
+            log.warning("discovery: cannot announce on the LAN (%s: %s); stages need `flowedge join %s`",
+                        type(err).__name__, err, self.config.head)
 
     def close(self) -> None:
         if self.announcer is not None:

@@ -19,7 +19,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -29,6 +29,7 @@ from flowedge.daemon import shard_fetch
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.transport import protocol as proto
@@ -47,6 +48,8 @@ class NodeParts:
     link: Link
     drops: DropLog         # dropped messages and failed requests, counted for `flowedge status`
     home: Path             # FLOWEDGE_HOME: the cache of the files the head serves
+    # a head found by mDNS: which one to dial after unanswered HELLOs (None: the operator's address, kept)
+    search: HeadSearch | None = field(default=None, kw_only=True)
 
 
 class NodeBase(ABC):
@@ -59,7 +62,7 @@ class NodeBase(ABC):
         self.config = config
         self.stop = stop or threading.Event()
         self.node_id = config.name
-        self.link, self.drops, self.home = parts.link, parts.drops, parts.home
+        self.link, self.drops, self.home, self.search = parts.link, parts.drops, parts.home, parts.search
         self.repair = shard_fetch.CacheRepair(self.home)   # damaged cache files: deleted, fetched again
         self.head_host, self.head_port = split_addr(config.head)
         self.ctrl: Endpoint | None = None
@@ -117,17 +120,29 @@ class NodeBase(ABC):
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             try:
                 welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_S)
+                if self.search is not None:
+                    self.search.answered()
                 if self._welcome_ok(welcome):
                     break
             except (ProtocolError, PeerUnreachable) as err:
                 self.log.warning("joining %s: %s", self.config.head, err)
-                if "refused" in str(err) or "protocol" in str(err):
+                if "refused" in str(err) or "protocol" in str(err):   # a head with the keys said no
                     time.sleep(2.0)
+                else:
+                    self._unanswered()
         else:
             return None
         self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
         self.last_head = time.monotonic()
         return welcome
+
+    def _unanswered(self) -> None:
+        """A HELLO nobody answered: a head found by mDNS may be given up for another one announced."""
+        found = self.search.missed() if self.search is not None else None
+        if found is not None:
+            self.config = replace(self.config, head=found.addr)
+            self.head_host, self.head_port = found.host, found.port
+            self.phase = f"joining the head at {found.addr} (found by mDNS)"
 
     def _welcome_ok(self, welcome: proto.Welcome) -> bool:
         """Whether this node can work with the head that WELCOMEd it (False: HELLO again)."""

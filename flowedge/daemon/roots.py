@@ -17,6 +17,7 @@ from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_node import HeadNode, HeadParts
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
+from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.membership import Membership
 from flowedge.daemon.node_base import NodeParts
 from flowedge.daemon.plan import Replanner
@@ -65,25 +66,31 @@ def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:
         raise ConfigError(f"cannot listen on {host}:{port}: {err} (is another head running?)") from None
 
 
-def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> StageNode:
-    """A stage with its data port listening (on the interface the head is reached through)."""
+def build_stage(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
+                search: HeadSearch | None = None) -> StageNode:
+    """A stage with its data port listening (on the interface the head is reached through); `search`: the
+    head was found by mDNS, and may be looked for again (head_search.py)."""
     link = link or node_link(config)
     try:
         data_in, data_addr = bind_data_port(link, config, split_addr(config.head)[0])
     except BaseException:
         link.close()
         raise
-    parts = StageNodeParts(link, DropLog(stage_node.log), flowedge_home(), data_in=data_in, data_addr=data_addr)
+    parts = StageNodeParts(link, DropLog(stage_node.log), flowedge_home(), data_in=data_in, data_addr=data_addr,
+                           search=search)
     return StageNode(config, parts, stop)
 
 
-
-def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> DrafterNode:
+def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
+                  search: HeadSearch | None = None) -> DrafterNode:
     """A drafter: it only dials the head (jobs and answers share the control connection)."""
-    parts = NodeParts(link or node_link(config), DropLog(drafter_node.log), flowedge_home())
+    parts = NodeParts(link or node_link(config), DropLog(drafter_node.log), flowedge_home(), search=search)
     return DrafterNode(config, parts, stop)
 
 
-def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None):
-    """The node `config.role` names."""
-    return {"head": build_head, "stage": build_stage, "drafter": build_drafter}[config.role](config, stop, link)
+def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
+               search: HeadSearch | None = None):
+    """The node `config.role` names; `search` only for a stage or drafter that found its head by mDNS."""
+    if config.role == "head":
+        return build_head(config, stop, link)
+    return {"stage": build_stage, "drafter": build_drafter}[config.role](config, stop, link, search)
