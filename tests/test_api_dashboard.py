@@ -1,9 +1,13 @@
-"""The dashboard (flowedge/api/dashboard.py and api/static/): its routes and auth without a cluster, then
-the page in a real headless Chromium against a real tiny 3-node cluster: it loads, shows the three
-nodes, and moves (tokens/s, running requests) while an answer streams through its own chat box."""
+"""The dashboard (flowedge/api/dashboard.py and api/static/): its routes, auth and security headers without
+a cluster; the page in a real headless Chromium fed a status the test writes: markup in what peers report
+is shown as text and runs nothing, values of the wrong type still draw the cluster, `?ask=` fills the box
+but sends only on a click, and the API key lives in the tab's sessionStorage; then against a real tiny
+3-node cluster: it loads, shows the three nodes, and moves (tokens/s, running requests) while an answer
+streams through its own chat box."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import json
 import re
@@ -20,6 +24,7 @@ from cdp_helpers import Browser
 from daemon_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
 from flowedge.api import dashboard
 from flowedge.api.app import create_app
+from flowedge.api.headers import CONTENT_SECURITY_POLICY
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon import local_cluster
@@ -78,13 +83,157 @@ def test_status_events_say_null_while_the_head_is_silent():
     assert json.loads(second.removeprefix(b"data: "))["nodes"] == [{"role": "head"}]
 
 
+def test_every_response_carries_the_security_headers(keyed):
+    for path, status in (("/", 200), ("/dashboard/dashboard.js", 200), ("/v1/status", 401),
+                         ("/dashboard/nosuch.js", 404)):
+        r = keyed.get(path)
+        assert r.status_code == status, path
+        assert r.headers["content-security-policy"] == CONTENT_SECURITY_POLICY, path
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff", path
+    csp = dict(part.strip().split(" ", 1) for part in CONTENT_SECURITY_POLICY.split(";"))
+    assert csp["script-src"] == "'self'" and csp["frame-ancestors"] == "'none'"
+    assert "unsafe" not in CONTENT_SECURITY_POLICY
+
+
+def test_the_page_holds_no_inline_script_and_turns_no_data_into_html():
+    page = (dashboard.STATIC_DIR / "index.html").read_text()
+    assert not re.search(r"<script(?![^>]*\bsrc=)", page) and not re.search(r"\son[a-z]+=", page)
+    script = (dashboard.STATIC_DIR / "dashboard.js").read_text()
+    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|localStorage\.setItem", script)
+
+
 def test_static_files_ship_in_the_package():
     setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
     assert "api/static/*" in setup
     assert {p.name for p in dashboard.STATIC_DIR.iterdir()} >= {"index.html", "dashboard.js", "dashboard.css"}
 
 
-# ---- the page in a real headless Chromium ----------------------------------------------------------
+# ---- the page in a real headless Chromium, fed a status the test writes ------------------------------
+XSS = "<img src=x onerror=\"document.body.dataset.pwned='yes'\">"
+PWNED = "document.body.dataset.pwned"
+
+
+def head_row(**extra) -> dict:
+    return {"node_id": "head", "role": "head", "stage": 0, "ready": True, "model": "tiny", "strategy": "flowspec",
+            "layers": "embed+head", "load": 0.1, "last_seen_s": 0.0, "served": {"requests": 0, "tokens": 0}} | extra
+
+
+def stage_row(k: int, **extra) -> dict:
+    return {"node_id": f"s{k}", "role": "stage", "stage": k, "ready": True, "layers": [2 * k - 2, 2 * k],
+            "device": "orin-nano-8gb", "address": f"tcp://10.0.0.{k}:6000", "load": 0.5, "rss_bytes": 1e8,
+            "free_memory_bytes": 4e9, "last_seen_s": 0.2, "step_ms_median": 12.5} | extra
+
+
+@pytest.fixture(scope="module")
+def fed():
+    """`flowedge http` with API keys whose head status is what the test puts in `feed["nodes"]` (no head:
+    the page must hold up whatever a node's row carries, whether or not the head checked it); `asked`
+    lists the paths of the requests it got."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium (apt-get install chromium; `make test` installs it where it can)")
+    feed: dict = {"nodes": [head_row(), stage_row(1), stage_row(2)]}
+    asked: list[str] = []
+
+    async def status():
+        return copy.deepcopy(feed["nodes"])
+
+    server = build_server(ApiSettings(head="127.0.0.1:1", api_keys=(KEY,), insecure=True, request_timeout_s=2.0,
+                                      status_timeout_s=0.5), "127.0.0.1", 0, log_level="warning")
+    app = server.config.app
+    app.state.routes.head_status = status   # the one part played by the test: the head
+
+    async def recording(scope, receive, send):
+        if scope["type"] == "http":
+            asked.append(scope["path"])
+        await app(scope, receive, send)
+
+    server.config.app = recording
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        yield {"url": f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", "feed": feed,
+               "asked": asked}
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture()
+def page(fed, tmp_path):
+    b = Browser(CHROMIUM, tmp_path / "profile")
+    yield b
+    b.close()
+
+
+def open_with_key(browser: Browser, url: str, updates: int = 4) -> None:
+    """Open the page, give it the key as a user does (the form it shows on 401), wait for `updates` statuses."""
+    browser.open(url)
+    assert browser.wait_for("document.getElementById('keyform') && !document.getElementById('keyform').hidden", 20)
+    browser.eval(f"document.getElementById('key').value = {json.dumps(KEY)}; "
+                 "document.getElementById('keyform').requestSubmit()")
+    assert browser.wait_for(f"Number(document.body.dataset.updates || 0) >= {updates}", 30), browser.eval(BODY)
+
+
+def test_markup_in_a_node_s_row_is_shown_as_text_and_runs_nothing(fed, page):
+    """A peer's heartbeat stats were merged into its row and the page put `stage` and `step_ms_median` into
+    HTML: two injected handlers ran. Every field here carries markup; the page draws it as text."""
+    fed["feed"]["nodes"] = [head_row(), stage_row(1, stage=XSS, step_ms_median=XSS, node_id=XSS, device=XSS,
+                                                  address=XSS, error=XSS, layers=XSS), stage_row(2, dropped={XSS: 1})]
+    try:
+        open_with_key(page, fed["url"] + "/")
+        fed["feed"]["nodes"][2]["dropped"] = {XSS: 2}   # a drop: the events list quotes the rule names
+        assert page.wait_for("document.getElementById('events').textContent.includes('dropped 1')", 10)
+        time.sleep(1.0)   # time for a broken image to fire its handler, had one been made
+        assert page.eval(PWNED) is None
+        assert page.eval("document.querySelectorAll('main img').length") == 0
+        assert page.eval("document.getElementById('pipeline').textContent.split('<img src=x').length - 1") >= 5
+        assert page.eval("document.querySelectorAll('.node').length") == 3
+        # and markup that did reach the page would still run nothing: the policy allows no inline handler
+        page.eval(f"document.getElementById('events').insertAdjacentHTML('beforeend', {json.dumps(XSS)})")
+        time.sleep(1.0)
+        assert page.eval(PWNED) is None and page.eval("document.querySelectorAll('#events img').length") == 1
+    finally:
+        fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
+def test_values_of_the_wrong_type_still_draw_the_cluster(fed, page):
+    """A string `last_seen_s` threw while drawing, and the page drew no cluster at all."""
+    fed["feed"]["nodes"] = [head_row(), stage_row(1, last_seen_s="soon", load="x", rss_bytes="y", stage={"a": 1},
+                                                  layers=["a", None], wire="zzz", dropped="many", node_id=7),
+                            stage_row(2, last_seen_s=None, step_ms_median=[1], wire={"segment": None})]
+    try:
+        open_with_key(page, fed["url"] + "/")
+        assert page.eval("document.querySelectorAll('.node').length") == 3
+        assert page.eval("document.body.dataset.nodes") == "3"
+        cards = page.eval("document.getElementById('pipeline').innerText")
+        assert "stage 2" in cards and "heartbeat" in cards and "layers 2–3" in cards
+        assert page.eval("document.getElementById('conn').textContent") == "serving"
+    finally:
+        fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
+def test_ask_fills_the_box_and_sends_only_on_a_click_with_the_key_kept_for_the_tab(fed, page):
+    """`/?ask=` sent its question on load with the stored key: a link could spend it unseen."""
+    def chats() -> int:
+        return sum(path == "/v1/chat/completions" for path in fed["asked"])
+
+    before = chats()
+    open_with_key(page, fed["url"] + "/?ask=what%20is%20it&max=7")
+    assert page.eval("document.getElementById('prompt').value") == "what is it"
+    assert page.eval("document.getElementById('maxtok').value") == "7"
+    assert chats() == before and page.eval("document.getElementById('answer').textContent") == ""
+    assert page.eval("sessionStorage.getItem('flowedge-key')") == KEY
+    assert page.eval("localStorage.getItem('flowedge-key')") is None
+    page.eval("document.getElementById('send').click()")
+    deadline = time.monotonic() + 20
+    while chats() == before and time.monotonic() < deadline:   # the click sends it (with no head behind
+        time.sleep(0.1)                                         # this server it then fails, as it may)
+    assert chats() == before + 1
+
+
+# ---- the page in a real headless Chromium against a real cluster ----------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_pair, tmp_path_factory):
     if CHROMIUM is None:
@@ -137,9 +286,11 @@ def test_idle_page_shows_the_three_nodes(stack, browser, shots):
 
 
 def test_page_moves_while_an_answer_streams(stack, browser, shots):
-    """The page's own chat box asks (?ask=); while the answer streams, tokens/s and `running` move, which
+    """The page's own chat box asks (?ask= and a click); while the answer streams, tokens/s and `running` move, which
     they only can because the head counts tokens as they are sent (not when the answer ends)."""
     browser.open(stack["url"] + "/?ask=1%202%203%204&max=1500")   # long enough to be seen moving on a loaded box
+    assert browser.wait_for("Number(document.body.dataset.updates || 0) >= 1", 30), browser.eval(BODY)
+    browser.eval("document.getElementById('send').click()")   # ?ask= fills the box; a click sends it
     assert browser.wait_for("Number(document.body.dataset.maxTps || 0) > 0", 60), browser.eval(BODY)
     assert browser.eval("document.body.dataset.answered") is None   # it moved before the answer ended
     assert browser.eval("Number(document.body.dataset.maxRunning)") >= 1

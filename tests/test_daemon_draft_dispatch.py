@@ -5,7 +5,7 @@ answer, the drafter lost or silent). Fuzzed answers never raise and never delive
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -208,6 +208,45 @@ def test_a_request_stays_with_the_drafter_holding_its_replica_and_others_spread(
     d.offload(5, Offload(Job(2, tuple(CONTEXT)), snap))
     to = [(i, msg.request_id) for i, msg in sent if isinstance(msg, proto.DraftJob)]
     assert to[0][0] != to[1][0] and to[2] == (to[0][0], 5)
+
+
+def _hostile(answer: proto.DraftAnswer, n: int, how: str) -> proto.DraftAnswer:
+    """`answer` with well-formed frames but values no honest drafter sends (`n`: the job's nodes)."""
+    if how.startswith("rows"):
+        value = {"rows-huge": 3e38, "rows-past-half": 7e4, "rows-inf": float("inf")}[how]
+        rows = torch.full_like(answer.rows, value)
+        rows[..., ::2] = -value
+        return replace(answer, rows=rows)
+    scores = answer.log_scores.clone()
+    scores[n:] = {"scores-huge": -3e38, "scores-minus-inf": float("-inf"), "scores-positive": 0.5}[how]
+    return replace(answer, log_scores=scores)
+
+
+@pytest.mark.parametrize("how", ["rows-huge", "rows-past-half", "rows-inf", "scores-huge", "scores-minus-inf",
+                                 "scores-positive"])
+def test_an_answer_with_values_out_of_range_is_refused_counted_and_settled_empty(draft_model, snap, how):
+    """Finite but huge K/V rows (+-3e38) passed the shape checks and overflowed node 0's attention to NaN
+    scores, failing every request while the drafter stayed; rows must be finite and within float16's
+    range, scores log-probabilities in [-1e6, 0]. The job settles empty at once (node 0 drafts alone)."""
+    m, d, _, sent, got = setup(draft_model)
+    d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
+    answer = _answer_to(draft_model, sent)
+    n = int(snap.tokens.numel())
+    assert answer.tokens.numel() > n and answer.rows.shape[3] > 0   # the drafter did grow the tree
+    d.on_answer(m.peers[b"d0"], proto.decode(_hostile(answer, n, how).to_frames()))
+    assert got == [(5, ("predrafted", 1, None))] and d.out == {}
+    assert d.counts["rejected"] == 1 and d.counts["answered"] == 0
+    assert d.drops.snapshot() == {"draft_answer": 1}
+
+
+def test_an_honest_answer_s_values_pass(draft_model, snap):
+    m, d, _, sent, got = setup(draft_model)
+    d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
+    answer = _answer_to(draft_model, sent)
+    rows = answer.rows.clone()
+    rows.view(-1)[0] = draft_wire.MAX_KV_ABS   # the bound itself is in range
+    d.on_answer(m.peers[b"d0"], replace(answer, rows=rows))
+    assert got[0][1][2] is not None and d.counts["answered"] == 1 and d.drops.snapshot() == {}
 
 
 def test_growth_of_checks_the_answer_against_the_job(draft_model, snap):

@@ -4,7 +4,8 @@ decoding while the drafter answers jobs; a SIGSTOPped drafter silences no reques
 drafter killed with -9 mid-request leaves the answer complete and identical, with no error, and the
 next request runs without one. In this process, on the in-memory link against a head played by the test:
 jobs are declined until a setup, a setup loads once what the head names, a model that cannot load is
-reported and the drafter stays up."""
+reported and the drafter stays up; and a whole in-memory cluster whose drafter answers with huge K/V rows:
+every answer is refused and every request still answers as plain greedy."""
 from __future__ import annotations
 
 import logging
@@ -12,10 +13,12 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 
 from daemon_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
 from flowedge.daemon.client import Client
@@ -24,6 +27,8 @@ from flowedge.daemon.drafter_node import DrafterNode
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.daemon.node_base import NodeParts
+from flowedge.daemon.peer_stats import clean_stats
+from flowedge.daemon.roots import build_head, build_stage
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
 from flowedge.transport.memory_link import MemoryNetwork
@@ -213,6 +218,7 @@ def test_in_memory_a_drafter_declines_jobs_until_set_up_then_loads_once_what_the
         assert ready.error == "" and loads == [(str(tiny_pair[1]), "none")]
         beat, _ = head.next(proto.Heartbeat)
         assert beat.stats["phase"] == f"drafting with {tiny_pair[1]}" and beat.stats["drafter"]["jobs"] == 0
+        assert clean_stats(beat.stats) == (beat.stats, [])   # the head keeps all of it (daemon/peer_stats.py)
         head.router.send(setup, peer)   # the same model again: ready at once, not loaded twice
         assert head.next(proto.DraftReady)[0].error == "" and len(loads) == 1
         head.router.send(proto.Shutdown(reason="done"), peer)
@@ -240,3 +246,51 @@ def test_in_memory_a_model_that_cannot_load_is_reported_and_the_drafter_stays_up
     finally:
         node.stop.set()
         thread.join(10)
+
+
+# ---- a hostile drafter in a whole cluster on the in-memory link --------------------------------------
+class HugeRowsDrafter(DrafterNode):
+    """Answers every job with well-formed frames whose K/V rows are finite but huge (+-3e38): they passed
+    the head's shape and finiteness checks, and node 0's attention over them drafted NaN scores."""
+
+    def _to_head(self, msg: proto.Message) -> None:
+        if isinstance(msg, proto.DraftAnswer):
+            rows = torch.full_like(msg.rows, 3e38)
+            rows[..., ::2] = -3e38
+            msg = replace(msg, rows=rows)
+        super()._to_head(msg)
+
+
+def test_in_memory_a_drafter_answering_huge_rows_is_refused_and_every_request_answers(tiny_pair, references,
+                                                                                       tmp_path):
+    base, draft = tiny_pair
+    net, nodes = MemoryNetwork(), []
+    common = dict(head="127.0.0.1:5555", model=str(base), draft=str(draft), stages=2, insecure=True, threads=1,
+                  wire_dtype="float32", stage_timeout_s=10.0, discovery=False, predraft="drafter",
+                  strategy="flowspec")
+    with flowedge_home(tmp_path):
+        head = build_head(NodeConfig(role="head", node_id="head", **common), link=net.link())
+        nodes = [head] + [build_stage(NodeConfig(role="stage", node_id=f"s{k}", same_host=True, **common),
+                                      link=net.link()) for k in (1, 2)]
+        nodes.append(HugeRowsDrafter(NodeConfig(role="drafter", node_id="d1", same_host=True, **common),
+                                     NodeParts(net.link(), DropLog(logging.getLogger(__name__)), tmp_path)))
+        threads = [threading.Thread(target=n.run, daemon=True) for n in nodes]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 120
+            while not (head.members.cluster_ready() and head.members.drafters()):
+                assert time.monotonic() < deadline, "the cluster and its drafter did not get ready"
+                time.sleep(0.1)
+            for prompt in PROMPTS * 2:
+                with Client(common["head"], link=net.link(), timeout_s=120) as c:
+                    res = c.generate(prompt, max_new_tokens=MAX_NEW, strategy="flowspec")
+                assert res["token_ids"] == references[prompt]
+            jobs = head.drafts.counts
+            assert jobs["rejected"] > 0 and jobs["answered"] == 0 and head.members.drafters(), jobs
+            assert head.drops.snapshot().get("draft_answer") == jobs["rejected"]
+        finally:
+            for n in nodes:
+                n.stop.set()
+            for t in threads:
+                t.join(15)

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from flowedge.api import dashboard
 from flowedge.api.guard import RequestGuard, error_body
+from flowedge.api.headers import SecurityHeaders
 from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
@@ -314,6 +315,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app = FastAPI(title="flowedge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.routes = routes
     app.add_middleware(RequestGuard, settings=settings, on_refused=routes.refused)
+    app.add_middleware(SecurityHeaders)   # added last: the outermost, so every response carries them
     app.add_exception_handler(RequestValidationError, routes.bad_body)
     app.add_exception_handler(ApiError, routes.api_error)
     app.add_exception_handler(HTTPException, routes.http_error)

@@ -3,8 +3,10 @@
 
 The page and its files hold no cluster data, so they are served without an API key (a browser cannot
 send one on navigation); the data comes only from `/v1/status/stream` and `/v1/chat/completions`, which
-the page calls with the key the user typed (kept in the browser's localStorage), so the dashboard has
-exactly the API's auth. Everything is plain HTML, CSS and JavaScript shipped in the package: no build step.
+the page calls with the key the user typed (kept in the tab's sessionStorage), so the dashboard has
+exactly the API's auth. The page draws every value as text, never as HTML (a node's row holds what a
+peer reported), and its Content-Security-Policy (api/headers.py) runs no inline script. Everything is
+plain HTML, CSS and JavaScript shipped in the package: no build step.
 """
 from __future__ import annotations
 

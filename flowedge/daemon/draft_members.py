@@ -39,8 +39,9 @@ def serve_draft(plan, peer, msg: proto.ShardRequest, send: Callable[[bytes, prot
 
 
 def drafter_row(config: NodeConfig, p, now: float) -> dict:
-    return {"node_id": p.name, "role": "drafter", "stage": None, "address": "", "layers": "draft",
+    """A drafter's row of `status`: its heartbeat stats (checked, daemon/peer_stats.py), then what the head
+    knows of it, which a peer's report cannot stand for."""
+    return {**p.stats, "node_id": p.name, "role": "drafter", "stage": None, "address": "", "layers": "draft",
             "model": config.draft, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
             "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
-            "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
-            **{k: v for k, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None}}
+            "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {})}

@@ -1,8 +1,13 @@
 """Pre-draft jobs and answers between the engine's values (engine/draft_sync.py: DraftSnapshot,
 DraftGrowth) and the wire (transport/msg_draft.py), with the checks that need the draft model: token ids
-within its vocabulary, K/V rows of its layers, heads and head size. A message that passes them can be
-loaded into a replica or grafted into node 0's tree without an index error: peer input never reaches a
-tensor op unchecked."""
+within its vocabulary, K/V rows of its layers, heads and head size, and rows checked by value (finite and
+at most `MAX_KV_ABS` in magnitude). A message that passes them can be loaded into a replica or grafted
+into node 0's tree without an index error or an overflow: peer input never reaches a tensor op unchecked.
+
+Why `MAX_KV_ABS` is float16's largest value: the same draft model runs with a half-precision cache on the
+boards, so an honest drafter's K/V fit float16 whatever dtype it computes in (real K/V are tens to
+hundreds), while rows near float32's limit (3e38) are finite yet overflow node 0's attention to inf and
+its draft scores to NaN."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +16,8 @@ from flowedge.engine.draft_sync import DraftGrowth, DraftSnapshot, check_growth
 from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.frames import dtype_name
+
+MAX_KV_ABS = 65504.0   # float16's largest finite value (see the module docstring)
 
 
 def _wire_parents(parents: torch.Tensor) -> torch.Tensor:
@@ -79,4 +86,14 @@ def check_rows(rows: torch.Tensor, model) -> torch.Tensor:
     if got != want:
         raise ProtocolError(f"draft message rows: K/V of shape [layers, 2, kv_heads, n, head_dim] = "
                             f"{list(rows.shape)}, this draft model's are {list(want[:3])} x n x {want[3]}")
+    check_row_values(rows)
     return rows.to(model.dtype)
+
+
+def check_row_values(rows: torch.Tensor) -> None:
+    """K/V values an attention can take: finite and within +-MAX_KV_ABS."""
+    if rows.numel() and not bool(rows.isfinite().all()):
+        raise ProtocolError("draft message rows: K/V values must be finite (no NaN or inf)")
+    top = float(rows.abs().max()) if rows.numel() else 0.0
+    if top > MAX_KV_ABS:
+        raise ProtocolError(f"draft message rows: K/V values must lie within +-{MAX_KV_ABS:g}, got {top:.3g}")

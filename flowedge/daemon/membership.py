@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from flowedge.daemon import draft_members, shard_fetch
 from flowedge.daemon.config import NodeConfig
+from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.peer_stats import clean_stats
 from flowedge.errors import ProtocolError, StageLost
 from flowedge.transport import protocol as proto
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 ASSIGN_RETRY_S = 10.0      # a stage that could not take its assignment is sent it again after this
 CLIENT_IDLE_S = 3600.0   # an idle client (nothing in progress) is forgotten after this long
 LOADING_SILENCE_S = 600.0   # a stage loading its layers cannot heartbeat; past this it is hung
+MAX_DRAFTERS = 16          # drafters joined at once: each is a row of `status` (and jobs to share out)
+MAX_ADDR_CHARS = 256       # a stage's data address ("tcp://host:port"), shown in `status`
 
 
 @dataclass
@@ -80,8 +84,10 @@ class ClientGone:
 
 class Membership:
     def __init__(self, config: NodeConfig, send: Callable[[bytes, proto.Message], None],
-                 clock: Callable[[], float] = time.monotonic, replanner=None) -> None:
+                 clock: Callable[[], float] = time.monotonic, replanner=None, drops: DropLog | None = None) -> None:
+        """`drops`: where peer input this drops is counted (heartbeat stats the schema refuses)."""
         self.config, self.send, self.clock = config, send, clock
+        self.drops = drops or DropLog(log)
         self.node_id = config.name
         self.plan = None                       # daemon.plan.Plan, once prepared; replaced by a re-plan
         self.replanner = replanner             # daemon.plan.Replanner: re-splits for the devices that joined
@@ -125,8 +131,9 @@ class Membership:
                     f"{self.config.stage_timeout_s:g} s")
         if old is None and None not in self.slots and self.refused() is None:
             return f"the plan is full ({self.config.stages} stages); stop a stage or raise `stages`"
-        if not hello.capabilities.get("data_addr"):
-            return "a stage must announce its data_addr"
+        addr = hello.capabilities.get("data_addr")
+        if not (isinstance(addr, str) and 0 < len(addr) <= MAX_ADDR_CHARS):
+            return f"a stage must announce its data_addr (at most {MAX_ADDR_CHARS} characters)"
         return None
 
     def _admit_drafter(self, hello: proto.Hello) -> str | None:
@@ -135,6 +142,8 @@ class Membership:
         old = next((p for p in self.peers.values() if p.drafter and p.name == hello.node_id), None)
         if old is not None and self.alive(old):
             return f"drafter {hello.node_id!r} is already joined on a live connection"
+        if old is None and sum(p.drafter for p in self.peers.values()) >= MAX_DRAFTERS:
+            return f"this head has {MAX_DRAFTERS} drafters already"
         return None
 
     def register(self, identity: bytes, hello: proto.Hello) -> list:
@@ -223,7 +232,12 @@ class Membership:
 
     # ---- control messages -------------------------------------------------------------------------
     def on_heartbeat(self, peer: Peer, msg: proto.Heartbeat) -> None:
-        peer.load, peer.rss, peer.stats = msg.load, msg.rss_bytes, dict(msg.stats)
+        """Load, memory and the stats the schema keeps (daemon/peer_stats.py; what it drops is counted)."""
+        stats, refused = clean_stats(msg.stats)
+        if refused:
+            self.drops.drop("peer_stats", f"from {peer.name}: {len(refused)} heartbeat stats dropped "
+                                          f"({', '.join(refused[:5])}{', …' if len(refused) > 5 else ''})")
+        peer.load, peer.rss, peer.stats = msg.load, msg.rss_bytes, stats
 
     def on_ready(self, peer: Peer, msg: proto.Ready) -> None:
         if msg.stage_index != peer.stage:
@@ -269,7 +283,7 @@ class Membership:
         if not peer.drafter:
             log.warning("draft_ready from %s, which is not a drafter", peer.name)
             return
-        peer.ready, peer.assign_error = not msg.error, msg.error
+        peer.ready, peer.assign_error = not msg.error, proto.bounded(msg.error, 500)
         if msg.error:
             log.error("drafter %s cannot draft: %s", peer.name, msg.error)
         else:
@@ -354,12 +368,11 @@ class Membership:
                 rows.append({"node_id": "", "role": "stage", "stage": k, "ready": False, "address": "",
                              "layers": layers, "missing": True})
                 continue
-            rows.append({
-                "node_id": p.name, "role": "stage", "stage": k, "address": p.data_addr, "layers": layers,
+            rows.append({   # the stats first: a peer's own report never stands for what the head knows
+                **p.stats, "node_id": p.name, "role": "stage", "stage": k, "address": p.data_addr, "layers": layers,
                 "model": self.config.model, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
                 "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
                 "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
-                **{k2: v for k2, v in p.stats.items() if isinstance(v, (int, float, str, dict)) or v is None},
             })
         return rows + [draft_members.drafter_row(self.config, p, now) for p in self.peers.values() if p.drafter]
 

@@ -47,8 +47,8 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
         link.close()
         raise
     control = ControlPort(ctrl, wire.WireCounter(curve=not config.insecure))
-    members = Membership(config, control.send, replanner=Replanner(config, flowedge_home()))
     drops = DropLog(head_node.log)
+    members = Membership(config, control.send, replanner=Replanner(config, flowedge_home()), drops=drops)
     engines = HeadEngines(config, members, drops)
     drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops)
     outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)

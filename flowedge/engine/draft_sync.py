@@ -27,6 +27,13 @@ from flowedge.errors import ReplicaBehind
 
 log = logging.getLogger(__name__)
 
+# An answer's scores: cumulative log-probabilities, so at most 0 (plus rounding). -inf is refused although
+# it is a log-probability: a node scored -inf that becomes the walk's root is re-rooted by subtracting its
+# score (core/tree.reindex), and -inf - -inf is NaN. The floor is far below any real path (a hundred
+# tokens at -100 each is -1e4) and far from where node 0's sums of scores overflow float32 to -inf.
+MIN_LOG_SCORE = -1e6
+MAX_LOG_SCORE = 1e-3
+
 __all__ = ["DraftGrowth", "DraftSnapshot", "DrafterDevice", "ReplicaBehind", "check_growth", "graft", "snapshot"]
 
 
@@ -111,8 +118,9 @@ def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width:
 
 def check_growth(snap: DraftSnapshot, growth: DraftGrowth) -> None:
     """Refuse (ValueError) an answer that is not a growth of `snap`: the job's nodes first with their
-    scores, finite K/V rows, finite log-probability scores, new nodes only under run nodes, and no more
-    of them than the job's calls can make. A drafter is a peer: what it sends is checked, not trusted."""
+    scores, finite K/V rows, log-probability scores in [MIN_LOG_SCORE, 0], new nodes only under run
+    nodes, and no more of them than the job's calls can make. A drafter is a peer: what it sends is
+    checked, not trusted (the rows' magnitude is checked on the wire, daemon/draft_wire.py)."""
     n, m = int(snap.tokens.numel()), int(growth.tokens.numel())
     if m < n or not torch.equal(growth.tokens[:n], snap.tokens) or not torch.equal(growth.parents[:n], snap.parents) \
             or not torch.equal(growth.log_scores[:n], snap.log_scores):
@@ -120,8 +128,9 @@ def check_growth(snap: DraftSnapshot, growth: DraftGrowth) -> None:
     if m - n > snap.calls * snap.width * snap.topk:
         raise ValueError(f"the answer adds {m - n} nodes; {snap.calls} calls of {snap.width} rows make "
                          f"at most {snap.calls * snap.width * snap.topk}")
-    if not bool(torch.isfinite(growth.log_scores).all()) or bool((growth.log_scores > 1e-3).any()):
-        raise ValueError("the answer's scores are not finite log-probabilities (<= 0)")
+    scores = growth.log_scores
+    if not bool(((scores >= MIN_LOG_SCORE) & (scores <= MAX_LOG_SCORE)).all()):   # NaN fails both
+        raise ValueError(f"the answer's scores are not log-probabilities in [{MIN_LOG_SCORE:g}, 0]")
     if not bool(torch.isfinite(growth.rows).all()):
         raise ValueError("the answer's K/V rows are not finite")
     ran = torch.zeros(m, dtype=torch.bool)

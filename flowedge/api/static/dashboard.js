@@ -1,12 +1,17 @@
 // flowedge dashboard: one fetch-based SSE reader on /v1/status/stream (fetch, not EventSource, so the
 // API key can go in the Authorization header), the cluster drawn from each status, a timeline kept in
-// the browser (the head sends only its current state), and a chat box on /v1/chat/completions.
+// the browser (the head sends only its current state), and a chat box on /v1/chat/completions. The page
+// holds no inline script (its Content-Security-Policy allows none) and never turns data into HTML.
 "use strict";
 const SPAN_S = 30;
 const $ = (id) => document.getElementById(id);
 const state = { history: [], prev: null, updates: 0, maxTps: 0, maxRunning: 0, events: [] };
 
-function key() { return localStorage.getItem("flowedge-key") || ""; }
+// The API key lives in sessionStorage: this tab only, gone when it closes, never written to disk for good
+// (older pages kept it in localStorage, which every later visit and every tab of the origin could read).
+const KEY = "flowedge-key";
+localStorage.removeItem(KEY);
+function key() { return sessionStorage.getItem(KEY) || ""; }
 function headers(extra) {
   const h = Object.assign({}, extra || {});
   if (key()) h.Authorization = "Bearer " + key();
@@ -56,7 +61,7 @@ function update(snap) {
   if (!nodes || !nodes.length) { setConn("head unreachable", "bad"); note("the head does not answer"); return; }
   const head = nodes[0];
   setConn(head.ready ? "serving" : "waiting for stages", head.ready ? "ok" : "warn");
-  $("model").textContent = (head.model || "").split("/").pop() + " · " + (head.strategy || "");
+  $("model").textContent = text(head.model).split("/").pop() + " · " + text(head.strategy);
   state.history.push({ t: snap.t, nodes: nodes, tokens: (head.served || {}).tokens || 0 });
   while (state.history.length && state.history[0].t < snap.t - SPAN_S) state.history.shift();
   figures(head);
@@ -96,13 +101,27 @@ function figures(head) {
 }
 
 // ---- the cluster as a picture ----------------------------------------------------------------------
-const MB = (b) => b == null ? "-" : (b / 1e6).toFixed(0) + " MB";
+// A node's row carries what a peer reported (checked at the head, but the page trusts none of it): every
+// value is drawn as text (createElement / textContent, never HTML), numbers only where they are numbers.
+function num(v) { return typeof v === "number" && isFinite(v) ? v : null; }
+function fixed(v, digits) { const x = num(v); return x == null ? "-" : x.toFixed(digits); }
+function text(v) { return v == null ? "" : String(v); }
+function el(tag, cls, ...children) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  e.append(...children.filter((c) => c != null).map((c) => (c instanceof Node ? c : String(c))));
+  return e;
+}
+const MB = (b) => num(b) == null ? "-" : (b / 1e6).toFixed(0) + " MB";
+function who(n, i) { return i === 0 ? "head" : n.role === "drafter" ? "drafter" : "stage " + text(n.stage); }
 function layers(n) {
   const l = n.layers;
-  return Array.isArray(l) ? (l.length ? "layers " + l[0] + "–" + (l[1] - 1) : "-") : (l || "-");
+  if (!Array.isArray(l)) return text(l) || "-";
+  return num(l[0]) != null && num(l[1]) != null ? "layers " + l[0] + "–" + (l[1] - 1) : "-";
 }
 function wireBytes(n) {
-  return Object.values(n.wire || {}).reduce((a, w) => a + (w.wire_bytes || 0), 0);
+  const wire = n.wire && typeof n.wire === "object" ? n.wire : {};
+  return Object.values(wire).reduce((a, w) => a + ((w && num(w.wire_bytes)) || 0), 0);
 }
 function linkRate(n, i) {
   const h = state.history;
@@ -112,31 +131,40 @@ function linkRate(n, i) {
   if (!na || !nb || b.t <= a.t || na.node_id !== nb.node_id) return "-";
   return ((wireBytes(nb) - wireBytes(na)) / (b.t - a.t) / 1e3).toFixed(1) + " kB/s";
 }
-function esc(s) { return String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]); }
+function bar(cls, frac, title) {
+  const fill = document.createElement("i");
+  fill.style.width = (100 * frac).toFixed(0) + "%";   // CSSOM, which the page's style-src allows
+  const b = el("div", cls, fill);
+  b.title = title;
+  return b;
+}
+function facts(pairs) {
+  return el("dl", "", ...pairs.flatMap(([term, value]) => [el("dt", "", term), el("dd", "", value)]));
+}
+
+function card(n, i) {
+  const load = Math.min(1, Math.max(0, num(n.load) || 0));
+  const rss = num(n.rss_bytes), free = num(n.free_memory_bytes);
+  const memFrac = rss && free ? rss / (rss + free) : 0;
+  const step = n.role === "head" ? (num(n.turn_ms_longest) != null ? n.turn_ms_longest + " ms (longest turn)" : "-")
+    : (num(n.step_ms_median) != null ? n.step_ms_median + " ms" : "-");
+  const seen = num(n.last_seen_s) != null ? n.last_seen_s.toFixed(1) + " s ago" : "-";
+  const node = el("div", "node" + (n.missing ? " missing" : (n.ready ? " ready" : "")),
+    el("h3", "", el("span", "", who(n, i)), el("span", "muted", n.missing ? "(empty slot)" : (text(n.node_id) || "-"))),
+    el("div", "muted", layers(n) + " · " + text(n.device)),
+    bar("bar", load, "busy"),
+    facts([["busy", (100 * load).toFixed(0) + " %"], ["step", step],
+           ["memory", MB(rss) + " used" + (free != null ? ", " + MB(free) + " free" : "")],
+           ["link", (text(n.address) || "-") + ", " + linkRate(n, i)], ["heartbeat", seen]]));
+  node.dataset.node = i;
+  if (memFrac) node.append(bar("bar mem", memFrac, "memory used"));
+  if (n.error) node.append(el("div", "pill bad", text(n.error)));
+  return node;
+}
 
 function drawNodes(nodes) {
-  const parts = nodes.map((n, i) => {
-    const load = Math.min(1, n.load || 0);
-    const cls = n.missing ? "missing" : (n.ready ? "ready" : "");
-    const rss = n.rss_bytes, free = n.free_memory_bytes;
-    const memFrac = rss && free ? rss / (rss + free) : 0;
-    const step = n.role === "head" ? (n.turn_ms_longest != null ? n.turn_ms_longest + " ms (longest turn)" : "-")
-      : (n.step_ms_median != null ? n.step_ms_median + " ms" : "-");
-    const name = n.missing ? "(empty slot)" : (n.node_id || "-");
-    return `<div class="node ${cls}" data-node="${i}">
-      <h3><span>${i === 0 ? "head" : "stage " + n.stage}</span><span class="muted">${esc(name)}</span></h3>
-      <div class="muted">${esc(layers(n))} · ${esc(n.device || "")}</div>
-      <div class="bar" title="busy"><i style="width:${(100 * load).toFixed(0)}%"></i></div>
-      <dl><dt>busy</dt><dd>${(100 * load).toFixed(0)} %</dd>
-      <dt>step</dt><dd>${step}</dd>
-      <dt>memory</dt><dd>${MB(rss)} used${free != null ? ", " + MB(free) + " free" : ""}</dd>
-      <dt>link</dt><dd>${esc(n.address || "-")}, ${linkRate(n, i)}</dd>
-      <dt>heartbeat</dt><dd>${n.last_seen_s != null ? n.last_seen_s.toFixed(1) + " s ago" : "-"}</dd></dl>
-      ${memFrac ? `<div class="bar mem" title="memory used"><i style="width:${(100 * memFrac).toFixed(0)}%"></i></div>` : ""}
-      ${n.error ? `<div class="pill bad">${esc(n.error)}</div>` : ""}
-    </div>`;
-  });
-  $("pipeline").innerHTML = parts.join('<div class="arrow">→</div>');
+  const parts = nodes.flatMap((n, i) => (i ? [el("div", "arrow", "→"), card(n, i)] : [card(n, i)]));
+  $("pipeline").replaceChildren(...parts);
   document.body.dataset.nodes = nodes.length;
 }
 
@@ -153,7 +181,7 @@ function drawTimeline() {
   g.font = "12px system-ui";
   h[h.length - 1].nodes.forEach((n, r) => {
     g.fillStyle = "#8a96a3";
-    g.fillText(r === 0 ? "head" : "stage " + n.stage, 4, r * rowH + rowH / 2 + 4);
+    g.fillText(who(n, r), 4, r * rowH + rowH / 2 + 4);
   });
   g.fillText("tokens", 4, (rows - 1) * rowH + rowH / 2 + 4);
   let maxTok = 1;
@@ -161,7 +189,7 @@ function drawTimeline() {
   for (let i = 1; i < h.length; i++) {
     const x0 = x(h[i - 1].t), x1 = x(h[i].t);
     h[i].nodes.forEach((n, r) => {
-      const load = Math.min(1, n.load || 0);
+      const load = Math.min(1, Math.max(0, num(n.load) || 0));
       g.fillStyle = n.missing ? "rgba(248,81,73,0.5)" : `rgba(88,166,255,${0.08 + 0.92 * load})`;
       g.fillRect(x0, r * rowH + 3, Math.max(1, x1 - x0 - 1), rowH - 6);
     });
@@ -173,23 +201,23 @@ function drawTimeline() {
 }
 
 // ---- errors and drops ------------------------------------------------------------------------------
-function note(text) {
+function note(line) {
   const last = state.events[state.events.length - 1];
-  if (last && last.text === text) return;
-  state.events.push({ t: new Date(), text: text });
+  if (last && last.text === line) return;
+  state.events.push({ t: new Date(), text: line });
   if (state.events.length > 50) state.events.shift();
-  $("events").innerHTML = state.events.slice().reverse().map((e) =>
-    `<li><time>${e.t.toLocaleTimeString()}</time>${esc(e.text)}</li>`).join("");
+  $("events").replaceChildren(...state.events.slice().reverse().map((e) =>
+    el("li", "", el("time", "", e.t.toLocaleTimeString()), e.text)));
 }
-function sum(o) { return Object.values(o || {}).reduce((a, b) => a + b, 0); }
+function sum(o) { return Object.values(o && typeof o === "object" ? o : {}).reduce((a, b) => a + (num(b) || 0), 0); }
 function watchTrouble(nodes, prev) {
   nodes.forEach((n, i) => {
     const p = prev && prev[i];
-    const who = i === 0 ? "head" : "stage " + n.stage;
-    if (n.missing && !(p && p.missing)) note(who + ": no node in this slot");
-    if (n.error && !(p && p.error === n.error)) note(who + ": " + n.error);
+    const name = who(n, i);
+    if (n.missing && !(p && p.missing)) note(name + ": no node in this slot");
+    if (n.error && !(p && p.error === n.error)) note(name + ": " + text(n.error));
     if (p && sum(n.dropped) > sum(p.dropped)) {
-      note(who + " dropped " + (sum(n.dropped) - sum(p.dropped)) + " message(s): " + JSON.stringify(n.dropped));
+      note(name + " dropped " + (sum(n.dropped) - sum(p.dropped)) + " message(s): " + JSON.stringify(n.dropped));
     }
   });
   const s = nodes[0].served || {}, ps = prev && prev[0] && prev[0].served;
@@ -229,13 +257,13 @@ async function chat(ev) {
 $("chat").addEventListener("submit", chat);
 $("keyform").addEventListener("submit", (ev) => {
   ev.preventDefault();
-  localStorage.setItem("flowedge-key", $("key").value.trim());
+  sessionStorage.setItem(KEY, $("key").value.trim());
   connect();
 });
 const query = new URLSearchParams(location.search);
-if (query.has("ask")) {   // ?ask=TEXT[&max=N]: start that question on load (a link that asks)
-  $("prompt").value = query.get("ask");
+if (query.has("ask")) {   // ?ask=TEXT[&max=N]: that question in the box, sent only when the user presses send
+  $("prompt").value = query.get("ask");   // (a link must not spend the user's key on a question they never saw)
   if (query.has("max")) $("maxtok").value = query.get("max");
-  setTimeout(() => $("chat").requestSubmit(), 300);
+  $("send").focus();
 }
 connect();
