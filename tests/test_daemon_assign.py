@@ -11,9 +11,11 @@ import pytest
 import torch
 import zmq
 
+from flowedge.daemon import model_check
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.shard_fetch import SIDE_FILES, stage_files
+from flowedge.daemon.shard_fetch import SIDE_FILES, cached_dir, read_chunk, stage_files
 from flowedge.daemon.roots import build_stage
+from flowedge.models.shards import Manifest
 from flowedge.models.split import split_model
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
@@ -38,11 +40,20 @@ class ScriptedHead:
         self.heartbeats = 0
 
     def welcome(self) -> p.Hello:
-        got = recv_routed(self.ctrl, 20_000)
-        assert got is not None, "the stage never said HELLO"
-        self.stage, frames = got
+        hello = self.next_hello()
         send_routed(self.ctrl, self.stage, p.Welcome(node_id="scripted-head", heartbeat_interval_ms=100))
-        return p.decode(frames)
+        return hello
+
+    def next_hello(self, timeout_s: float = 20.0) -> p.Hello:
+        """The next HELLO (heartbeats of an earlier connection skipped); its sender becomes `stage`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = recv_routed(self.ctrl, 200)
+            msg = p.decode(got[1]) if got is not None else None
+            if isinstance(msg, p.Hello):
+                self.stage = got[0]
+                return msg
+        raise AssertionError("the stage never said HELLO")
 
     def next_answer(self, assign: p.Assign, timeout_s: float = 30.0, serve=None) -> p.Message:
         """Send `assign`; the stage's first Refuse or Ready (ShardRequests go to `serve`)."""
@@ -84,13 +95,13 @@ def split(tiny_pair, tmp_path):
     return out
 
 
-def _assign(split, *, sha=None, layers=None, source_dir=True) -> p.Assign:
+def _assign(split, *, sha=None, layers=None, source_dir=True, model="") -> p.Assign:
     shard = stage_files(split, 1)
     a, b = layers or (0, 2)
     return p.Assign(stage_index=1, layer_start=a, layer_end=b, shard_sha256=sha or shard.sha256,
                     shard_bytes=shard.size, next_addr="", model="tiny", hidden_wire="float16", quant="none",
                     side_files={k: v for k, v in shard.side_files.items() if k in SIDE_FILES},
-                    source_dir=str(split) if source_dir else "")
+                    source_dir=str(split) if source_dir else "", model_sha256=model)
 
 
 def test_a_failing_assign_leaves_the_stage_up_and_a_later_one_is_served(split, tmp_path, monkeypatch):
@@ -132,6 +143,38 @@ def test_a_failing_assign_leaves_the_stage_up_and_a_later_one_is_served(split, t
         push.close(0)
         assert isinstance(out, p.Segment) and out.request_id == 1 and tuple(out.hidden.shape) == (3, H)
         assert node.drops.counts.get("request_failed", 0) == 0
+    finally:
+        stop.set()
+        thread.join(10)
+        head.close()
+    assert not thread.is_alive()
+
+
+def test_a_stage_holding_another_model_s_layers_is_refused_at_join_drops_them_and_joins_again(split, tmp_path,
+                                                                                               monkeypatch):
+    """A head restarted on another model: the stage rejoins announcing the model of the layers it holds, is
+    refused for it, drops them and joins holding none; the head's split on this host, cut from another model
+    than the one assigned, is not read."""
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path / "home"))
+    port = free_port_pair()
+    head = ScriptedHead(port)
+    stop = threading.Event()
+    node = build_stage(NodeConfig(role="stage", head=f"127.0.0.1:{port}", node_id="edge-1", insecure=True,
+                                  same_host=True, heartbeat_ms=100, stage_timeout_s=0.5, threads=1), stop)
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    served, other = Manifest.load(split).source_sha256, "c" * 64
+    try:
+        assert model_check.HELD_KEY not in head.welcome().capabilities
+        assert isinstance(head.next_answer(_assign(split, model=served)), p.Ready)
+        rejoin = head.next_hello()   # the head fell silent: the stage joins again, saying what it holds
+        assert rejoin.capabilities[model_check.HELD_KEY] == served
+        send_routed(head.ctrl, head.stage, p.Refuse(reason=model_check.join_refusal(rejoin.capabilities, other)))
+        assert model_check.HELD_KEY not in head.welcome().capabilities and node.worker is None
+        shard = stage_files(split, 1)
+        fetched = head.next_answer(_assign(split, model=other), serve=lambda req: read_chunk(shard, req))
+        assert isinstance(fetched, p.Ready) and cached_dir(tmp_path / "home", shard.sha256) is not None
+        assert node.model_sha256 == other
     finally:
         stop.set()
         thread.join(10)

@@ -7,6 +7,7 @@ with no error to the client."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 
@@ -176,3 +177,30 @@ def test_pre_drafting_in_node_0s_gaps_answers_as_plain_greedy(tiny_pair, referen
     # idle work reached the engine (on this tiny in-process cluster segments return faster than a draft call,
     # so most calls are rightly skipped: the gate's own tests are in test_engine_predraft.py)
     assert stats["jobs"] > 0 and stats["calls"] + stats["skipped_idle_calls"] > 0, str(stats)
+
+
+def test_a_model_swapped_under_the_same_name_is_split_anew_and_answers_as_itself(tiny_pair, tmp_path):
+    """One FLOWEDGE_HOME serves a/base, then b/base (other weights, same directory name), then new weights
+    written over a/base: each cluster splits the model it was given and answers as that model's plain
+    greedy, never from a split cached for the other one."""
+    from flowedge.models.tiny import make_tiny_model
+
+    draft = tiny_pair[1]
+    a, b = tmp_path / "a" / "base", tmp_path / "b" / "base"
+    answers, expected, splits = [], [], []
+    for path, seed in ((a, 1), (b, 2), (a, 3)):
+        shutil.rmtree(path, ignore_errors=True)
+        make_tiny_model(path, seed=seed)
+        request = GenerateRequest(PROMPT, str(path), str(draft), "ar", MAX_NEW, quant="none")
+        expected.append(run_generate(request)["token_ids"])
+        with flowedge_home(tmp_path / "home"):
+            c = Cluster(path, draft)
+            try:
+                c.wait_ready()
+                answers.append(ask(c.net.link(), strategy="ar-pp")["token_ids"])
+                splits.append(c.head.members.plan.split_dir)
+            finally:
+                c.stop()
+    assert len({tuple(e) for e in expected}) == 3   # three models that answer differently
+    assert answers == expected
+    assert len(set(splits)) == 3 and all(p.name.startswith("base-") for p in splits)   # a split each

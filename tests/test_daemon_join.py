@@ -240,3 +240,38 @@ def test_a_damaged_cache_file_is_deleted_for_a_fresh_fetch_a_bounded_number_of_t
     assert entry.is_dir()                                     # the third time the error stands
     with pytest.raises(ChecksumError, match="the head's copy is damaged"):   # same host: not the stage's files
         repair.repair(tmp_path / "head-split", assign, ChecksumError("stage-0.safetensors is corrupt"))
+
+
+def test_a_cached_shard_reused_for_another_model_takes_its_side_files_and_drops_the_old_head_file(tmp_path, caplog):
+    """Two models may share a stage file's bytes (a model with another head or config): the cache entry,
+    keyed by those bytes, is reused, but not with the first model's config, manifest or head file."""
+    import hashlib
+
+    from flowedge.daemon import shard_fetch
+    from flowedge.transport import protocol as proto
+
+    data = os.urandom(1000)
+    sha = hashlib.sha256(data).hexdigest()
+
+    def assign_for(model: str, config: str) -> proto.Assign:
+        manifest = json.dumps({"format": 2, "model": "m", "num_layers": 1, "hidden_size": 4, "dtype": "float32",
+                               "tied": True, "source_sha256": model,
+                               "head": {"file": "head.safetensors", "sha256": "0" * 64, "bytes": 300},
+                               "stages": [{"index": 0, "layers": [0, 1], "file": "stage-0.safetensors",
+                                           "sha256": sha, "bytes": 1000}]})
+        return proto.Assign(stage_index=1, layer_start=0, layer_end=1, shard_sha256=sha, shard_bytes=1000,
+                            next_addr="", model="m", side_files={"manifest.json": manifest, "config.json": config},
+                            model_sha256=model)
+
+    first, second = assign_for("a" * 64, '{"rope_theta": 1}'), assign_for("b" * 64, '{"rope_theta": 2}')
+    asked: list[proto.ShardRequest] = []
+    entry = shard_fetch.fetch(first, tmp_path, asked.append, lambda timeout: proto.ShardChunk.of(
+        asked[-1].offset, data[asked[-1].offset:asked[-1].offset + asked[-1].length], len(data)))
+    (entry / "head.safetensors").write_bytes(os.urandom(300))   # the first model's lm_head
+    shard_fetch.refresh_side_files(entry, first)                  # its own model: nothing to do
+    assert (entry / "head.safetensors").is_file()
+    with caplog.at_level("WARNING", logger="flowedge.daemon.shard_fetch"):
+        shard_fetch.refresh_side_files(shard_fetch.cached_dir(tmp_path, sha), second)
+    assert "cut from model sha256 aaaaaaaaaaaa" in caplog.text
+    assert Manifest.load(entry).source_sha256 == "b" * 64 and (entry / "config.json").read_text() == '{"rope_theta": 2}'
+    assert not (entry / "head.safetensors").exists() and (entry / "stage-0.safetensors").read_bytes() == data

@@ -518,6 +518,37 @@ def test_liveness_settings_are_checked(field):
 
 
 
+def test_a_stage_holding_another_model_s_layers_is_refused_at_join_and_status_shows_each_model():
+    from dataclasses import replace
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from flowedge.daemon import model_check
+    from flowedge.daemon.shard_fetch import ShardFile
+    from flowedge.daemon.status_view import node_table
+
+    served, other = "a" * 64, "b" * 64
+    m, sent, _ = members(lm_head_at="head")
+    m.plan = SimpleNamespace(shards=[ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)],
+                             ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"), model_sha256=served)
+
+    def holding(node_id: str, slot: int, model: str) -> proto.Hello:
+        hello = stage_hello(node_id, slot)
+        return replace(hello, capabilities={**hello.capabilities, **model_check.held(model)})
+
+    reason = m.admit(holding("edge-1", 1, other))
+    assert reason is not None and model_check.is_mismatch(reason) and "b" * 12 in reason and "a" * 12 in reason
+    assert m.admit(holding("edge-1", 1, served)) is None and m.admit(stage_hello("edge-1", 1)) is None
+    m.register(b"s1", holding("edge-1", 1, served))   # its layers are of the head's model (a rejoin)
+    m.register(b"s2", stage_hello("edge-2", 2))       # it holds none
+    assert {msg.model_sha256 for _, msg in sent if isinstance(msg, proto.Assign)} == {served}
+    m.on_heartbeat(m.peers[b"s1"], proto.Heartbeat(node_id="edge-1", load=0.0, rss_bytes=0,
+                                                   stats={model_check.HELD_KEY: served}))
+    rows = [{"node_id": "head", "role": "head", "model_sha256": served}, *m.status_rows()]
+    table = node_table(rows)
+    assert "a" * 12 in table[1] and "a" * 12 in table[2] and "a" * 12 not in table[3]
+
+
 def test_a_stage_that_refuses_its_assignment_keeps_its_slot_and_is_assigned_again_later():
     from flowedge.daemon.membership import ASSIGN_RETRY_S
     from flowedge.daemon.status_view import node_table
@@ -529,7 +560,8 @@ def test_a_stage_that_refuses_its_assignment_keeps_its_slot_and_is_assigned_agai
 
     m, sent, clock = members(lm_head_at="head")
     shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]
-    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"))
+    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"),
+                             model_sha256="")
     m.register(b"s1", stage_hello("a", 1))
     m.register(b"s2", stage_hello("b", 2))
     assert [type(msg) for i, msg in sent if i == b"s2"] == [proto.Assign]
@@ -561,7 +593,8 @@ def test_a_node_joining_a_full_plan_takes_the_slot_of_a_stage_that_refused_its_a
 
     m, sent, _ = members(lm_head_at="head")
     shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]
-    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"))
+    m.plan = SimpleNamespace(shards=shards, ranges=[(0, 2), (2, 4)], head_file=None, split_dir=Path("/s"),
+                             model_sha256="")
     ready_stage(m, b"s1", "a", 1)
     m.register(b"s2", stage_hello("b", 2))
     assert "the plan is full" in m.admit(stage_hello("spare"))   # every stage serving: no room

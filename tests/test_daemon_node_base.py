@@ -33,12 +33,18 @@ class TinyNode(NodeBase):
         super().__init__(*args, **kwargs)
         self.joins = 0
         self.seen: list[p.Message | None] = []
+        self.capabilities: dict = {"tiny": True}
+        self.refusals: list[str] = []
 
     def _join(self) -> None:
         self.joins += 1
         self.phase = "joining"
-        if self._hello({"tiny": True}) is not None:
+        if self._hello(lambda: dict(self.capabilities)) is not None:
             self.phase = "serving"
+
+    def _hello_refused(self, reason: str) -> None:
+        self.refusals.append(reason)
+        self.capabilities = {"tiny": "refused once"}
 
     def _poll(self, wait_s: float) -> None:
         got = self.ctrl.next_message(wait_s)
@@ -112,6 +118,22 @@ def test_a_refuse_rejoins_and_bad_input_is_dropped_not_fatal(net, tmp_path):
         head.welcome()
         assert node.drops.counts["malformed"] == 1 and node.joins == 2
         assert [type(m) for m in node.seen] == [type(None), p.Ready, p.Refuse]
+    finally:
+        node.stop.set()
+        thread.join(5)
+
+
+def test_a_refused_hello_is_told_to_the_node_and_the_next_hello_says_what_it_holds_then(net, tmp_path):
+    head = ScriptedHead(net)
+    node = _node(net, head, tmp_path)
+    thread = _running(node)
+    try:
+        hello, peer = head.next(p.Hello)
+        assert hello.capabilities == {"tiny": True}
+        head.router.send(p.Refuse(reason="you hold the wrong thing"), peer)
+        again, _ = head.welcome()
+        assert again.capabilities == {"tiny": "refused once"}
+        assert len(node.refusals) == 1 and "you hold the wrong thing" in node.refusals[0]
     finally:
         node.stop.set()
         thread.join(5)

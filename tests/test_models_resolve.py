@@ -96,7 +96,10 @@ def test_gguf_file_is_converted_once(conversions, tiny, tiny_gguf, tmp_path):
     assert torch.equal(logits(out).argmax(-1), logits(tiny).argmax(-1))
     assert (out / "tokenizer.json").is_file()
     assert resolve_model(str(gguf), home=home, quant="none") == out and len(conversions) == 1
-    os.utime(gguf, ns=(0, 10**9))  # a changed file gets a new cache entry
+    os.utime(gguf, ns=(0, 10**9))  # touched, not changed: the entry is keyed by content
+    assert resolve_model(str(gguf), home=home, quant="none") == out and len(conversions) == 1
+    with open(gguf, "ab") as f:    # other bytes under the same path: a new entry, converted anew
+        f.write(b"\0" * 32)
     assert resolve_model(str(gguf), home=home, quant="none") != out and len(conversions) == 2
 
 

@@ -7,10 +7,16 @@ import signal
 import subprocess
 import sys
 
+import torch
+from safetensors.torch import load_file
+
 from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.daemon.client import Client, wait_ready
 from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.plan import planned_counts
+from flowedge.daemon.plan import ensure_split, planned_counts, split_dir_for
+from flowedge.models.content_hash import memo_at, model_sha256
+from flowedge.models.shards import Manifest, load_shard
+from flowedge.models.tiny import make_tiny_model
 from flowedge.plan.shapes import load_shape
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
@@ -46,6 +52,25 @@ def test_planned_counts_follow_the_devices_and_respect_manual_layers(caplog):
     assert "stage 2 (rpi5-8gb, node pi) slows the pipeline" in caplog.text and "stages = 2" in caplog.text
     # nothing fits: logged, the current split is kept
     assert planned_counts(NodeConfig(stages=2, quant="none"), load_shape("llama-2-70b"), [40, 40], same) is None
+
+
+def test_a_split_is_keyed_by_the_model_s_content_and_one_of_another_model_is_cut_again(tmp_path, caplog):
+    """Two models in directories of one name get two split directories; a split found where another model's
+    should be (a cache written by hand, an older flowedge) is never served: it is cut again, and logged."""
+    home = tmp_path / "home"
+    a = make_tiny_model(tmp_path / "a" / "base", seed=1, num_layers=2)
+    b = make_tiny_model(tmp_path / "b" / "base", seed=2, num_layers=2)
+    key_a, key_b = (model_sha256(m, memo_at(home)) for m in (a, b))
+    assert key_a != key_b
+    assert split_dir_for(home, a, key_a, [1, 1]) != split_dir_for(home, b, key_b, [1, 1])
+    out = split_dir_for(home, a, key_a, [1, 1])
+    assert ensure_split(a, [1, 1], out, "a", source_sha256=key_a).source_sha256 == key_a
+    with caplog.at_level("WARNING", logger="flowedge.daemon.plan"):
+        manifest = ensure_split(b, [1, 1], out, "b", source_sha256=key_b)
+    assert manifest.source_sha256 == key_b == Manifest.load(out).source_sha256
+    assert f"was cut from model sha256 {key_a[:12]}" in caplog.text and "splitting again" in caplog.text
+    assert torch.equal(load_shard(out, 0)["model.layers.0.mlp.down_proj.weight"],
+                       load_file(str(b / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_head_resplits_for_the_devices_that_joined(tiny_pair, tmp_path):

@@ -31,11 +31,11 @@ def test_an_answer_round_trips_with_its_calls():
     assert out == ans and out.calls == [(4, 9, 0.01), (4, 11, 0.02)]
 
 
-def test_the_version_is_1_5_and_older_peers_reading_a_job_are_told_to_upgrade():
+def test_draft_messages_came_with_1_5_and_older_peers_reading_a_job_are_told_to_upgrade():
     frames = draft_job().to_frames()
     import msgpack
     header = msgpack.unpackb(bytes(frames[0]), raw=False)
-    assert header["v"] == [1, 5]
+    assert header["v"] == [1, 6]
     header["v"] = [1, 4]
     with pytest.raises(ProtocolError, match="1.5 or newer"):
         p.decode([msgpack.packb(header), *frames[1:]])

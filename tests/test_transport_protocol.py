@@ -37,7 +37,7 @@ SAMPLES = [
     p.Welcome(node_id="head", heartbeat_interval_ms=1000),
     p.Refuse(reason="a head is already connected"),
     p.Assign(stage_index=1, layer_start=0, layer_end=7, shard_sha256=SHA, shard_bytes=123,
-             next_addr="tcp://10.0.0.3:5601", model="qwen2.5-coder-1.5b"),
+             next_addr="tcp://10.0.0.3:5601", model="qwen2.5-coder-1.5b", model_sha256=SHA),
     p.ShardRequest(offset=4 << 20),
     p.ShardChunk.of(8, b"chunk-bytes", 100),
     p.Ready(stage_index=2),
@@ -96,7 +96,7 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 5]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 6]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
@@ -161,6 +161,8 @@ def test_equality_compares_tensors_by_value() -> None:
                          next_addr="x", model="m"),
         lambda: p.Assign(stage_index=1, layer_start=0, layer_end=5, shard_sha256="abc", shard_bytes=1,
                          next_addr="x", model="m"),
+        lambda: p.Assign(stage_index=1, layer_start=0, layer_end=5, shard_sha256=SHA, shard_bytes=1,
+                         next_addr="x", model="m", model_sha256="abc"),
         lambda: p.ShardRequest(offset=0, length=0),
         lambda: p.ShardChunk.of(95, b"0123456789", 100),
         lambda: p.Heartbeat(node_id="a", load=float("nan"), rss_bytes=1),
@@ -220,12 +222,18 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.5"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.6"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:
     frames = _frames({"v": [1, 9], "type": "reset", "request_id": 1, "future": [1, 2], "tensors": {}})
     assert p.decode(frames) == p.Reset(request_id=1)
+
+
+def test_an_assign_from_a_head_before_1_6_carries_no_model_key() -> None:
+    frames = _frames({"v": [1, 5], "type": "assign", "stage_index": 1, "layer_start": 0, "layer_end": 2,
+                      "shard_sha256": SHA, "shard_bytes": 1, "next_addr": "", "model": "m", "tensors": {}})
+    assert p.decode(frames).model_sha256 == ""
 
 
 def test_refuse_is_readable_across_major_versions() -> None:

@@ -55,7 +55,7 @@ class DrafterNode(NodeBase):
     # ---- joining --------------------------------------------------------------------------------
     def _join(self) -> None:
         self.phase = f"joining the head at {self.config.head} as a drafter"
-        welcome = self._hello({"role": "drafter"})
+        welcome = self._hello(lambda: {"role": "drafter"})
         if welcome is not None:
             log.info("joined head %s at %s as a drafter; waiting for its draft model", welcome.node_id,
                      self.config.head)

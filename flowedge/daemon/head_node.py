@@ -298,6 +298,7 @@ class HeadNode:
         return [{
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
             "layers": "embed+head", "model": self.config.model, "draft": self.config.draft,
+            "model_sha256": self.members.plan.model_sha256 if self.members.plan is not None else "",
             "draft_quant": self.config.draft_quant,
             "device": self.config.device, "rss_bytes": me.memory_info().rss,
             "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flowedge.daemon import draft_members, shard_fetch
+from flowedge.daemon import draft_members, model_check, shard_fetch
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.peer_stats import clean_stats
@@ -134,7 +134,7 @@ class Membership:
         addr = hello.capabilities.get("data_addr")
         if not (isinstance(addr, str) and 0 < len(addr) <= MAX_ADDR_CHARS):
             return f"a stage must announce its data_addr (at most {MAX_ADDR_CHARS} characters)"
-        return None
+        return model_check.join_refusal(hello.capabilities, self.plan.model_sha256 if self.plan else "")
 
     def _admit_drafter(self, hello: proto.Hello) -> str | None:
         if not self.config.draft:
@@ -217,7 +217,8 @@ class Membership:
                 stage_index=k, layer_start=a, layer_end=b, shard_sha256=shard.sha256, shard_bytes=shard.size,
                 next_addr=nxt, model=self.config.model, hidden_wire=self.config.wire_dtype,
                 quant=self.config.quant, side_files=shard.side_files, source_dir=str(plan.split_dir),
-                head_sha256=head.sha256 if head else "", head_bytes=head.size if head else 0))
+                head_sha256=head.sha256 if head else "", head_bytes=head.size if head else 0,
+                model_sha256=plan.model_sha256))
             self.sent_assign[k] = (identity, nxt)
             self.peers[identity].ready = False
             self.peers[identity].retry_at = 0.0

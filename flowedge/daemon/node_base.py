@@ -111,13 +111,14 @@ class NodeBase(ABC):
         self.notifier.close()
         self.compute.close()
 
-    def _hello(self, capabilities: dict[str, Any]) -> proto.Welcome | None:
-        """HELLO until the head WELCOMEs this node (and `_welcome_ok` takes it); None once stopped."""
-        hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
-                            free_memory_bytes=int(psutil.virtual_memory().available), capabilities=capabilities)
+    def _hello(self, capabilities: Callable[[], dict[str, Any]]) -> proto.Welcome | None:
+        """HELLO until the head WELCOMEs this node (and `_welcome_ok` takes it); None once stopped. Each try
+        says what the node holds now (`capabilities()`, its free memory): a refusal may have changed it."""
         while not self.stop.is_set():
             self.notifier.tick(self._sd_status)
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
+            hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
+                                free_memory_bytes=int(psutil.virtual_memory().available), capabilities=capabilities())
             try:
                 welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_S)
                 if self.search is not None:
@@ -126,6 +127,7 @@ class NodeBase(ABC):
                     break
             except (ProtocolError, PeerUnreachable) as err:
                 self.log.warning("joining %s: %s", self.config.head, err)
+                self._hello_refused(str(err))
                 if "refused" in str(err) or "protocol" in str(err):   # a head with the keys said no
                     time.sleep(2.0)
                 else:
@@ -147,6 +149,9 @@ class NodeBase(ABC):
     def _welcome_ok(self, welcome: proto.Welcome) -> bool:
         """Whether this node can work with the head that WELCOMEd it (False: HELLO again)."""
         return True
+
+    def _hello_refused(self, reason: str) -> None:
+        """A HELLO went unanswered or was refused for `reason`: the node may change what it announces."""
 
     def _connect_ctrl(self) -> None:
         if self.ctrl is not None:

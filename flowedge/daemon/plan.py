@@ -7,6 +7,10 @@ which device each one is and how much memory it has free: `Replanner` then asks 
 (flowedge/plan/partition.py) for the split that fits every stage and makes the slowest one fastest, and
 re-splits in a background thread (cached per layer counts, `split_dir_for`) when that split fits where
 the current one does not, or is at least `MIN_GAIN` faster. A manual `layers` is never overridden.
+
+Splits are cached under `$FLOWEDGE_HOME/shards/`, keyed by the model's content (models/content_hash.py),
+not by its directory's name: a split is reused only when its manifest names the very model being
+served, else it is cut again (and the mismatch logged).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
 from flowedge.errors import ConfigError, ModelError
+from flowedge.models.content_hash import SHORT, memo_at, model_sha256, short
 from flowedge.models.packing import storage_quant
 from flowedge.models.shards import MANIFEST, Manifest, is_referenced
 from flowedge.models.split import layer_counts, split_model
@@ -42,37 +47,59 @@ class Plan:
     base_config: object
     draft_files: tuple[ShardFile, ShardFile] | None = None   # the draft as a one-stage split: (layers, head
                                                             # file) a drafter fetches (predraft = drafter)
+    model_sha256: str = ""        # the base model's content key: in status, checked when a stage joins
 
     @property
     def counts(self) -> list[int]:
         return [b - a for a, b in self.ranges]
 
 
-def split_dir_for(home: Path, base_dir: Path, counts: list[int], quant: str = "none") -> Path:
-    return home / "shards" / f"{base_dir.name}-{'-'.join(map(str, counts))}{'-int4' if quant == 'int4' else ''}"
+def split_dir_for(home: Path, base_dir: Path, source_sha256: str, counts: list[int], quant: str = "none") -> Path:
+    """The split's directory: named by the model's directory (for people) and its content key (for the
+    cache: two models in directories of one name never share a split)."""
+    counts_text = "-".join(map(str, counts))
+    return home / "shards" / f"{base_dir.name}-{short(source_sha256)}-{counts_text}{'-int4' if quant == 'int4' else ''}"
 
 
-def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, quant: str = "none") -> Manifest:
-    """Reuse a complete split with these layer counts and storage `quant` (none | int4: W4A16 shards),
-    else write one (atomically, with progress)."""
+def ensure_split(base_dir: Path, counts: list[int], out: Path, model_name: str, quant: str = "none",
+                 source_sha256: str | None = None) -> Manifest:
+    """Reuse a complete split of this very model (content key `source_sha256`, hashed here unless given)
+    with these layer counts and storage `quant` (none | int4: W4A16 shards), else write one (atomically,
+    with progress)."""
+    source_sha256 = source_sha256 or model_sha256(base_dir)
     prune_copied_splits(out, base_dir)
+    manifest = _reusable(out, counts, quant, source_sha256)
+    if manifest is not None:
+        return manifest
+    log.info("splitting %s (sha256 %s…) into %d stages %s -> %s", base_dir.name, short(source_sha256),
+             len(counts), counts, out)
+    return split_model(base_dir, len(counts), out, layers=counts, progress=lambda m: log.info("split: %s", m),
+                       model_name=model_name, quant=quant, source_sha256=source_sha256)
+
+
+def _reusable(out: Path, counts: list[int], quant: str, source_sha256: str) -> Manifest | None:
+    """The split in `out` if it was cut from the model `source_sha256` as asked, else None (a split of
+    another model is logged: it is never served)."""
     try:
         manifest = Manifest.load(out)
-        if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant and \
-                is_referenced(out):   # a split that copies the checkpoint (older flowedge) is redone
-            return manifest
     except ModelError:
-        pass
-    log.info("splitting %s into %d stages %s -> %s", base_dir.name, len(counts), counts, out)
-    return split_model(base_dir, len(counts), out, layers=counts, progress=lambda m: log.info("split: %s", m),
-                       model_name=model_name, quant=quant)
+        return None
+    if manifest.source_sha256 != source_sha256:
+        log.warning("%s was cut from %s, not from the model being served (sha256 %s…): splitting again", out,
+                    f"model sha256 {short(manifest.source_sha256)}…" if manifest.source_sha256 else
+                    "a model of unrecorded content (an older flowedge)", short(source_sha256))
+        return None
+    if [s.end - s.start for s in manifest.stages] == counts and manifest.quant == quant and \
+            is_referenced(out):   # a split that copies the checkpoint (older flowedge) is redone
+        return manifest
+    return None
 
 
 def prune_copied_splits(out: Path, base_dir: Path) -> None:
     """Remove the other splits of this model that an older flowedge made beside `out` (float32 or copies
     of the checkpoint, up to 6.7 GB each for the real 1.5B): the head only ever makes splits of references
     now, and redoes one in seconds when its layer counts come back."""
-    pattern = re.compile(rf"^{re.escape(base_dir.name)}(-\d+)+(-int4)?$")
+    pattern = re.compile(rf"^{re.escape(base_dir.name)}(-[0-9a-f]{{{SHORT}}})?(-\d+)+(-int4)?$")
     if not out.parent.is_dir():
         return
     for old in out.parent.iterdir():
@@ -91,8 +118,10 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     n_layers = int(load_config(base_dir).num_hidden_layers)
     counts = layer_counts(n_layers, config.stages, list(config.layers) or None)
     stored = storage_quant(config.quant)
-    out = split_dir_for(home, base_dir, counts, stored)
-    manifest = ensure_split(base_dir, counts, out, config.model, stored)
+    model_sha = model_sha256(base_dir, memo_at(home))
+    log.info("model %s: content sha256 %s…", config.model, short(model_sha))
+    out = split_dir_for(home, base_dir, model_sha, counts, stored)
+    manifest = ensure_split(base_dir, counts, out, config.model, stored, model_sha)
     ranges = [(s.start, s.end) for s in manifest.stages]
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
@@ -102,7 +131,7 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     served = draft_split(draft_dir, config.draft, draft_quant, home) \
         if draft_dir is not None and config.predraft == "drafter" else None
     return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out),
-                served)
+                served, model_sha)
 
 
 def draft_split(draft_dir: Path, name: str, draft_quant: str, home: Path) -> tuple[ShardFile, ShardFile]:
@@ -111,8 +140,9 @@ def draft_split(draft_dir: Path, name: str, draft_quant: str, home: Path) -> tup
     shard: the layers' file and the head file (embedding, final norm, lm_head)."""
     counts = [int(load_config(draft_dir).num_hidden_layers)]
     stored = storage_quant(draft_quant)
-    out = split_dir_for(home, draft_dir, counts, stored)
-    ensure_split(draft_dir, counts, out, name, stored)
+    draft_sha = model_sha256(draft_dir, memo_at(home))
+    out = split_dir_for(home, draft_dir, draft_sha, counts, stored)
+    ensure_split(draft_dir, counts, out, name, stored, draft_sha)
     return stage_files(out, 1), head_file(out)
 
 
@@ -208,13 +238,17 @@ class Replanner:
 
 
 def resplit(plan: Plan, counts: list[int], config: NodeConfig, home: Path) -> Plan:
-    """`plan` with the layers split as `counts` (the models node 0 holds are the same in every split)."""
+    """`plan` with the layers split as `counts` (the models node 0 holds are the same in every split). A
+    model changed on disk since `plan` was made is not split: node 0 holds the old one's embedding."""
     from flowedge.models.resolve import resolve_model
 
     base_dir = resolve_model(config.model, quant=config.quant)
+    if model_sha256(base_dir, memo_at(home)) != plan.model_sha256:
+        raise ModelError(f"{base_dir} changed on disk since the head loaded it (sha256 {short(plan.model_sha256)}…): "
+                         "restart the head to serve the new model")
     stored = storage_quant(config.quant)
-    out = split_dir_for(home, base_dir, counts, stored)
-    manifest = ensure_split(base_dir, counts, out, config.model, stored)
+    out = split_dir_for(home, base_dir, plan.model_sha256, counts, stored)
+    manifest = ensure_split(base_dir, counts, out, config.model, stored, plan.model_sha256)
     ranges = [(st.start, st.end) for st in manifest.stages]
     return replace(plan, split_dir=out, ranges=ranges, shards=[stage_files(out, k) for k in range(1, len(ranges) + 1)],
                    head_file=head_file(out))

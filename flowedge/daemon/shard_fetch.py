@@ -7,6 +7,10 @@ sha256, so an interrupted fetch never leaves a half-written entry and a restart 
 that was complete. An entry damaged later (bit rot, a disk that filled up, a copy by hand) fails its
 checksum when the stage loads it, at every assignment; `CacheRepair` then deletes the damaged file so
 the next fetch replaces it, a bounded number of times (then the error stands, shown in `status`).
+
+The stage file is keyed by its own content; its side files (config, manifest) came with the assignment
+that fetched it and name the model it was cut from, so an entry reused for another model (identical
+layer bytes) takes that model's side files and loses the other model's head file (`refresh_side_files`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from flowedge.daemon import model_check
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
 from flowedge.models.shard_refs import RefFile, resolve_file
@@ -88,6 +93,21 @@ def cache_root(home: Path) -> Path:
 def cached_dir(home: Path, sha256: str) -> Path | None:
     d = cache_root(home) / sha256
     return d if (d / MANIFEST).is_file() else None
+
+
+def refresh_side_files(entry: Path, assign: proto.Assign) -> None:
+    """Make a cache entry's side files the assignment's when its manifest names another model: the
+    weights are the same bytes (same sha256), the config and the head file may not be."""
+    why = model_check.manifest_mismatch(Manifest.load(entry), assign.model_sha256)
+    if why is None:
+        return
+    log.warning("cache entry %s: %s; taking this assignment's config and manifest (the weights are the "
+                "same bytes) and dropping its head file", entry, why)
+    (entry / Manifest.load(entry).head.file).unlink(missing_ok=True)
+    for name, text in assign.side_files.items():
+        tmp = entry / f".{name}.part-{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, entry / name)
 
 
 def cached_shas(home: Path) -> list[str]:

@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from flowedge.allocator import settle
-from flowedge.daemon import shard_fetch, wire
+from flowedge.daemon import model_check, shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, tcp
 from flowedge.daemon.membership import too_old_for_the_data_plane
 from flowedge.daemon.node_base import HELLO_TIMEOUT_S, NodeBase, NodeParts
@@ -63,6 +63,7 @@ class StageNode(NodeBase):
         self.inbox: StageInbox | None = None
         self.step_s: list[float] = []
         self.wire = wire.WireCounter(curve=not config.insecure)
+        self.model_sha256 = ""   # content key of the model whose layers this node holds ("": none, or unknown)
 
     # ---- joining --------------------------------------------------------------------------------
     def _join(self) -> None:
@@ -70,8 +71,9 @@ class StageNode(NodeBase):
         self.phase = f"joining the head at {self.config.head}"
         log.info("waiting for the head at %s to answer (HELLO every %.0f s; start it with `flowedge serve` "
                  "or `flowedge up`)", self.config.head, HELLO_TIMEOUT_S)
-        welcome = self._hello({"data_addr": self.data_addr, "want_stage": self.config.stage,
-                               "cached_shards": shard_fetch.cached_shas(self.home)})
+        welcome = self._hello(lambda: {"data_addr": self.data_addr, "want_stage": self.config.stage,
+                                       "cached_shards": shard_fetch.cached_shas(self.home),
+                                       **model_check.held(self.model_sha256)})
         if welcome is None:
             return
         log.info("joined head %s at %s; data port %s", welcome.node_id, self.config.head, self.data_addr)
@@ -82,6 +84,17 @@ class StageNode(NodeBase):
             if isinstance(msg, proto.Refuse):   # our slot went to another node (we could not serve it)
                 raise Rejoin(f"the head gave this node's slot away: {msg.reason}")
             self._beat()
+
+    def _hello_refused(self, reason: str) -> None:
+        """The head serves another model than the layers held here: drop them, and join holding none."""
+        if model_check.is_mismatch(reason) and self.worker is not None:
+            log.warning("the head serves another model than the layers this node holds (sha256 %s…): "
+                        "dropping them", self.model_sha256[:12])
+            self._drop_layers()
+
+    def _drop_layers(self) -> None:
+        self.assign, self.worker, self.inbox = None, None, None
+        self.model_sha256 = ""
 
     def _welcome_ok(self, welcome: proto.Welcome) -> bool:
         if not too_old_for_the_data_plane(welcome.version):
@@ -103,21 +116,21 @@ class StageNode(NodeBase):
             why = f"stage {assign.stage_index}: cannot take layers [{assign.layer_start}, {assign.layer_end}) " \
                   f"of shard {assign.shard_sha256[:12]}…: {type(err).__name__}: {err}"
             log.error("%s; waiting for another assignment", why, exc_info=not isinstance(err, FlowedgeError))
-            self.assign, self.worker, self.inbox = None, None, None
+            self._drop_layers()
             self.phase = f"assignment failed: {proto.bounded(str(err), 200)}"
             self._to_head(proto.Refuse(reason=f"assignment failed: {why}"))
             return False
 
     def _apply(self, assign: proto.Assign) -> None:
         """Apply an assignment: (re)load the layers if the shard changed, (re)connect the next hop."""
-        if self.assign is None or assign.shard_sha256 != self.assign.shard_sha256 or \
-                assign.quant != self.assign.quant or assign.head_sha256 != self.assign.head_sha256:
+        if self._needs_load(assign):
             self.worker = None
             self.phase = f"getting layers [{assign.layer_start}, {assign.layer_end}) of {assign.model}"
             with_head = bool(assign.head_sha256)   # last stage: also the final norm + lm_head
             t0 = time.monotonic()
             model = self._load(assign, StageParts(assign.layer_start, assign.layer_end, head=with_head))
             self.worker = StageWorker(assign.stage_index, model, 0, can_choose=with_head)
+            self.model_sha256 = assign.model_sha256
             log.info("stage %d: layers [%d, %d) of %s loaded in %.1f s (rss %.0f MB)", assign.stage_index,
                      assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
                      psutil.Process().memory_info().rss / 1e6)
@@ -132,6 +145,13 @@ class StageNode(NodeBase):
         self.phase = f"serving stage {assign.stage_index}, layers [{assign.layer_start}, {assign.layer_end})"
         self.notifier.ready(self._sd_status())
         log.info("stage %d ready; forwarding to %s", assign.stage_index, assign.next_addr or "the head")
+
+    def _needs_load(self, assign: proto.Assign) -> bool:
+        """Whether `assign` names other files (or another model: its config may differ) than those loaded."""
+        held = self.assign
+        return held is None or self.worker is None or \
+            (assign.shard_sha256, assign.quant, assign.head_sha256, assign.model_sha256) != \
+            (held.shard_sha256, held.quant, held.head_sha256, held.model_sha256)
 
     def _load(self, assign: proto.Assign, parts: StageParts) -> StageModel:
         """Find or fetch the assigned files and load them (the load checks their sha256), heartbeating."""
@@ -150,13 +170,13 @@ class StageNode(NodeBase):
 
     def _shard_files(self, assign: proto.Assign) -> Path:
         local = Path(assign.source_dir) if self.config.same_host and assign.source_dir else None
-        if local is not None and (local / "manifest.json").is_file() and any(
-                s.sha256 == assign.shard_sha256 for s in Manifest.load(local).stages):
+        if local is not None and (local / "manifest.json").is_file() and _holds(local, assign):
             log.info("using the head's shard files in %s (same host)", local)
             return local
         cached = shard_fetch.cached_dir(self.home, assign.shard_sha256)
         if cached is not None:
             log.info("shard %s… found in the cache (%s); not fetching", assign.shard_sha256[:12], cached)
+            shard_fetch.refresh_side_files(cached, assign)
             return cached
         log.info("fetching shard %s… (%d MB) from the head", assign.shard_sha256[:12], assign.shard_bytes >> 20)
         return shard_fetch.fetch(assign, self.home, self._to_head, self._next_chunk)
@@ -256,7 +276,7 @@ class StageNode(NodeBase):
     def _stats(self) -> dict:
         recent = self.step_s[-256:]
         worker = self.worker
-        return {"steps": len(self.step_s),
+        return {"steps": len(self.step_s), model_check.HELD_KEY: self.model_sha256,
                 "step_ms_median": round(1000 * statistics.median(recent), 3) if recent else None,
                 "step_ms_longest": round(1000 * self.compute.longest_s, 3),
                 "threads": torch.get_num_threads(), "wire": self.wire.snapshot(),
@@ -265,3 +285,13 @@ class StageNode(NodeBase):
                 "batched": {"forwards": worker.forwards, "requests": worker.forward_requests}
                 if worker is not None else None,
                 "dropped": self.drops.snapshot()}
+
+
+def _holds(split_dir: Path, assign: proto.Assign) -> bool:
+    """Whether the head's split directory (same host) holds the assigned shard, cut from the assigned model."""
+    manifest = Manifest.load(split_dir)
+    why = model_check.manifest_mismatch(manifest, assign.model_sha256)
+    if why is not None:
+        log.warning("not using the head's shard files in %s: %s", split_dir, why)
+        return False
+    return any(s.sha256 == assign.shard_sha256 for s in manifest.stages)

@@ -13,7 +13,9 @@ CLEAR = "\x1b[H\x1b[J"
 
 
 def node_table(nodes: list[dict]) -> list[str]:
-    lines = [f"{'node':<18} {'role':<7} {'layers':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
+    """One row per node. `model`: the first digits of the content key of the model whose layers the node
+    holds (the head: the model it serves), so a stage of another model stands out."""
+    lines = [f"{'node':<18} {'role':<7} {'layers':<12} {'model':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
              f"{'seen s':>6} {'step ms':>8}  state"]
     for n in nodes:
         layers = n.get("layers")
@@ -26,7 +28,9 @@ def node_table(nodes: list[dict]) -> list[str]:
         if isinstance(dropped, dict) and dropped:   # messages the node refused, by rule
             state += f"; dropped {sum(dropped.values())} (" + ", ".join(
                 f"{rule} {count}" for rule, count in sorted(dropped.items())) + ")"
-        lines.append(f"{n.get('node_id') or '-':<18} {n['role']:<7} {layers[:12]:<12} {n.get('address', ''):<22} "
+        model = str(n.get("model_sha256") or "-")[:12]
+        lines.append(f"{n.get('node_id') or '-':<18} {n['role']:<7} {layers[:12]:<12} {model:<12} "
+                     f"{n.get('address', ''):<22} "
                      f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
                      f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
     return lines

@@ -72,7 +72,8 @@ def split(model: str, stages: int, out: Path, layers: str | None, quant: str, co
     manifest = split_model(model_dir, stages, out, counts, progress=click.echo, model_name=model, quant=quant,
                            copy=copy)
     click.echo(f"{manifest.model}: {manifest.num_layers} layers, hidden {manifest.hidden_size}, "
-               f"{manifest.dtype}, tied={manifest.tied}, quant={manifest.quant}")
+               f"{manifest.dtype}, tied={manifest.tied}, quant={manifest.quant}, "
+               f"model sha256 {manifest.source_sha256[:12]}…")
     click.echo(f"  head     {manifest.head.file:<22} {manifest.head.bytes / 1e6:9.1f} MB")
     for s in manifest.stages:
         click.echo(f"  stage {s.index}  layers [{s.start:>2}, {s.end:>2})  {s.file:<22} "

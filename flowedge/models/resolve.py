@@ -18,7 +18,6 @@ in flowedge.json; a W4A16 one before format 4) is converted again, never read as
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -28,6 +27,7 @@ from flowedge.home import flowedge_home
 from flowedge.models import gguf_tensors, registry
 from flowedge.models.convert import CHECKPOINT_KEY, CONVERT_FORMAT, CONVERTED_MARKER, convert_gguf
 from flowedge.models.packing import storage_quant
+from flowedge.models.content_hash import memo_at
 from flowedge.models.safetensors_io import file_sha256
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,16 @@ def _resolve_registry(name: str, home: Path, fmt: str) -> Path:
 
 
 def _resolve_gguf_file(path: Path, home: Path, fmt: str) -> Path:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = home / "models" / f"gguf-{key}{_suffix(fmt)}"
-    if _converted(target, None, fmt):
+    """A GGUF the user gave, converted once per content: keyed and checked by its sha256 (memoized by
+    the file's stamp, so a start hashes it only when it changed), so a file replaced under the same path
+    is converted anew, never served from the old one's conversion."""
+    memo = memo_at(home)
+    sha256 = memo.sha256(path)
+    memo.save()
+    target = home / "models" / f"gguf-{sha256[:16]}{_suffix(fmt)}"
+    if _converted(target, sha256, fmt):
         return target
-    log.info("hashing %s", path)
-    convert_gguf(path, target, source=str(path), sha256=file_sha256(path), quant=fmt)
+    convert_gguf(path, target, source=str(path), sha256=sha256, quant=fmt)
     return target
 
 
@@ -90,6 +93,8 @@ def _converted(target: Path, sha256: str | None, fmt: str) -> bool:
                  target, marker.get("format"), marker.get("dtype", "unknown dtype"))
         return False
     if sha256 is not None and marker.get("sha256") != sha256:
+        log.warning("%s was converted from a GGUF of sha256 %s…, not the %s… asked for: converting again",
+                    target, str(marker.get("sha256"))[:12], sha256[:12])
         return False
     if marker.get("quant") != fmt or not (target / "model.safetensors").is_file():
         return False

@@ -6,7 +6,8 @@ Layout of a shard directory (format 2):
     head.safetensors                   embed_tokens, final norm, lm_head (absent when tied), 16-bit
     stage-<i>.safetensors              model.layers.<j>.* for j in the stage's [start, end)
     manifest.json                      written last; sizes and sha256 of every file, the storage
-                                       quantization ("none" or "int4") and its group size
+                                       quantization ("none" or "int4") and its group size, and the
+                                       content key of the model it was cut from (source_sha256)
 A file whose tensors are stored exactly as in the checkpoint (every head file; stage files unless
 the split packs a 16-bit checkpoint) is written as `<file>.ref` instead (flowedge.models.shard_refs:
 the header plus byte ranges of the checkpoint), so a split costs no second copy of the model; the
@@ -70,12 +71,13 @@ class Manifest:
     format: int = FORMAT
     quant: str = "none"               # storage: none (16/32-bit tensors) | int4 (W4A16 packed layers)
     group_size: int | None = None     # int4 only
+    source_sha256: str = ""           # content key of the model split (content_hash.model_sha256); "" before
 
     def to_json(self) -> dict:
         return {
             "format": self.format, "model": self.model, "num_layers": self.num_layers,
             "hidden_size": self.hidden_size, "dtype": self.dtype, "tied": self.tied,
-            "quant": self.quant, "group_size": self.group_size,
+            "quant": self.quant, "group_size": self.group_size, "source_sha256": self.source_sha256,
             "head": {"file": self.head.file, "sha256": self.head.sha256, "bytes": self.head.bytes},
             "stages": [{"index": s.index, "layers": [s.start, s.end], "file": s.file,
                         "sha256": s.sha256, "bytes": s.bytes} for s in self.stages],
@@ -109,7 +111,7 @@ class Manifest:
                    tied=bool(data["tied"]),
                    head=FileSpec(str(head["file"]), str(head["sha256"]), int(head["bytes"])),
                    stages=stages, format=int(data["format"]), quant=str(data.get("quant", "none")),
-                   group_size=data.get("group_size"))
+                   group_size=data.get("group_size"), source_sha256=str(data.get("source_sha256", "")))
 
     def _check(self) -> None:
         for name in [self.head.file, *(s.file for s in self.stages)]:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from flowedge.errors import ConfigError, ModelError
-from flowedge.models import gguf_tensors, packing, shard_refs
+from flowedge.models import content_hash, gguf_tensors, packing, shard_refs
 from flowedge.models.gguf_tensors import GgufTensor
 from flowedge.models.quant import DEFAULT_GROUP_SIZE
 from flowedge.models.safetensors_io import _CODE_DTYPES, TensorEntry, write_safetensors
@@ -127,17 +127,20 @@ def _natural_key(name: str) -> list:
 
 def split_model(model_dir: Path, stages: int, out: Path, layers: list[int] | None = None,
                 progress: Progress | None = None, *, model_name: str | None = None, quant: str | None = None,
-                group_size: int = DEFAULT_GROUP_SIZE, copy: bool = False) -> Manifest:
+                group_size: int = DEFAULT_GROUP_SIZE, copy: bool = False,
+                source_sha256: str | None = None) -> Manifest:
     """Cut a Hugging Face model directory into per-stage safetensors files under `out`.
 
     `quant`: None keeps the source's storage (a packed source stays packed); "int4" packs every
     decoder layer's Linear weights (W4A16); "none" needs an unpacked source. Files that hold the
-    source's tensors unchanged are references into it unless `copy`.
+    source's tensors unchanged are references into it unless `copy`. The manifest records the
+    source's content key (`source_sha256`, hashed here unless the caller has it), which a reuse checks.
     Files are written into a temporary sibling directory that is renamed into place at the
     end, so `out` is either absent, the previous complete split, or the new complete split.
     """
     model_dir, out = Path(model_dir), Path(out)
     config = _read_config(model_dir)
+    source_sha256 = source_sha256 or content_hash.model_sha256(model_dir)
     num_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     ranges = _stage_ranges(num_layers, stages, layers)
     source = _TensorSource(model_dir)
@@ -163,7 +166,7 @@ def split_model(model_dir: Path, stages: int, out: Path, layers: list[int] | Non
             model=model_name or str(model_dir), num_layers=num_layers, hidden_size=hidden,
             dtype=_dtype_name(source, head_names), tied=tied,
             head=FileSpec(HEAD_FILE, head_sha, head_bytes), stages=specs,
-            quant=quant, group_size=group,
+            quant=quant, group_size=group, source_sha256=source_sha256,
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
         _swap_into_place(tmp, out)

@@ -93,6 +93,7 @@ class Assign(Message):
     source_dir: str = ""  # the head's split directory: a stage on the same host may read it directly
     head_sha256: str = ""  # 1.2, last stage only: also load the split's head file (final norm + lm_head)
     head_bytes: int = 0
+    model_sha256: str = ""  # 1.6: content key of the model the shards were cut from ("": an older head)
 
     def __post_init__(self) -> None:
         _ints(self, "stage_index", lo=1)
@@ -108,6 +109,8 @@ class Assign(Message):
         if self.head_sha256:
             _sha256(self, "head_sha256")
         _ints(self, "head_bytes")
+        if self.model_sha256:
+            _sha256(self, "model_sha256")
         if len(self.side_files) > 64 or not all(isinstance(v, str) and is_plain_file_name(k)
                                                  for k, v in self.side_files.items()):
             raise _fail(self, "side_files", "plain file names mapped to text")
