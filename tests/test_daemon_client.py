@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -174,3 +175,44 @@ def test_every_request_method_names_its_arguments(method):
     want = [n for n in inspect.signature(prompt_request).parameters if n != "rid"]
     assert list(params)[1:] == want   # self, then prompt_request's: one list for every method
     assert {"max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop", "strategy"} <= set(params)
+
+
+# ---- the CLI's readers of an answer -----------------------------------------------------------------
+@pytest.fixture
+def memory_clients(net, monkeypatch):
+    """`flowedge prompt` and `up --prompt` build a Client by address: here it is one on the memory link."""
+    import flowedge.daemon.client as client_module
+
+    class MemoryClient(Client):
+        def __init__(self, addr: str, **kwargs) -> None:
+            kwargs.pop("keys_dir", None)
+            kwargs.pop("insecure", None)
+            super().__init__(addr, link=net.link(), **kwargs)
+
+    monkeypatch.setattr(client_module, "Client", MemoryClient)
+
+
+def test_flowedge_prompt_prints_the_answer_its_summary_and_its_json(head, memory_clients):
+    from click.testing import CliRunner
+
+    from flowedge.daemon.commands import prompt
+
+    shown = CliRunner().invoke(prompt, ["hi", "--head", head.addr, "--max-new-tokens", "3"])
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout == "Hello\n" and shown.stderr.startswith("[3 tokens, first token after ")
+    assert shown.stderr.rstrip().endswith(" tok/s]")
+    as_json = CliRunner().invoke(prompt, ["hi", "--head", head.addr, "--max-new-tokens", "3", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    out = json.loads(as_json.stdout)
+    assert out["text"] == "Hello" and out["token_ids"] == [10, 11, 12] and out["tree_depth"] == 4
+
+
+def test_up_prompt_ends_with_the_summary_line(head, memory_clients, capsys):
+    from types import SimpleNamespace
+
+    from flowedge.daemon.commands import _answer_once
+
+    _answer_once(SimpleNamespace(addr=head.addr, insecure=True, nodes=3), "hi", 3)
+    out, err = capsys.readouterr()
+    assert out == "Hello\n" and err.startswith("[3 tokens in ") and err.rstrip().endswith(
+        "tok/s, strategy flowspec, 3 nodes]"), err
