@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 FLOWEDGE := $(VENV)/bin/flowedge
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup browser demo test test-fast bench clean
+.PHONY: setup browser demo test test-fast bench wheel clean
 
 setup: $(VENV)/.installed
 
@@ -35,5 +35,12 @@ bench: setup
 	$(FLOWEDGE) bench --dataset mt-bench --dataset humaneval --samples 10 --max-new-tokens 128 \
 		--nodes 5 --profile orin-nano-8gb --verify oracle --out bench-out
 
+# dist/flowedge-VERSION-py3-none-any.whl, to install anywhere with the extras a machine needs (README:
+# Installing). Any Python 3.11+ with pip builds it; pip fetches setuptools for the build.
+wheel:
+	rm -rf build dist/flowedge-*.whl
+	python3 -m pip wheel --no-deps -q -w dist .
+	@echo "built $$(ls dist/flowedge-*.whl): pip install '$$(ls dist/flowedge-*.whl)[node]' (a head or a stage), without [node] for a client"
+
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) bench-out build dist

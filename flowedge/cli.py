@@ -38,8 +38,9 @@ class _Root(click.Group):
             top = (e.name or "").split(".")[0]
             if top not in EXTRA_OF:
                 raise
-            click.echo(f"error: `flowedge {ctx.invoked_subcommand}` needs {top}, which this install lacks: "
-                       f"pip install 'flowedge[{EXTRA_OF[top]}]'", err=True)
+            extra = EXTRA_OF[top]   # not on PyPI: flowedge installs from a checkout or its wheel (README)
+            click.echo(f"error: `flowedge {ctx.invoked_subcommand}` needs {top}, which this install lacks: install "
+                       f"flowedge with its `{extra}` extra (from a checkout: pip install -e '.[{extra}]')", err=True)
             sys.exit(1)
 
 

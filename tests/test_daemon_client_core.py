@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from flowedge.daemon.client_core import (CONTROL, HELLO_TIMEOUT_S, ClientCore, Done, Failed, Piece, Send, Status,
-                                         Welcomed, prompt_request)
+from flowedge.daemon.client_core import (CONTROL, DEFAULT_MAX_NEW_TOKENS, HELLO_TIMEOUT_S, ClientCore, Done, Failed,
+                                         Piece, Send, Status, Welcomed, prompt_request)
 from flowedge.errors import ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
 
@@ -64,19 +64,34 @@ def test_a_silent_head_fails_hello_after_the_short_hello_timeout():
 
 
 # ---- requests ------------------------------------------------------------------------------------
-def test_chunks_become_pieces_then_done_with_the_totals():
+def test_chunks_become_pieces_then_done_with_the_typed_answer():
     core = welcomed()
     rid = opened(core, 1.0)
-    assert core.receive(chunk(rid, [5], "Hel"), 1.5) == [Piece(rid, "Hel")]
-    assert core.receive(chunk(rid, [6], ""), 1.7) == []   # tokens without text yet: no piece
-    events = core.receive(chunk(rid, [7, 8], "lo", done=True, stats={"finish_reason": "length"}), 3.0)
-    assert events[0] == Piece(rid, "lo")
-    result = events[1].result
+    assert core.receive(chunk(rid, [5], "Hel"), 1.5) == [Piece(rid, "Hel", (5,))]
+    assert core.receive(chunk(rid, [6], ""), 1.7) == [Piece(rid, "", (6,))]   # tokens without text yet
+    stats = {"finish_reason": "length", "prompt_tokens": 9, "strategy": "flowspec", "mean_accept_len": 2.5,
+             "tree_depth": 4}
+    events = core.receive(chunk(rid, [7, 8], "lo", done=True, stats=stats), 3.0)
+    assert events[0] == Piece(rid, "lo", (7, 8))
     assert isinstance(events[1], Done) and events[1].request_id == rid
-    assert result["text"] == "Hello" and result["token_ids"] == [5, 6, 7, 8]
-    assert result["finish_reason"] == "length"
-    assert result["client_wall_s"] == 2.0 and result["first_token_s"] == 0.5 and result["wall_tokens_per_s"] == 2.0
+    answer = events[1].answer
+    assert answer.text == "Hello" and answer.token_ids == (5, 6, 7, 8) and answer.finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (9, 4, 13)
+    assert answer.stats.strategy == "flowspec" and answer.stats.mean_accept_len == 2.5
+    assert answer.stats.figures["tree_depth"] == 4
+    assert answer.client_wall_s == 2.0 and answer.first_token_s == 0.5 and answer.wall_tokens_per_s == 2.0
     assert rid not in core.open and core.cancel(rid) is None   # finished: nothing left to cancel
+
+
+def test_an_answer_still_reads_as_the_dict_it_was():
+    core = welcomed()
+    rid = opened(core, 1.0)
+    [_, done] = core.receive(chunk(rid, [5, 6], "Hi", done=True, stats={"new_tokens": 2, "auto": {"a": 1}}), 2.0)
+    answer = done.answer
+    assert answer.to_dict() == {"new_tokens": 2, "auto": {"a": 1}, "text": "Hi", "token_ids": [5, 6],
+                                "client_wall_s": 1.0, "wall_tokens_per_s": 2.0, "first_token_s": 1.0}
+    assert answer["token_ids"] == [5, 6] and answer.get("auto") == {"a": 1} and answer.get("nope", 3) == 3
+    assert answer.finish_reason == "stop" and answer.stats.strategy == ""   # a head that sent neither
 
 
 def test_the_heads_error_reply_is_typed():
@@ -93,13 +108,14 @@ def test_several_requests_are_kept_apart_and_late_replies_dropped():
     core = welcomed()
     a, b = opened(core, 0.0), opened(core, 0.0)
     assert a != b and CONTROL not in (a, b)
-    assert core.receive(chunk(b, [1], "b"), 0.1) == [Piece(b, "b")]
-    assert core.receive(chunk(a, [2], "a"), 0.2) == [Piece(a, "a")]
+    assert core.receive(chunk(b, [1], "b"), 0.1) == [Piece(b, "b", (1,))]
+    assert core.receive(chunk(a, [2], "a"), 0.2) == [Piece(a, "a", (2,))]
     assert core.cancel(a) == proto.Cancel(request_id=a)
     assert core.cancel(a) is None
     assert core.receive(chunk(a, [3], "late", done=True), 0.3) == []   # abandoned: dropped
     assert core.receive(chunk(99, [3], "never asked", done=True), 0.3) == []
-    assert [type(e) for e in core.receive(chunk(b, [4], "", done=True), 0.4)] == [Done]
+    assert [type(e) for e in core.receive(chunk(b, [4], "", done=True), 0.4)] == [Piece, Done]
+    assert core.receive(chunk(b, [], "", done=True), 0.5) == []   # b is finished too
 
 
 def test_heartbeats_are_answered_only_while_a_request_is_open():
@@ -180,6 +196,21 @@ def test_prompt_request_builds_the_message_and_refuses_what_cannot_be_sent():
             prompt_request(1, bad.pop("prompt"), **bad)
     with pytest.raises(ProtocolError):
         prompt_request(1, "x", max_new_tokens=-1)
+
+
+def test_max_tokens_is_max_new_tokens_by_its_openai_name():
+    assert prompt_request(1, "x").max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert prompt_request(1, "x", max_tokens=9).max_new_tokens == 9
+    assert prompt_request(1, "x", max_new_tokens=9).max_new_tokens == 9
+    assert prompt_request(1, "x", max_new_tokens=9, max_tokens=9).max_new_tokens == 9   # agreeing: fine
+    with pytest.raises(FlowedgeError, match="max_tokens=8 and max_new_tokens=9 disagree"):
+        prompt_request(1, "x", max_new_tokens=9, max_tokens=8)
+
+
+def test_messages_may_be_any_sequence_of_mappings():
+    turns = ({"role": "user", "content": "hi"},)
+    assert prompt_request(1, None, messages=turns).messages == [{"role": "user", "content": "hi"}]
+    assert prompt_request(1, None, messages=[], system="s").messages == [{"role": "system", "content": "s"}]
 
 
 def test_request_ids_count_up_and_an_open_id_cannot_be_reused():

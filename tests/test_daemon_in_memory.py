@@ -16,6 +16,7 @@ import pytest
 from daemon_helpers import flowedge_home
 from flowedge.daemon.async_client import AsyncClient
 from flowedge.daemon.client import Client
+from flowedge.daemon.client_answer import Answer
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.roots import build_head, build_stage
 from flowedge.runner import GenerateRequest, run_generate
@@ -101,13 +102,13 @@ class Cluster:
             t.join(15)
 
 
-def ask(link, strategy: str = "flowspec") -> dict:
+def ask(link, strategy: str = "flowspec") -> Answer:
     """The sync client on `link`: one answer, as `flowedge prompt --json` gets it."""
     with Client(HEAD, link=link, timeout_s=300) as client:
         return client.generate(PROMPT, max_new_tokens=MAX_NEW, strategy=strategy)
 
 
-async def ask_async(net: MemoryNetwork) -> dict:
+async def ask_async(net: MemoryNetwork) -> Answer:
     link = MemoryAsyncLink(net)
     try:
         async with AsyncClient(HEAD, link=link, timeout_s=300) as client:
@@ -139,7 +140,7 @@ def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_st
 
     joined = slots()   # s1 and s2 race to join: either may hold stage 1
     first = ask(cluster.net.link())
-    assert first["token_ids"] == reference and first["replays"] == 0
+    assert list(first.token_ids) == reference and first.stats.replays == 0
     assert len(reference) >= 20   # the comparison covers real decoding
 
     lost = threading.Event()
@@ -153,13 +154,13 @@ def test_a_cluster_on_the_memory_link_answers_as_plain_greedy_and_rides_out_a_st
     second = ask(TrippingLink(cluster.net, lose_stage_2))
     joiner.join(10)
     assert lost.is_set(), "the loss never happened"
-    assert second["token_ids"] == reference
-    assert second["replays"] >= 1, second   # the loss landed mid-answer: the request was replayed
+    assert list(second.token_ids) == reference
+    assert second.stats.replays >= 1, second   # the loss landed mid-answer: the request was replayed
     cluster.threads["s2"].join(30)   # its run() notices the closed link on its own schedule
     assert "s2" in cluster.errors and not {"head", "s1", "s3"} & set(cluster.errors), cluster.errors
     assert slots() == ["s3" if name == "s2" else name for name in joined]   # s3 took the lost stage's place
     third = asyncio.run(ask_async(cluster.net))   # the asyncio face on the repaired cluster
-    assert third["token_ids"] == reference and third["replays"] == 0
+    assert list(third.token_ids) == reference and third.stats.replays == 0
 
 
 def test_pre_drafting_in_node_0s_gaps_answers_as_plain_greedy(tiny_pair, reference, tmp_path):
@@ -172,8 +173,8 @@ def test_pre_drafting_in_node_0s_gaps_answers_as_plain_greedy(tiny_pair, referen
             answers = [ask(c.net.link()) for _ in range(2)]
         finally:
             c.stop()
-    assert [a["token_ids"] for a in answers] == [reference, reference]
-    stats = answers[0]["predraft"]
+    assert [list(a.token_ids) for a in answers] == [reference, reference]
+    stats = answers[0].stats.figures["predraft"]
     # idle work reached the engine (on this tiny in-process cluster segments return faster than a draft call,
     # so most calls are rightly skipped: the gate's own tests are in test_engine_predraft.py)
     assert stats["jobs"] > 0 and stats["calls"] + stats["skipped_idle_calls"] > 0, str(stats)

@@ -66,3 +66,35 @@ def test_the_link_check_finds_a_broken_file_and_a_broken_anchor(tmp_path):
     page.write_text("[ok](b.md#real-heading) [gone](c.md) [bad](b.md#nope) [web](https://x.org/y) [self](#top)\n# Top\n"
                     "```\n[in a fence](missing.md)\n```\n")
     assert broken_links(page) == ["c.md", "b.md#nope"]
+
+
+def _version() -> str:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return cfg["metadata"]["version"]
+
+
+# `pip install flowedge`, `pip install 'flowedge[node]'`: what PyPI would answer, were flowedge there
+PYPI_INSTALL = re.compile(r"pip install ['\"]?flowedge\b(?![-\w./])")
+
+
+def test_the_install_commands_are_ones_that_work():
+    """Before: the README and docs/cli.md said `pip install flowedge`, and pip answered "No matching
+    distribution". Now: a checkout's editable install, or the wheel `make wheel` builds, by its name."""
+    wheel = f"dist/flowedge-{_version()}-py3-none-any.whl"
+    for page in (ROOT / "README.md", ROOT / "docs" / "cli.md"):
+        text = page.read_text(encoding="utf-8")
+        assert not PYPI_INSTALL.findall(text), page.name
+        wheels = set(re.findall(r"dist/flowedge-\S*?\.whl", text))
+        assert wheels <= {wheel}, f"{page.name} names {wheels - {wheel}}, not what `make wheel` builds: {wheel}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install -e '.[node]'" in readme and f"pip install '{wheel}[node]'" in readme
+    assert "\nwheel:" in (ROOT / "Makefile").read_text() and "make wheel" in readme
+
+
+def test_the_pypi_install_check_catches_what_it_should():
+    assert PYPI_INSTALL.findall("run `pip install flowedge` and")
+    assert PYPI_INSTALL.findall("pip install 'flowedge[http]'")
+    assert not PYPI_INSTALL.findall("pip install 'dist/flowedge-0.1.0-py3-none-any.whl[node]' or pip install -e .")

@@ -1,4 +1,5 @@
-"""Installable anywhere: the wheel carries its data files, and a text client never imports torch."""
+"""Installable anywhere: the wheel carries its data files and its type marker, a client or a planner never
+imports torch, and the wheel alone (no extras, a clean venv) is a working, typed client and planner."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+GATEWAY = ROOT / "docs" / "examples" / "gateway.py"   # the example app a user's mypy --strict checks
 NO_TORCH = """
 import sys
 from flowedge import AsyncClient, Client, ContextOverflow, RequestFailed
@@ -74,7 +76,8 @@ def test_a_command_whose_extra_is_missing_says_which_extra_to_install(tmp_path):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{blocker}:{ROOT}"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: `flowedge http` needs uvicorn, which this install lacks: pip install 'flowedge[http]'")
+        "error: `flowedge http` needs uvicorn, which this install lacks: install flowedge with its `http` extra "
+        "(from a checkout: pip install -e '.[http]')")
 
 
 def _source_copy(dest: Path) -> Path:
@@ -97,14 +100,20 @@ def _fresh_venv(path: Path) -> Path:
     return python
 
 
-@pytest.mark.packaging
-def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pair):
-    src = _source_copy(tmp_path / "src")
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `make wheel` builds, built once for this module from a copy of the tracked source."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(tmp / "src")
     # offline when this venv has setuptools (torch pulls it in); else pip fetches it for an isolated build
     isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(src),
-                    "-w", str(tmp_path / "wheels")], check=True, timeout=300, cwd=tmp_path)
-    wheel = next((tmp_path / "wheels").glob("flowedge-*.whl"))
+                    "-w", str(tmp / "wheels")], check=True, timeout=300, cwd=tmp)
+    return next((tmp / "wheels").glob("flowedge-*.whl"))
+
+
+@pytest.mark.packaging
+def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pair, wheel):
     python = _fresh_venv(tmp_path / "venv")
     # --force-reinstall: the .pth above makes the checkout's own (editable) flowedge look installed already
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
@@ -130,3 +139,106 @@ def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pai
                               "load_node_config; print(load_node_config(EXAMPLE_CONFIG).role)"],
                              env=env, cwd=run_dir, capture_output=True, text=True)
     assert example.stdout.strip() == "head", example.stderr
+
+
+@pytest.mark.packaging
+def test_the_wheel_alone_in_a_clean_venv_is_a_client_and_a_planner_without_torch(tmp_path, wheel):
+    """What a gateway host or a buyer-to-be runs: the wheel without extras in a venv of its own (no
+    system site-packages, nothing of this one), its four dependencies resolved from PyPI as a user's pip
+    resolves them. Then `flowedge plan` for a registry model on device profiles, the client imports, and
+    mypy --strict on the example gateway app against the installed package (its py.typed)."""
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "clean")
+    python, bin_dir = tmp_path / "clean" / "bin" / "python", tmp_path / "clean" / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLOWEDGE_PROFILES", "VIRTUAL_ENV")}
+    env.update(FLOWEDGE_HOME=str(tmp_path / "home"))
+    run = lambda *args: subprocess.run([str(a) for a in args], env=env, cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=600)
+    pip = run(python, "-m", "pip", "install", "-q", wheel)
+    assert pip.returncode == 0, f"installing the wheel (pyzmq, msgpack, numpy, click from PyPI):\n{pip.stderr[-3000:]}"
+    probe = run(python, "-c", "import importlib.util, flowedge\nfrom flowedge import AsyncClient, Client\n"
+                "Client('127.0.0.1:1', insecure=True).close()\n"
+                "print(flowedge.__file__, importlib.util.find_spec('torch') is None)")
+    assert probe.returncode == 0, probe.stderr
+    where, no_torch = probe.stdout.split()
+    assert where.startswith(str(tmp_path / "clean")) and no_torch == "True"   # the venv's own flowedge, no torch
+    for command in ("plan", "prompt", "status"):
+        helped = run(bin_dir / "flowedge", command, "--help")
+        assert helped.returncode == 0 and "Usage: flowedge" in helped.stdout, helped.stderr
+    plan = run(bin_dir / "flowedge", "plan", "--model", "qwen2.5-coder-1.5b", "--devices",
+               "orin-nano-8gb,orin-nano-8gb", "--json")
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["layers"] == 28 and sum(s["count"] for s in report["stages"]) == 28
+    assert report["predicted_tokens_per_s"]["ar-pp (analytic)"] > 0
+    app = tmp_path / "app"
+    app.mkdir()
+    shutil.copy(GATEWAY, app)
+    mypy = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--python-executable", str(python),
+                           "--cache-dir", str(tmp_path / "mypy-cache"), GATEWAY.name], cwd=app, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert mypy.returncode == 0, mypy.stdout + mypy.stderr   # before: "missing library stubs or py.typed marker"
+
+
+# ---- light on purpose: no torch where a client or a planner runs, and typed for the apps using it -----
+LIGHT_COMMANDS = """
+import json, sys
+from click.testing import CliRunner
+from flowedge.cli import main
+runner = CliRunner()
+for args in (["plan", "--model", "llama-2-7b", "--devices", "orin-nano-8gb,orin-nano-8gb"],
+             ["prompt", "--help"], ["status", "--help"]):
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, (args, result.output)
+print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
+"""
+
+
+def test_plan_prompt_and_status_do_not_import_torch(tmp_path):
+    """`flowedge plan` is for before buying anything: a whole plan (the pair not cached here, so no
+    simulation) and the client commands start without torch, though this venv has it."""
+    proc = subprocess.run([sys.executable, "-c", LIGHT_COMMANDS], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "FLOWEDGE_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_plan_without_torch_gives_the_analytic_figure_and_says_why(monkeypatch):
+    """The pair cached but no torch (a client install): the plan, not an install error."""
+    from click.testing import CliRunner
+
+    from flowedge.cli import main
+    from flowedge.models import registry
+
+    monkeypatch.setattr(registry, "is_cached", lambda entry, home=None: True)
+    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` raises ModuleNotFoundError
+    result = CliRunner().invoke(main, ["plan", "--model", "llama-2-7b", "--devices", "orin-nano-8gb,orin-nano-8gb",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.stdout)["predicted_tokens_per_s"]) == ["ar-pp (analytic)"]
+    assert "the simulated figures need torch (the `node` extra)" in result.stderr
+
+
+def test_the_package_says_it_is_typed():
+    assert (ROOT / "flowedge" / "py.typed").is_file()
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "py.typed" in cfg["options.package_data"]["flowedge"].split()
+    assert "include flowedge/py.typed" in (ROOT / "MANIFEST.in").read_text().splitlines()
+
+
+def test_a_gateway_app_type_checks_under_mypy_strict(tmp_path):
+    """docs/examples/gateway.py, as a user's mypy --strict sees the client; a copy with one type mistake
+    fails, so the check is not passing for want of types (an Any would let the mistake through). The
+    answers' module and the package root, what every such app imports, are held to --strict themselves."""
+    broken = tmp_path / "broken_gateway.py"
+    source = GATEWAY.read_text()
+    assert "rate = answer.wall_tokens_per_s or 0.0" in source
+    broken.write_text(source.replace("rate = answer.wall_tokens_per_s or 0.0", "rate: str = answer.usage"))
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir",
+                           str(tmp_path / "cache"), str(GATEWAY), str(broken), "flowedge/__init__.py",
+                           "flowedge/daemon/client_answer.py"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)})
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"{broken}:") and '"Usage"' in errors[0], proc.stdout

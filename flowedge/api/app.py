@@ -261,7 +261,7 @@ class Routes:
         finally:
             gone.cancel()
             await self.close(pieces, c)
-        result = c.last_result or {}
+        result = c.last_result.to_dict() if c.last_result else {}
         self.metrics.answered(result)
         self.metrics.requests.labels(endpoint, "ok").inc()
         return JSONResponse(reply.whole({**result, "text": text}))
@@ -277,7 +277,7 @@ class Routes:
                 yield sse(reply.chunk(first))
             async for piece in pieces:
                 yield sse(reply.chunk(piece))
-            result = c.last_result or {}
+            result = c.last_result.to_dict() if c.last_result else {}
             yield sse(reply.chunk(None, result.get("finish_reason", "stop")))
             if include_usage:
                 yield sse(reply.usage_chunk(result))

@@ -32,7 +32,8 @@ def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> 
         for _ in client.stream(prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                seed=cfg.seed, strategy=strategy):
             stamps.append(time.monotonic() - t0)
-        out.update(token_ids=client.last_result["token_ids"], stamps=stamps)
+        answer = client.last_result
+        out.update(token_ids=list(answer.token_ids) if answer else [], stamps=stamps)
 
 
 def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,

@@ -55,7 +55,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
                 for j, name in enumerate(cfg.strategies):
                     res = client.generate(prompt.text, max_new_tokens=cfg.max_new_tokens,
                                           temperature=cfg.temperature, seed=params.seed, strategy=name)
-                    run = _zmq_run(prompt, name, res, client.status(), ref)
+                    run = _zmq_run(prompt, name, res.to_dict(), client.status(), ref)
                     say(f"[{i * len(cfg.strategies) + j + 1}/{total}] {prompt.dataset}/{prompt.prompt_id} {name}: "
                         f"{run['tokens_per_s']:.2f} tok/s (wall), accept {run['mean_accept_len']:.2f}"
                         + ("" if ref is None else f", {'matches' if run['matches_ar'] else 'MISMATCH vs'} ar"))

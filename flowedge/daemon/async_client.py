@@ -4,7 +4,7 @@
     async with AsyncClient("127.0.0.1:5555") as client:
         async for piece in client.stream("Write a haiku about routers", stop=["\\n\\n"]):
             print(piece, end="", flush=True)
-        print(client.last_result["wall_tokens_per_s"])
+        print(client.last_result.wall_tokens_per_s)
 
 Each AsyncClient is one DEALER socket that carries any number of requests at once (several tasks may
 `await` on one client): one reader task feeds every reply to the `ClientCore`, and hands the core's
@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
-from flowedge.daemon.client_core import CONTROL, ClientCore, Done, Event, Failed, Piece, Send, Status, Welcomed
+from flowedge.daemon.client_answer import Answer, Chunk
+from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
+                                         Turns, Welcomed)
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import LinkError, ProtocolError
+from flowedge.errors import FlowedgeError, LinkError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.async_link import AsyncLink, ZmqAsyncLink
 from flowedge.transport.link import Inbound
@@ -77,14 +80,14 @@ class AsyncClient:
         own = link is None
         self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
         self._control_lock: asyncio.Lock | None = None   # one HELLO or status exchange at a time
-        self._queues: dict[int, asyncio.Queue] = {}      # request id (or CONTROL) -> its events
-        self._reader: asyncio.Task | None = None
-        self.last_result: dict | None = None             # the totals of the request that finished last
+        self._queues: dict[int, asyncio.Queue[Event]] = {}   # request id (or CONTROL) -> its events
+        self._reader: asyncio.Task[None] | None = None
+        self.last_result: Answer | None = None   # the answer of the request that finished last (`chunks`: each's own)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -149,21 +152,48 @@ class AsyncClient:
                 await self._control(self.core.hello(time.monotonic()))
 
     # ---- requests ---------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int] | None = None, **kwargs) -> AsyncIterator[str]:
-        """Text pieces as the head accepts tokens (same arguments as `Client.stream`); afterwards
-        `last_result` holds the totals. Leaving early or being cancelled cancels the request."""
-        return self._pieces({}, prompt, **kwargs)
+    def chunks(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+               stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+               max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None,
+               strategy: str = "") -> AsyncGenerator[Chunk, None]:
+        """The answer as it comes: a Chunk (text, token ids) per reply of the head, the last one carrying
+        the whole Answer (so each of several concurrent streams has its own). The arguments are
+        `Client.stream`'s; leaving early or being cancelled cancels the request."""
+        return self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy))
 
-    async def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:
-        """The whole answer at once (the keys of `Client.generate`); safe to run several at once."""
-        result: dict = {}
-        async for _ in self._pieces(result, prompt, **kwargs):
-            pass
-        return dict(result)
+    def stream(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+               stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+               max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None,
+               strategy: str = "") -> AsyncGenerator[str, None]:
+        """Text pieces as the head accepts tokens (the arguments are `Client.stream`'s); afterwards
+        `last_result` holds the Answer. Leaving early or being cancelled cancels the request."""
+        return _texts(self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy)))
 
-    async def _pieces(self, result: dict, prompt: str | list[int] | None, **kwargs) -> AsyncIterator[str]:
-        request = self.core.request(prompt, **kwargs)   # a bad one is refused before the head
-        rid = request.request_id
+    async def generate(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+                       stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+                       max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                       top_p: float | None = None, seed: int | None = None,
+                       strategy: str = "") -> Answer:
+        """The whole answer at once (the arguments are `Client.stream`'s); safe to run several at once."""
+        chunks = self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy))
+        try:
+            async for chunk in chunks:
+                if chunk.answer is not None:
+                    return chunk.answer
+        finally:
+            await chunks.aclose()
+        raise FlowedgeError("the answer ended without its totals")   # the core always ends with Done or Failed
+
+    async def _chunks(self, request: proto.PromptRequest) -> AsyncGenerator[Chunk, None]:
+        rid = request.request_id   # a bad request was refused before this, by the core
         await self._hello()
         self._queues[rid] = asyncio.Queue()
         try:
@@ -171,9 +201,10 @@ class AsyncClient:
             while True:
                 ev = await self._next(rid)
                 if isinstance(ev, Piece):
-                    yield ev.text
+                    yield Chunk(ev.text, ev.token_ids)
                 elif isinstance(ev, Done):
-                    result.update(ev.result)
+                    self.last_result = ev.answer
+                    yield Chunk("", answer=ev.answer)
                     break
                 elif isinstance(ev, Failed):
                     raise ev.error
@@ -182,10 +213,19 @@ class AsyncClient:
             cancel = self.core.cancel(rid)   # None when the head finished or failed it
             if cancel is not None:
                 self._socket.send_nowait(cancel)
-        self.last_result = result
 
-    async def status(self) -> list[dict]:
+    async def status(self) -> list[dict[str, Any]]:
         """One map per node, as `flowedge status --json`."""
         await self._hello()
         async with self._control_lock:
             return (await self._control(self.core.status(time.monotonic()))).nodes
+
+
+async def _texts(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[str, None]:
+    """The chunks' text pieces (none empty); closing this closes the chunks, which cancels the request."""
+    try:
+        async for chunk in chunks:
+            if chunk.text:
+                yield chunk.text
+    finally:
+        await chunks.aclose()

@@ -4,9 +4,9 @@ Embedding in a gateway app:
 
     from flowedge import Client
     client = Client("127.0.0.1:5555")
-    for piece in client.stream("Write a haiku about routers"):
+    for piece in client.stream("Write a haiku about routers", max_tokens=64):
         print(piece, end="", flush=True)
-    print(client.last_result["tokens_per_s"])
+    print(client.last_result.wall_tokens_per_s)      # last_result: the typed Answer (client_answer.py)
 """
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
-from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Send, Status, Welcomed,
-                                         prompt_request)
+from flowedge.daemon.client_answer import Answer, Chunk
+from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
+                                         Turns, Welcomed, prompt_request)
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
 from flowedge.errors import FlowedgeError, LinkError, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
@@ -28,7 +30,7 @@ from flowedge.transport.zmq_link import ZmqLink
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Client", "RequestFailed", "prompt_request", "wait_ready"]
+__all__ = ["Answer", "Chunk", "Client", "RequestFailed", "prompt_request", "wait_ready"]
 
 
 class _Socket:
@@ -95,7 +97,7 @@ class Client:
         own = link is None
         self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
         self._streaming: int | None = None
-        self.last_result: dict | None = None
+        self.last_result: Answer | None = None   # the answer of the request that finished last
 
     @property
     def in_flight(self) -> int | None:
@@ -109,7 +111,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def cancel(self) -> None:
@@ -149,18 +151,44 @@ class Client:
             self._socket.forget_disconnects()
 
     # ---- requests -------------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-               system: str | None = None, stop: list[str] | str | None = None, raw: bool = False,
-               max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None, strategy: str = "") -> Iterator[str]:
-        """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the totals.
+    def chunks(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+               stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+               max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None,
+               strategy: str = "") -> Generator[Chunk, None, None]:
+        """The answer as it comes: a Chunk (text, token ids) per reply of the head, the last one carrying
+        the whole Answer. The arguments are `stream`'s."""
+        return self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy))
 
-        `prompt` is a user turn (through the chat template) or, with `raw`, the model's text as is;
-        `messages` a whole conversation; `system` a system turn before either; `stop` strings end the
-        answer (cut off). Leaving the loop early cancels the request at the head."""
-        request = self.core.request(prompt, messages=messages, system=system, stop=stop, raw=raw,
-                                    max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                    top_p=top_p, seed=seed, strategy=strategy)   # a bad one is refused here
+    def stream(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+               stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+               max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None,
+               strategy: str = "") -> Generator[str, None, None]:
+        """Yield text pieces as the head accepts tokens; afterwards `last_result` holds the Answer.
+
+        `prompt` is a user turn (through the chat template), with `raw` the model's text as is, or token
+        ids; `messages` a whole conversation; `system` a system turn before either; `stop` strings end the
+        answer (cut off); `max_new_tokens` (or its OpenAI name `max_tokens`) bounds it (default 64);
+        `strategy` overrides the head's. A request that cannot be sent raises FlowedgeError here, before
+        the head sees it. Leaving the loop early cancels the request at the head."""
+        return _texts(self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy)))
+
+    def generate(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
+                 stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+                 max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, strategy: str = "") -> Answer:
+        """The whole answer at once (the arguments are `stream`'s)."""
+        chunks = self._chunks(self.core.request(
+            prompt, messages=messages, system=system, stop=stop, raw=raw, max_new_tokens=max_new_tokens,
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, strategy=strategy))
+        return _last(chunks)
+
+    def _chunks(self, request: proto.PromptRequest) -> Generator[Chunk, None, None]:
         rid = request.request_id
         self._hello()
         self._socket.send(self.core.start(request, time.monotonic()))
@@ -169,9 +197,10 @@ class Client:
             while rid in self.core.open:
                 for ev in self._events():
                     if isinstance(ev, Piece) and ev.request_id == rid:
-                        yield ev.text
+                        yield Chunk(ev.text, ev.token_ids)
                     elif isinstance(ev, Done) and ev.request_id == rid:
-                        self.last_result = ev.result
+                        self.last_result = ev.answer
+                        yield Chunk("", answer=ev.answer)
                     elif isinstance(ev, Failed) and ev.request_id in (rid, CONTROL):
                         raise ev.error
         finally:
@@ -180,13 +209,7 @@ class Client:
             if cancel is not None:
                 self._socket.send_nowait(cancel)
 
-    def generate(self, prompt: str | list[int] | None = None, **kwargs) -> dict:
-        """The whole answer at once (same keys as `flowedge generate --json`, plus wall-clock figures)."""
-        for _ in self.stream(prompt, **kwargs):
-            pass
-        return dict(self.last_result)
-
-    def status(self) -> list[dict]:
+    def status(self) -> list[dict[str, Any]]:
         """One map per node, as `flowedge status --json`."""
         self._hello()
         return self._control(self.core.status(time.monotonic())).nodes
@@ -196,6 +219,24 @@ class Client:
         self._hello()
         self._socket.send(proto.Shutdown(reason=reason))
         time.sleep(0.1)
+
+
+def _texts(chunks: Generator[Chunk, None, None]) -> Generator[str, None, None]:
+    """The chunks' text pieces (none empty); closing this closes the chunks, which cancels the request."""
+    try:
+        for chunk in chunks:
+            if chunk.text:
+                yield chunk.text
+    finally:
+        chunks.close()
+
+
+def _last(chunks: Generator[Chunk, None, None]) -> Answer:
+    with contextlib.closing(chunks):
+        for chunk in chunks:
+            if chunk.answer is not None:
+                return chunk.answer
+    raise FlowedgeError("the answer ended without its totals")   # the core always ends with Done or Failed
 
 
 def wait_ready(addr: str, timeout_s: float, *, keys_dir=None, insecure: bool = False,

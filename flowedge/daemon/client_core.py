@@ -8,14 +8,17 @@ by events without a socket (tests/test_daemon_client_core.py).
 
     core = ClientCore("127.0.0.1:5555")
     send(core.hello(now))                          # -> Welcomed, or Failed(CONTROL, FlowedgeError)
-    send(core.start(core.request("Hi", max_new_tokens=8), now))   # -> Piece(rid, text)..., Done(rid, result)
+    send(core.start(core.request("Hi", max_new_tokens=8), now))   # -> Piece(rid, text, ids)..., Done(rid, answer)
     for event in core.receive(msg, now): ...       # Send(msg) events are heartbeat answers to send
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from flowedge.daemon.client_answer import Answer, answer_from
 from flowedge.errors import FlowedgeError, ProtocolError, refusal
 from flowedge.transport import protocol as proto
 
@@ -25,6 +28,11 @@ from flowedge.transport import protocol as proto
 HELLO_TIMEOUT_S = 2.0
 
 CONTROL = 0   # the waiter key of HELLO and status, whose replies carry no request id (requests count from 1)
+DEFAULT_MAX_NEW_TOKENS = 64
+
+Prompt = str | Sequence[int]           # a text, or token ids
+Turns = Sequence[Mapping[str, str]]    # a conversation: {"role": "system" | "user" | "assistant", "content": ...}
+Stops = Sequence[str] | str            # strings that end an answer
 
 
 # ---- events out ----------------------------------------------------------------------------------
@@ -42,21 +50,22 @@ class Welcomed:
 @dataclass(frozen=True, slots=True)
 class Status:
     """The head's status: one map per node."""
-    nodes: list[dict]
+    nodes: list[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """New text of request `request_id` (never empty)."""
+    """New text of request `request_id` and the token ids it came from (never both empty)."""
     request_id: int
     text: str
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Request `request_id` finished; `result` holds the head's stats plus text, tokens and wall figures."""
+    """Request `request_id` finished: its whole answer, with the head's figures and the client's."""
     request_id: int
-    result: dict
+    answer: Answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,31 +79,45 @@ Event = Send | Welcomed | Status | Piece | Done | Failed
 
 
 # ---- the request ---------------------------------------------------------------------------------
-def prompt_request(rid: int, prompt: str | list[int] | None, *, messages: list[dict] | None = None,
-                   system: str | None = None, stop: list[str] | str | None = None, raw: bool = False,
-                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+def prompt_request(rid: int, prompt: Prompt | None, *, messages: Turns | None = None, system: str | None = None,
+                   stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
+                   max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float | None = None, seed: int | None = None, strategy: str = "") -> proto.PromptRequest:
     """The PromptRequest for one call of `stream`; FlowedgeError (ProtocolError from the message's own
-    checks) for a request that cannot be sent, so a bad one never reaches the head."""
+    checks) for a request that cannot be sent, so a bad one never reaches the head. `max_tokens` is
+    OpenAI's name for `max_new_tokens` (either, or both when they agree)."""
     if (prompt is None) == (messages is None):
         raise FlowedgeError("give exactly one of a prompt or messages")
     if raw and (messages is not None or system is not None):
         raise FlowedgeError("raw mode sends the prompt as is: no messages, no system prompt")
     text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, list(prompt))
+    turns = None if messages is None else [dict(m) for m in messages]
     if system is not None:
         if ids is not None:
             raise FlowedgeError("a system prompt needs a text prompt or messages, not token ids")
-        turns = list(messages) if messages is not None else [{"role": "user", "content": text}]
-        messages, text = [{"role": "system", "content": system}, *turns], None
+        asked = turns if turns is not None else [{"role": "user", "content": str(text)}]
+        turns, text = [{"role": "system", "content": system}, *asked], None
     return proto.PromptRequest(
-        request_id=rid, max_new_tokens=max_new_tokens, text=text, token_ids=ids, messages=messages,
-        stop=[stop] if isinstance(stop, str) else list(stop or ()), raw=raw, temperature=temperature,
-        top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None, seed=seed, strategy=strategy)
+        request_id=rid, max_new_tokens=new_tokens_limit(max_new_tokens, max_tokens), text=text, token_ids=ids,
+        messages=turns, stop=[stop] if isinstance(stop, str) else list(stop or ()), raw=raw,
+        temperature=temperature, top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None,
+        seed=seed, strategy=strategy)
 
 
-# ---- one request's answer ------------------------------------------------------------------------
+def new_tokens_limit(max_new_tokens: int | None, max_tokens: int | None) -> int:
+    """The one limit `max_new_tokens` and its alias `max_tokens` give (DEFAULT_MAX_NEW_TOKENS: neither)."""
+    if max_new_tokens is not None and max_tokens is not None and max_new_tokens != max_tokens:
+        raise FlowedgeError(f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} disagree: "
+                            "give one (max_tokens is the same limit by its OpenAI name)")
+    for limit in (max_new_tokens, max_tokens):
+        if limit is not None:
+            return limit
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+# ---- one request's answer so far -----------------------------------------------------------------
 @dataclass(slots=True)
-class Answer:
+class Pending:
     """One request's replies folded into totals; `last_s` is when it last heard of it (for `timeout_s`)."""
     started_s: float
     last_s: float
@@ -102,8 +125,8 @@ class Answer:
     pieces: list[str] = field(default_factory=list)
     first_token_s: float | None = None
 
-    def chunk(self, msg: proto.TokenChunk, now: float) -> dict | None:
-        """Take one TokenChunk; the result dict when it is the last one."""
+    def chunk(self, msg: proto.TokenChunk, now: float) -> Answer | None:
+        """Take one TokenChunk; the whole Answer when it is the last one."""
         self.tokens += msg.token_ids
         if msg.token_ids and self.first_token_s is None:
             self.first_token_s = now - self.started_s
@@ -111,13 +134,8 @@ class Answer:
             self.pieces.append(msg.text)
         if not msg.done:
             return None
-        wall = now - self.started_s
-        return {
-            **(msg.stats or {}), "text": "".join(self.pieces), "token_ids": self.tokens,
-            "client_wall_s": round(wall, 4),
-            "wall_tokens_per_s": round(len(self.tokens) / wall, 3) if wall > 0 else None,
-            "first_token_s": round(self.first_token_s, 4) if self.first_token_s is not None else None,
-        }
+        return answer_from(msg.stats or {}, "".join(self.pieces), tuple(self.tokens),
+                           client_wall_s=now - self.started_s, first_token_s=self.first_token_s)
 
 
 @dataclass(slots=True)
@@ -143,13 +161,13 @@ class ClientCore:
         self.head_timeout_s = head_timeout_s
         self.node_id = node_id or f"client-{os.getpid()}"
         self.welcomed = False
-        self.open: dict[int, Answer] = {}     # request id -> its answer so far, for unfinished requests
+        self.open: dict[int, Pending] = {}    # request id -> its answer so far, for unfinished requests
         self.control: _Control | None = None
         self.last_heard_s = 0.0               # any message from the head (heartbeats too)
         self._next_id = CONTROL
 
     # ---- what to send ----------------------------------------------------------------------------
-    def request(self, prompt: str | list[int] | None, **kwargs) -> proto.PromptRequest:
+    def request(self, prompt: Prompt | None, **kwargs: Any) -> proto.PromptRequest:
         """A new PromptRequest on this connection (`prompt_request`'s arguments); not open until `start`."""
         self._next_id += 1
         return prompt_request(self._next_id, prompt, **kwargs)
@@ -169,7 +187,7 @@ class ClientCore:
         """Open `request` (built by `prompt_request`); returns it to send."""
         if request.request_id in self.open or request.request_id == CONTROL:
             raise FlowedgeError(f"request id {request.request_id} is already in use on this connection")
-        self.open[request.request_id] = Answer(started_s=now, last_s=now)
+        self.open[request.request_id] = Pending(started_s=now, last_s=now)
         return request
 
     def cancel(self, request_id: int) -> proto.Cancel | None:
@@ -202,11 +220,11 @@ class ClientCore:
             return [Failed(rid, refusal(msg.message))]
         if not isinstance(msg, proto.TokenChunk):
             return []
-        result = answer.chunk(msg, now)
-        events: list[Event] = [Piece(rid, msg.text)] if msg.text else []
-        if result is not None:
+        done = answer.chunk(msg, now)
+        events: list[Event] = [Piece(rid, msg.text, tuple(msg.token_ids))] if msg.text or msg.token_ids else []
+        if done is not None:
             del self.open[rid]
-            events.append(Done(rid, result))
+            events.append(Done(rid, done))
         return events
 
     def malformed(self, err: ProtocolError, now: float) -> list[Event]:
@@ -248,7 +266,7 @@ class ClientCore:
         return events
 
     # ---- internals -------------------------------------------------------------------------------
-    def _deadline(self, answer: Answer) -> float:
+    def _deadline(self, answer: Pending) -> float:
         return min(answer.last_s + self.timeout_s,
                    max(self.last_heard_s, answer.started_s) + self.head_timeout_s)
 

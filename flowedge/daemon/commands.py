@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import click
 
 from flowedge.core.config import DRAFT_QUANTS
+from flowedge.daemon.client_answer import Answer
 from flowedge.daemon.config import (DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES,
                                     load_node_config)
 from flowedge.daemon.head_search import HeadSearch
@@ -241,8 +242,9 @@ def _answer_once(spec, prompt: str, max_new_tokens: int) -> None:
             click.echo(piece, nl=False)
         res = client.last_result
     click.echo()
-    click.echo(f"[{res['new_tokens']} tokens in {res['client_wall_s']:.1f} s{_first_token(res)}, "
-               f"{res['wall_tokens_per_s']:.2f} tok/s, strategy {res['strategy']}, {spec.nodes} nodes]", err=True)
+    if res is not None:
+        click.echo(f"[{res.usage.completion_tokens} tokens in {res.client_wall_s:.1f} s{_first_token(res)}, "
+                   f"{_rate(res)}, strategy {res.stats.strategy}, {spec.nodes} nodes]", err=True)
 
 
 @click.command()
@@ -285,19 +287,25 @@ def prompt(text, head, max_new_tokens, temperature, top_k, top_p, seed, strategy
         kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=seed, strategy=strategy, system=system, stop=list(stop), raw=raw, messages=messages)
         if as_json:
-            click.echo(json.dumps(client.generate(text, **kwargs)))
+            click.echo(json.dumps(client.generate(text, **kwargs).to_dict()))
             return
         for piece in client.stream(text, **kwargs):
             click.echo(piece, nl=False)
         click.echo()
         res = client.last_result
-        click.echo(f"[{res['new_tokens']} tokens{_first_token(res)}, {res['wall_tokens_per_s']:.2f} tok/s]", err=True)
+        if res is not None:
+            click.echo(f"[{res.usage.completion_tokens} tokens{_first_token(res)}, {_rate(res)}]", err=True)
 
 
-def _first_token(result: dict) -> str:
+def _first_token(answer: Answer) -> str:
     """', first token after X s' for the summary line: what a user waits before text starts."""
-    first_s = result.get("first_token_s")
+    first_s = answer.first_token_s
     return f", first token after {first_s:.2f} s" if first_s is not None else ""
+
+
+def _rate(answer: Answer) -> str:
+    rate = answer.wall_tokens_per_s
+    return f"{rate:.2f} tok/s" if rate is not None else "no tok/s"
 
 
 def _conversation(path: str) -> list[dict]:

@@ -30,7 +30,8 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--use-all", is_flag=True, help="Give every device layers, even one that slows the pipeline "
               "(default: such a device, or one that cannot hold a layer, is left out and listed as unused).")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
-              help="Predict tokens/s per strategy with the simulator (needs the real pair cached).")
+              help="Predict tokens/s per strategy with the simulator (needs the real pair cached and the "
+                   "node extra's torch; without them only the analytic ar-pp figure).")
 @click.option("--strategies", default="ar-pp,naive-pp,pipedec,flowspec", show_default=True)
 @click.option("--dataset", "datasets", multiple=True, default=("mt-bench",), show_default=True,
               help="Prompts for the simulated run (repeatable: `--samples` of each).")
@@ -82,15 +83,22 @@ def _report(cluster, model: str, quant: str, context: int) -> dict:
 
 def _simulated(cluster, strategies: list[str], datasets, samples: int, max_new_tokens: int,
                pair: tuple[str, str], report: dict) -> dict:
-    from flowedge.datasets import load_prompts
     from flowedge.models import registry
-    from flowedge.models.resolve import resolve_model
-    from flowedge.plan.predict import simulate
 
     if not all(registry.is_cached(registry.get_entry(n)) for n in pair if n in registry.MODELS):
         click.echo("note: the real pair is not cached (`flowedge models pull`), so only the analytic ar-pp "
                    "figure is given", err=True)
         return {}
+    try:   # the simulator runs the real pair's models: a client install plans without it
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        click.echo("note: the simulated figures need torch (the `node` extra), which this install lacks, so only "
+                   "the analytic ar-pp figure is given", err=True)
+        return {}
+    from flowedge.datasets import load_prompts
+    from flowedge.models.resolve import resolve_model
+    from flowedge.plan.predict import simulate
+
     prompts = [p.text for d in datasets for p in load_prompts(d, samples)]
     results = simulate(cluster, resolve_model(pair[0]), resolve_model(pair[1]), prompts, strategies,
                        max_new_tokens)
