@@ -36,6 +36,7 @@ SAMPLES = [
     p.Hello(node_id="pi-1", role="stage", device="cpu", free_memory_bytes=4 << 30, capabilities={"bf16": True}),
     p.Welcome(node_id="head", heartbeat_interval_ms=1000),
     p.Refuse(reason="a head is already connected"),
+    p.RequestDropped(request_id=9, reason="stage-2: its KV cache would pass 4096 entries"),
     p.Assign(stage_index=1, layer_start=0, layer_end=7, shard_sha256=SHA, shard_bytes=123,
              next_addr="tcp://10.0.0.3:5601", model="qwen2.5-coder-1.5b", model_sha256=SHA),
     p.ShardRequest(offset=4 << 20),
@@ -101,7 +102,7 @@ def test_every_header_carries_version_and_type(msg: p.Message) -> None:
 
 
 def test_message_types_are_unique_and_complete() -> None:
-    assert len(p.MESSAGE_TYPES) == 23
+    assert len(p.MESSAGE_TYPES) == 24
     assert {type(m) for m in SAMPLES} == set(p.MESSAGE_TYPES.values())
 
 
