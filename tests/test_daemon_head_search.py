@@ -83,7 +83,7 @@ class QuietNode(NodeBase):
         self.joined = threading.Event()
 
     def _join(self) -> None:
-        if self._hello({}) is not None:
+        if self._hello(dict) is not None:
             self.joined.set()
 
     def _poll(self, wait_s: float) -> None:

@@ -63,7 +63,7 @@ def stage_stats() -> dict:
     node = SimpleNamespace(step_s=[0.01, 0.03], compute=SimpleNamespace(longest_s=0.5), wire=wire,
                            worker=SimpleNamespace(cached_tokens=lambda: 12, slots={1: 0}, forwards=4,
                                                   forward_requests=5),
-                           drops=DropLog(logging.getLogger("t")))
+                           drops=DropLog(logging.getLogger("t")), model_sha256="ab" * 32)
     node.drops.drop("segment_width", "x")
     return StageNode._stats(node)
 

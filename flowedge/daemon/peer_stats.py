@@ -122,6 +122,7 @@ STATS = Record({
     "dropped": Names(COUNT),
     "phase": Text(),
     "model": Text(),
+    "model_sha256": Text(max_chars=64),   # the content key of the layers a stage holds (daemon/model_check.py)
     "drafter": Record({"jobs": COUNT, "answered": COUNT, "behind": COUNT, "errors": COUNT, "replicas": COUNT,
                        "job_ms_median": Number(MAX_MS, nullable=True)}, nullable=True),
 })
