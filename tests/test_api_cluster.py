@@ -159,7 +159,7 @@ def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
 
 
 def test_out_of_vocabulary_ids_are_400_and_the_empty_prompt_is_refused_everywhere(stack, oai):
-    """Issue 28's wrong codes: an id past the embedding was a 500 IndexError; the empty prompt, refused
+    """Codes that were once wrong: an id past the embedding was a 500 IndexError; the empty prompt, refused
     over HTTP, was answered through the Client and the CLI."""
     with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):
         oai.completions.create(model=NAME, prompt=[1_000_000], max_tokens=4, temperature=0)

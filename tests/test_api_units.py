@@ -321,7 +321,7 @@ def _health_from(port: int, source: str):
 
 
 def test_one_address_trickling_headers_cannot_lock_others_out(crowded_api):
-    """Issue 28: ~130 header-trickling connections from one address left /health 2 answers out of 44.
+    """Once ~130 header-trickling connections from one address left /health 2 answers out of 44.
     12 here against a cap of 8: only that address's 3 newest stay, and another address is served."""
     slow = []
     try:
@@ -357,7 +357,7 @@ def test_many_addresses_trickling_headers_cannot_fill_the_server(crowded_api):
 
 
 def test_a_body_trickled_a_byte_at_a_time_meets_one_deadline_for_the_whole_body(live_api):
-    """Issue 28: the read timeout was per piece, so a byte every 0.5 s (read timeout 3 s) held the
+    """The read timeout was once per piece, so a byte every 0.5 s (read timeout 3 s) held the
     connection for ever. Now the whole body has 3 s: answered 400, not before and not much after."""
     import socket
     import time
@@ -383,7 +383,7 @@ def test_a_body_trickled_a_byte_at_a_time_meets_one_deadline_for_the_whole_body(
 
 
 def test_a_head_over_16_kib_is_refused_however_it_arrives(live_api):
-    """Issue 28: a 60 KiB head sent at once passed h11, whose cap only bounds an incomplete head."""
+    """A 60 KiB head once sent at once passed h11, whose cap only bounds an incomplete head."""
     import socket
 
     head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(

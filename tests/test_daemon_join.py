@@ -104,7 +104,7 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
         with Client(addr, timeout_s=30) as c:
             assert c.generate(PROMPT, max_new_tokens=30, strategy="flowspec")["token_ids"] == reference
 
-        # A damaged cache repairs itself (issue 28): a cached shard, then a cached head file, with bytes
+        # A damaged cache repairs itself: a cached shard, then a cached head file, with bytes
         # flipped (same size) fail their checksum once, are deleted and fetched again; before, the stage
         # refused every assignment until someone deleted the cache by hand.
         for n, (victim, sha) in enumerate([(cached, spec.sha256), (cached.parent / head_spec.file, head_spec.sha256)]):

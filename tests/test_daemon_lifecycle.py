@@ -210,7 +210,7 @@ def test_past_the_recovery_deadline_every_request_in_flight_gets_one_clear_error
 
 
 def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_recovery_deadline():
-    """Issue 28: 7 of 8 queued requests failed with the running one. Only requests in flight time out at
+    """Once, 7 of 8 queued requests failed with the running one. Only requests in flight time out at
     `recovery_s`; a queued one waits under its own deadline (its client's timeout, which cancels it)."""
     b, port = book(recovery_s=10.0, max_running=1)
     b.tick(0.0, True)

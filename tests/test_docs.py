@@ -50,9 +50,22 @@ def test_the_readme_stays_what_a_user_needs():
     assert lines <= 220, f"README.md has {lines} lines: move detail under docs/"
 
 
+ISSUE_NUMBER = re.compile(r"\bissues?[ -]?#?\d+", re.I)
+SOURCE_SUFFIXES = {".py", ".md", ".sh", ".toml", ".js", ".html", ".c", ".h", ".cfg", ".mjs"}
+
+
 def test_user_docs_cite_no_issue_numbers():
-    cited = [f"{p.name}: {m.group(0)}" for p in USER_DOCS
-             for m in re.finditer(r"\bissues?[ -]?#?\d+", p.read_text(encoding="utf-8"), re.I)]
+    cited = [f"{p.name}: {m.group(0)}" for p in USER_DOCS for m in ISSUE_NUMBER.finditer(p.read_text(encoding="utf-8"))]
+    assert not cited
+
+
+def test_code_tests_and_bench_notes_cite_no_issue_numbers():
+    """A maintainer cannot look an internal issue number up: code and notes say what and why instead
+    (another project's tracker, e.g. llama.cpp#123, is a public link and fine)."""
+    files = [f for top in ("flowedge", "tests", "tools", "docs") for f in (ROOT / top).rglob("*")
+             if f.suffix in SOURCE_SUFFIXES and f.is_file()]
+    cited = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files
+             for m in ISSUE_NUMBER.finditer(f.read_text(encoding="utf-8", errors="replace"))]
     assert not cited
 
 

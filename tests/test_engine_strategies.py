@@ -188,7 +188,7 @@ def test_flowspec_with_fresh_capped_expansions_matches_greedy(tiny_pair, referen
 @pytest.mark.parametrize("activations", ["bf16", "int8"])   # FLOWEDGE_ACTIVATIONS: W4A16, or W4A8 / W8A8
 @pytest.mark.parametrize("strategy", ["tree", "flowspec", "auto", "pipedec", "naive-pp"])
 def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy, activations, monkeypatch):
-    """The case that used to break (issue 24): tiny pair, W4A16, prompt "x", 200 tokens. With row-invariant
+    """The case that used to break: tiny pair, W4A16, prompt "x", 200 tokens. With row-invariant
     kernels a verified row equals the row `ar` computes alone, so no near-tie can flip; int8 activations
     are quantized per row, so the same holds for them."""
     from flowedge.kernels import int8act

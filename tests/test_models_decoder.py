@@ -124,7 +124,7 @@ def _context(model, n_past: int = 20):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_w4a16_rows_are_the_same_whatever_rows_share_the_forward(w4a16, threads):
-    """Issue 24's exactness rule: a row's logits never depend on how many rows share the forward."""
+    """The native runtime's exactness rule: a row's logits never depend on how many rows share the forward."""
     torch.set_num_threads(threads)
     try:
         model = StageModel.load(w4a16)
@@ -209,7 +209,7 @@ def _with_w4_weights(model):
 
 
 def test_w4a16_agrees_with_transformers_on_the_same_4_bit_weights(tiny_pair):
-    """Issue 24's independent check on the tiny pair: teacher-forced top-1 agreement of the W4A16 model with
+    """An independent check on the tiny pair: teacher-forced top-1 agreement of the W4A16 model with
     transformers' float32 model on the same 4-bit weights (only the bf16 rounding of activations differs:
     96.7% measured; a wrong kernel or layout lands near 1/V). Against the unquantized float32 tiny model the
     agreement is 42%: random weights drawn at std 0.3 are far from int4-friendly, so that figure is reported

@@ -101,7 +101,7 @@ DEFAULT_PROMPTS = PROMPTS + ["List three uses of a Raspberry Pi at home."]
 
 
 def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded):
-    """Issue 24: `flowedge up` with the *default* settings (float32 wire, `auto`), 4 prompts x 128 tokens one at a
+    """`flowedge up` with the *default* settings (float32 wire, `auto`), 4 prompts x 128 tokens one at a
     time, 64 and 3 at once: every answer equals plain greedy decoding of the same W4A16 model in one process. Rows are
     row-invariant through every kernel, so neither the strategy nor the load changes a token."""
     import threading

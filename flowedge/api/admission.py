@@ -3,7 +3,7 @@
 A connection that has not yet sent a complete request head costs the server a slot and proves
 nothing: a slowloris client opens many and trickles bytes into each. uvicorn's one cap
 (`limit_concurrency`) is shared by every client, so ~130 such connections from one address left
-legitimate requests a 503 (issue 28). Here connections still waiting for their head are counted, per
+legitimate requests a 503. Here connections still waiting for their head are counted, per
 client address and in all, and when a new one would pass either limit the *oldest* waiting one (of
 that address, or of all) is closed instead of the new one: a real client sends its head within
 milliseconds of connecting, so it is never the oldest for long, while a trickler loses its

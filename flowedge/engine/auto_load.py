@@ -18,7 +18,7 @@ def _at(costs: tuple[float, ...], k: float) -> float:
 
 @dataclass(frozen=True)
 class DrafterCosts:
-    """A drafter board that pre-drafts for node 0 (issue 26). Node 0's draft call is what limits flowspec's
+    """A drafter board that pre-drafts for node 0. Node 0's draft call is what limits flowspec's
     step; with a drafter, a returning segment whose outcome was pre-drafted (a hit) costs node 0 only the
     drafter's answer over the link, and a miss still costs node 0 its own call."""
     link_rtt_s: float      # node 0 -> drafter -> node 0 for one pre-drafted expansion

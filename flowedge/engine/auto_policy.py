@@ -47,7 +47,7 @@ __all__ = ["AR_PP", "FLOWSPEC", "PIPEDEC", "START_TOKENS", "AutoPolicy", "Choose
 SPECULATIVE = (FLOWSPEC, PIPEDEC)   # what auto may run instead of ar-pp (same lm_head placement)
 # flowspec: tokens accepted per returning segment in the steady state, and tokens per round (each round
 # restart costs a trip through the pipeline). Fitted to the real pair's simulated runs: 5 x Orin Nano 33.6
-# tok/s at a 35.6 ms draft-call step and 73 ms pipeline (issue-3 bench), 70B over 14 Orin Nanos at an
+# tok/s at a 35.6 ms draft-call step and 73 ms pipeline (the first Orin Nano benchmark), 70B over 14 Orin Nanos at an
 # 88 ms stage step and 1.19 s pipeline (docs/bench/orin-nano-70b-14stages). Before the 70B fit flowspec
 # was 1.2 tokens per step with no restart term: the same on 5 nodes, where a restart costs two steps.
 ACCEPT_PER_STEP = 1.73
@@ -75,7 +75,7 @@ class Prediction:
 
     def at_load(self, running: int) -> dict[str, float]:
         """Each strategy's predicted rate for one request among `running` ones. Never below the rate without
-        the drafter: one that lags leaves node 0 drafting alone (issue 26)."""
+        the drafter: one that lags leaves node 0 drafting alone."""
         rates = {s: r * self.load_factor(s, running) for s, r in self.rates.items()}
         if self.undrafted is not None:
             rates = {s: max(r, self.undrafted.at_load(running)[s]) for s, r in rates.items()}

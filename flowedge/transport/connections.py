@@ -7,7 +7,7 @@ descriptor to the next accepted connection at once; messages name their sender b
 in order for each descriptor (ACCEPTED, DISCONNECTED, ACCEPTED, ...: a descriptor is reused only once
 closed, and the DISCONNECTED is sent before it closes), but the head reads it apart from the
 messages, so a DISCONNECTED of an old connection can be read after the first message of a new one on
-the same descriptor. Keyed by descriptor, that late event removed the new peer (issue 28).
+the same descriptor. Keyed by descriptor, that late event removed the new peer.
 
 So the tracker keeps connections, not descriptors: ACCEPTED starts a connection, DISCONNECTED ends
 the newest connection on its descriptor with the identities bound to it, and an identity is bound

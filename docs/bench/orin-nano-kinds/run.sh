@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17's prompt-kind grid: simulated 5 x Jetson Orin Nano 8GB, real pair, 128 tokens, oracle verification,
+# The prompt-kind grid: simulated 5 x Jetson Orin Nano 8GB, real pair, 128 tokens, oracle verification,
 # one `flowedge bench` per prompt kind (so a cut-off run keeps what it finished), then merge.py.
 # Usage (repo root, venv active): bash docs/bench/orin-nano-kinds/run.sh t0|t1|oracle|t0b  [KINDS="..."]
 set -u

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17 Deliver 6: 1 + 4 (node 0 drafting, 4 stages) vs 2 + 4 (a second draft board adding breadth, its
+# 1 + 4 (node 0 drafting, 4 stages) vs 2 + 4 (a second draft board adding breadth, its
 # upper bound: second_drafter.py) vs 1 + 5 (the sixth board as one more stage). Simulated Orin Nano, real
 # pair, 128 tokens, T=0, oracle verification, 3 prompts of 3 kinds. Niced; virtual time.
 cd "$(dirname "$0")/../../.."

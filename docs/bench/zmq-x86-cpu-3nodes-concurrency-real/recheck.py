@@ -1,4 +1,4 @@
-"""Issue 16's re-check after batched stage forwards became bit-identical per request: ar-pp alone (the
+"""The re-check after batched stage forwards became bit-identical per request: ar-pp alone (the
 strategy whose MT-bench/81 answer diverged under batching), the same 4 prompts, 1, 2 and 4 concurrent."""
 import functools, sys
 from flowedge.daemon import local_cluster
