@@ -77,7 +77,7 @@ def test_steps_longer_than_the_liveness_window_drop_no_stage_and_replay_nothing(
             head_log = (cluster.run_dir / "head.log").read_text()
         finally:
             cluster.stop()
-        assert all(isinstance(a, dict) for a in answers.values()) and len(answers) == 4, \
+        assert not any(isinstance(a, Exception) for a in answers.values()) and len(answers) == 4, \
             (answers, logs(cluster.run_dir))
         assert [a["replays"] for a in answers.values()] == [0] * 4, answers
         longest_s = max(r.get("step_ms_longest") or r.get("turn_ms_longest") or 0.0 for r in rows) / 1000
