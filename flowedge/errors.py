@@ -136,3 +136,8 @@ class PeerUnreachable(LinkError):
 class ReplicaBehind(FlowedgeError):
     """A drafter's replica lacks the committed K/V rows a pre-draft job assumes (a restarted drafter, an
     evicted request): node 0 ships the whole context next time (engine/draft_sync.py)."""
+
+
+class UnfitStat(FlowedgeError):
+    """A peer's heartbeat stats value that the head's schema refuses: its key is dropped and counted
+    (daemon/peer_stats.py), never raised past the boundary."""

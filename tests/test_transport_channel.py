@@ -24,10 +24,10 @@ from flowedge.transport.channel import (
     send_routed,
     wire_bytes,
 )
-from flowedge.transport.protocol import Hello, Prune, Refuse, Reset, Segment, Welcome, decode
+from flowedge.transport.protocol import PROTOCOL_VERSION, Hello, Prune, Refuse, Reset, Segment, Welcome, decode
 
 torch.set_num_threads(1)
-V2_MESSAGE = "peer speaks flowedge protocol 2.0, this node speaks 1.5"
+V2_MESSAGE = "peer speaks flowedge protocol 2.0, this node speaks {}.{}".format(*PROTOCOL_VERSION)
 HELLO = Hello(node_id="pi-1", role="stage", device="cpu", free_memory_bytes=1 << 30)
 WELCOME = Welcome(node_id="head", heartbeat_interval_ms=500)
 

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowedge.errors import UnfitStat as Unfit
+
 MAX_COUNT = (1 << 53) - 1      # counters: integers a JSON reader (JavaScript) holds exactly
 MAX_MS = 1e9                   # durations in ms (11 days): a step time past this is not one
 MAX_TEXT_CHARS = 200
@@ -24,10 +26,6 @@ MAX_NAME_CHARS = 40
 MAX_STATS_BYTES = 8192         # what STATS keeps, packed, at most (tests/test_daemon_peer_stats.py)
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,%d}" % MAX_NAME_CHARS)   # rule names, message types
 UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-class Unfit(ValueError):
-    """A stats value the schema refuses (its key is dropped)."""
 
 
 @dataclass(frozen=True, slots=True)
