@@ -1,7 +1,8 @@
 /* int8act.c's NEON tiles (aarch64 with dotprod, i8mm where there is one): R rows x T tiles, a tile's 16
- * outputs in four vectors of 4 int32 sums. The codes stay signed (W4: code - 8; W8 as stored), so the
- * sums start at 0 and equal the others builds' S exactly; the float epilogue is group_end's, so every
- * build gives the same bits. The quantization is the portable one. Included by int8act.c only.
+ * outputs in four vectors of 4 int32 sums. The signed dot products take W4's codes as they are (0..15,
+ * its sums start at corr = -8 sum q, as the x86 builds') and W8's signed codes (sums from 0): the same
+ * integers S as every build, and group_end's float epilogue, so the same bits. The quantization is the
+ * portable one. Included by int8act.c only.
  *
  * Dot products per 8 inputs of a tile: `sdot` takes 4 outputs x 4 inputs of one row (the row's dword
  * broadcast), 16 products; with i8mm `smmla` takes 2 rows x 2 outputs x 8 inputs, 32 products, for each
@@ -15,17 +16,17 @@
 
 const char *int8act_isa(void) { return NEON_I8MM ? "neon-i8mm" : "neon-dotprod"; }
 
-/* The signed codes of a tile's 8 inputs as two halves of 4 (what two sdot take): per vector v (outputs
- * 4v..4v+3) one dword an output. W4 (64 bytes at p, a dword an output): the low nibbles (inputs 0 4 1 5
- * in the stream's order) and the high ones (2 6 3 7), less 8. W8 (128 bytes: 4 blocks of 2 inputs x 16
- * outputs): each output's 16-bit pairs of two blocks zipped into its 4 inputs. */
+/* The codes of a tile's 8 inputs as two halves of 4 (what two sdot take): per vector v (outputs 4v..4v+3)
+ * one dword an output. W4 (64 bytes at p, a dword an output): the low nibbles (inputs 0 4 1 5 in the
+ * stream's order) and the high ones (2 6 3 7), 0..15. W8 (128 bytes: 4 blocks of 2 inputs x 16 outputs):
+ * each output's 16-bit pairs of two blocks zipped into its 4 inputs. */
 static inline __attribute__((always_inline)) void
 step_codes(const uint8_t *p, const int w4, int8x16_t first[VECS], int8x16_t second[VECS]) {
     if (w4) {
         for (int v = 0; v < VECS; v++) {
             uint8x16_t d = vld1q_u8(p + 16 * v);
-            first[v] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(d, vdupq_n_u8(15))), vdupq_n_s8(8));
-            second[v] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(d, 4)), vdupq_n_s8(8));
+            first[v] = vreinterpretq_s8_u8(vandq_u8(d, vdupq_n_u8(15)));
+            second[v] = vreinterpretq_s8_u8(vshrq_n_u8(d, 4));
         }
         return;
     }
@@ -82,12 +83,16 @@ static inline int32x4_t pair_row(const int32x4_t acc[2 * VECS], int v, int upper
 #define ROW_SUM(t, v, r) sacc[t][v][r]
 #endif
 
+/* Where row r's sums of group g start: W4 at -8 sum q (its codes are 0..15), W8 at 0 (signed codes) */
+static inline int32_t start(const int32_t *corr, int64_t ng, int64_t g, int r, const int w4) {
+    return w4 ? corr[r * ng + g] : 0;
+}
+
 /* R rows x T tiles, all of K; W4 (w4 = 1) or W8. R, T, w4 are constants after inlining. */
 static inline __attribute__((always_inline)) void
 tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int32_t *xq, const float *sa,
             const int32_t *corr, const float *xs, const float *bias, float *y, int64_t N, int64_t n0, const int R,
             const int T, const int w4) {
-    (void)corr;   /* signed codes: the sums start at 0 */
     vf acc[MAX_T][VECS][MAX_R];
     ZERO_VECS(acc, R, T);
     const int64_t blk = w4 ? 64 + 8 * G : 64 + 16 * G, step = w4 ? 64 : 128;   /* bytes of 8 inputs */
@@ -100,14 +105,16 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
             UNROLL
             for (int p = 0; p < PAIRS(R); p++)
                 UNROLL
-                for (int q = 0; q < 2 * VECS; q++) pacc[t][p][q] = vdupq_n_s32(0);
+                for (int q = 0; q < 2 * VECS; q++)   /* [r, r, r + 1, r + 1] */
+                    pacc[t][p][q] = vcombine_s32(vdup_n_s32(start(corr, ng, g, 2 * p, w4)),
+                                                 vdup_n_s32(start(corr, ng, g, 2 * p + 1, w4)));
 #endif
         UNROLL
         for (int t = 0; t < T; t++)
             UNROLL
             for (int v = 0; v < VECS; v++)
                 UNROLL
-                for (int r = 2 * PAIRS(R); r < R; r++) sacc[t][v][r] = vdupq_n_s32(0);
+                for (int r = 2 * PAIRS(R); r < R; r++) sacc[t][v][r] = vdupq_n_s32(start(corr, ng, g, r, w4));
         const int32_t *xg = xq + g * (G / 4) * R;
         for (int64_t b = 0; b < G / 8; b++) {
             if (R == 1) {
