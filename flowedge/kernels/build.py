@@ -4,8 +4,9 @@ The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<level>-<key>.so`, the 
 and the headers it includes with quotes (transitively: the tiled kernels share tiles.h), the compiler's
 version, the flags it expands `-march=native` to and the level's flags (isa.py: the best level this CPU
 runs, or `FLOWEDGE_ISA`): a new source or header, compiler, CPU or level builds anew, anything else
-reuses the file. Flags in `CC` come last, so they override the level's (`CC="gcc -mno-avx512f"`). The compiler writes to a private temporary name that is renamed
-into place, so processes building at once never load a half-written file.
+reuses the file. Flags in `CC` come last, so they override the level's (`CC="gcc -mno-avx512f"`). The
+compiler writes to a private temporary name that is renamed into place, so processes building at once
+never load a half-written file.
 
 No compiler, a failed build or `FLOWEDGE_KERNELS=torch` -> `load()` returns None and says why once
 (callers fall back to torch's kernels). A `FLOWEDGE_ISA` this CPU cannot run is a ConfigError instead:
