@@ -114,6 +114,24 @@ static inline void w8_swap(vf *a, vf *b) {
     *a = lo, *b = hi;
 }
 
+/* One tile's group done for R rows: its scales (and zeros) at sp, row r's s_a and X_g at sa[r * ng],
+ * xs[r * ng]; W8's scales in its lane order */
+static inline __attribute__((always_inline)) void
+tile_group_end(vf acc[VECS][MAX_R], __m256i gacc[VECS][MAX_R], const uint8_t *sp, const float *sa, const float *xs,
+               int64_t ng, const int R, const int w4) {
+    vf s[VECS], z[VECS];
+    UNROLL
+    for (int v = 0; v < VECS; v++) {
+        s[v] = w4 ? vf_bf16(sp + 16 * v) : vf_load((const float *)sp + 8 * v);
+        z[v] = w4 ? vf_bf16(sp + 32 + 16 * v) : s[v];
+    }
+    if (!w4) w8_swap(&s[0], &s[1]);
+    UNROLL
+    for (int v = 0; v < VECS; v++)
+        UNROLL
+        for (int r = 0; r < R; r++) acc[v][r] = group_end(acc[v][r], gacc[v][r], s[v], z[v], sa[r * ng], xs[r * ng], w4);
+}
+
 /* R rows x T tiles, all of K; W4 (w4 = 1) or W8. R, T, w4 are constants after inlining. */
 static inline __attribute__((always_inline)) void
 tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int32_t *xq, const float *sa,
@@ -164,21 +182,7 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
             }
         }
         UNROLL
-        for (int t = 0; t < T; t++) {
-            const uint8_t *sp = w + t * blk_tile + g * blk;
-            vf s[VECS], z[VECS];
-            UNROLL
-            for (int v = 0; v < VECS; v++) {
-                s[v] = w4 ? vf_bf16(sp + 16 * v) : vf_load((const float *)sp + 8 * v);
-                z[v] = w4 ? vf_bf16(sp + 32 + 16 * v) : s[v];
-            }
-            if (!w4) w8_swap(&s[0], &s[1]);
-            UNROLL
-            for (int v = 0; v < VECS; v++)
-                UNROLL
-                for (int r = 0; r < R; r++)
-                    acc[t][v][r] = group_end(acc[t][v][r], gacc[t][v][r], s[v], z[v], sa[r * ng + g], xs[r * ng + g], w4);
-        }
+        for (int t = 0; t < T; t++) tile_group_end(acc[t], gacc[t], w + t * blk_tile + g * blk, sa + g, xs + g, ng, R, w4);
     }
     if (!w4)
         UNROLL

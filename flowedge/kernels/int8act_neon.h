@@ -66,26 +66,49 @@ pair_dots(int32x4_t acc[2 * VECS], const int8x16_t first[VECS], const int8x16_t 
     }
 }
 
+#define PAIRS(R) ((R) / 2)   /* rows a kernel runs in smmla pairs */
+#else
+#define PAIRS(R) 0
+#endif
+
 /* The pair accumulators -> one vector a row for outputs 4v..4v+3 (row r: upper = 0; row r + 1: 1) */
 static inline int32x4_t pair_row(const int32x4_t acc[2 * VECS], int v, int upper) {
     int64x2_t a = vreinterpretq_s64_s32(acc[2 * v]), b = vreinterpretq_s64_s32(acc[2 * v + 1]);
     return vreinterpretq_s32_s64(upper ? vzip2q_s64(a, b) : vzip1q_s64(a, b));
 }
-#define PAIRS(R) ((R) / 2)
-#else
-#define PAIRS(R) 0
-#endif
 
-/* S of row r (of R) for the tile's vector v, from the pair or the single-row accumulators */
-#if NEON_I8MM
-#define ROW_SUM(t, v, r) ((r) < 2 * PAIRS(R) ? pair_row(pacc[t][(r) / 2], v, (r) & 1) : sacc[t][v][r])
-#else
-#define ROW_SUM(t, v, r) sacc[t][v][r]
-#endif
+/* One tile's sums at a group's start, row r's at corr[r * ng] for W4 (its codes are 0..15: -8 sum q), at 0
+ * for W8 (signed codes): sacc[v][r] for the single rows, pacc[p][q] = [r, r, r + 1, r + 1] for the pairs */
+static inline __attribute__((always_inline)) void
+group_start(int32x4_t sacc[VECS][MAX_R], int32x4_t pacc[MAX_R / 2][2 * VECS], const int32_t *corr, int64_t ng,
+            const int R, const int w4) {
+    UNROLL
+    for (int p = 0; p < PAIRS(R); p++)
+        UNROLL
+        for (int q = 0; q < 2 * VECS; q++)
+            pacc[p][q] = w4 ? vcombine_s32(vdup_n_s32(corr[2 * p * ng]), vdup_n_s32(corr[(2 * p + 1) * ng]))
+                            : vdupq_n_s32(0);
+    UNROLL
+    for (int v = 0; v < VECS; v++)
+        UNROLL
+        for (int r = 2 * PAIRS(R); r < R; r++) sacc[v][r] = vdupq_n_s32(w4 ? corr[r * ng] : 0);
+}
 
-/* Where row r's sums of group g start: W4 at -8 sum q (its codes are 0..15), W8 at 0 (signed codes) */
-static inline int32_t start(const int32_t *corr, int64_t ng, int64_t g, int r, const int w4) {
-    return w4 ? corr[r * ng + g] : 0;
+/* One tile's group done for R rows: its scales (and zeros) at sp, row r's s_a and X_g at sa[r * ng],
+ * xs[r * ng], its sums from the pair or the single-row accumulators */
+static inline __attribute__((always_inline)) void
+tile_group_end(vf acc[VECS][MAX_R], int32x4_t sacc[VECS][MAX_R], int32x4_t pacc[MAX_R / 2][2 * VECS],
+               const uint8_t *sp, const float *sa, const float *xs, int64_t ng, const int R, const int w4) {
+    UNROLL
+    for (int v = 0; v < VECS; v++) {
+        vf s = w4 ? vf_bf16(sp + 8 * v) : vf_load((const float *)sp + 4 * v);
+        vf z = w4 ? vf_bf16(sp + 32 + 8 * v) : s;
+        UNROLL
+        for (int r = 0; r < R; r++) {
+            int32x4_t sum = r < 2 * PAIRS(R) ? pair_row(pacc[r / 2], v, r & 1) : sacc[v][r];
+            acc[v][r] = group_end(acc[v][r], vreinterpretq_u32_s32(sum), s, z, sa[r * ng], xs[r * ng], w4);
+        }
+    }
 }
 
 /* R rows x T tiles, all of K; W4 (w4 = 1) or W8. R, T, w4 are constants after inlining. */
@@ -97,24 +120,9 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
     ZERO_VECS(acc, R, T);
     const int64_t blk = w4 ? 64 + 8 * G : 64 + 16 * G, step = w4 ? 64 : 128;   /* bytes of 8 inputs */
     for (int64_t g = 0; g < ng; g++) {
-        int32x4_t sacc[MAX_T][VECS][MAX_R];
-#if NEON_I8MM
-        int32x4_t pacc[MAX_T][MAX_R / 2][2 * VECS];
+        int32x4_t sacc[MAX_T][VECS][MAX_R], pacc[MAX_T][MAX_R / 2][2 * VECS];
         UNROLL
-        for (int t = 0; t < T; t++)
-            UNROLL
-            for (int p = 0; p < PAIRS(R); p++)
-                UNROLL
-                for (int q = 0; q < 2 * VECS; q++)   /* [r, r, r + 1, r + 1] */
-                    pacc[t][p][q] = vcombine_s32(vdup_n_s32(start(corr, ng, g, 2 * p, w4)),
-                                                 vdup_n_s32(start(corr, ng, g, 2 * p + 1, w4)));
-#endif
-        UNROLL
-        for (int t = 0; t < T; t++)
-            UNROLL
-            for (int v = 0; v < VECS; v++)
-                UNROLL
-                for (int r = 2 * PAIRS(R); r < R; r++) sacc[t][v][r] = vdupq_n_s32(start(corr, ng, g, r, w4));
+        for (int t = 0; t < T; t++) group_start(sacc[t], pacc[t], corr + g, ng, R, w4);
         const int32_t *xg = xq + g * (G / 4) * R;
         for (int64_t b = 0; b < G / 8; b++) {
             if (R == 1) {
@@ -137,19 +145,8 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
             }
         }
         UNROLL
-        for (int t = 0; t < T; t++) {
-            const uint8_t *sp = w + t * blk_tile + g * blk;
-            UNROLL
-            for (int v = 0; v < VECS; v++) {
-                vf s = w4 ? vf_bf16(sp + 8 * v) : vf_load((const float *)sp + 4 * v);
-                vf z = w4 ? vf_bf16(sp + 32 + 8 * v) : s;
-                UNROLL
-                for (int r = 0; r < R; r++)
-                    acc[t][v][r] = group_end(acc[t][v][r], vreinterpretq_u32_s32(ROW_SUM(t, v, r)), s, z,
-                                             sa[r * ng + g], xs[r * ng + g], w4);
-            }
-        }
+        for (int t = 0; t < T; t++)
+            tile_group_end(acc[t], sacc[t], pacc[t], w + t * blk_tile + g * blk, sa + g, xs + g, ng, R, w4);
     }
     STORE_VECS(acc, bias, y, N, n0, R, T);
 }
-#undef ROW_SUM
