@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 FLOWEDGE := $(VENV)/bin/flowedge
 PROMPT ?= Write a Python function that checks whether a number is prime.
 
-.PHONY: setup browser demo test test-fast bench wheel clean
+.PHONY: setup browser arm-cross demo test test-fast bench wheel clean
 
 setup: $(VENV)/.installed
 
@@ -22,13 +22,22 @@ browser:
 		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; }; } || \
 		echo "no chromium (not root or no apt-get): the dashboard's browser test will be skipped"
 
+# An aarch64 cross compiler and qemu for the NEON kernel test (tests/test_kernels_neon.py skips it, saying why,
+# without them)
+arm-cross:
+	@{ command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null 2>&1 || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null 2>&1 || \
+		{ apt-get update -q && apt-get install -y -q gcc-aarch64-linux-gnu qemu-user; }; }; } || \
+		echo "no aarch64 cross compiler or qemu (not root or no apt-get): the NEON kernel test will be skipped"
+
 demo: setup
 	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
 
-test: setup browser
+test: setup browser arm-cross
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: setup browser
+test-fast: setup browser arm-cross
 	$(PY) -m pytest -q -p no:cacheprovider -m "not real_model"
 
 bench: setup

@@ -1,5 +1,5 @@
 """Helpers for the native kernel tests: a random weight prepared for each tiled kernel, the relative error,
-and a fresh build under a private FLOWEDGE_HOME."""
+a fresh build under a private FLOWEDGE_HOME, and the kernels built for each ISA level this CPU runs."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from flowedge.kernels import build, int8act, w4a16, w8a16
+from flowedge.kernels import build, int8act, isa, w4a16, w8a16
 from flowedge.models.quant import pack_int4
 from flowedge.models.quant8 import pack_int8
 
@@ -48,4 +48,16 @@ def rebuilt(monkeypatch, tmp_path):
     monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
     build.load.cache_clear()
     yield
+    build.load.cache_clear()
+
+
+LEVELS = tuple(level.name for level in isa.runnable())   # e.g. avx512, avx2, portable on an AVX-512 x86
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch):
+    """The test once per ISA level this CPU runs, the kernels built (or their cached build loaded) for it."""
+    monkeypatch.setenv(isa.ISA_ENV, request.param)
+    build.load.cache_clear()
+    yield request.param
     build.load.cache_clear()

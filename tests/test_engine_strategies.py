@@ -191,7 +191,7 @@ def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy, act
     """The case that used to break: tiny pair, W4A16, prompt "x", 200 tokens. With row-invariant
     kernels a verified row equals the row `ar` computes alone, so no near-tie can flip; int8 activations
     are quantized per row, so the same holds for them."""
-    from flowedge.kernels import int8act
+    from flowedge.kernels import int8act, w4a16
     from flowedge.runner import GenerateRequest, run_generate
 
     monkeypatch.setenv(int8act.ACTIVATIONS_ENV, activations)
@@ -199,8 +199,10 @@ def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy, act
     base, draft = (str(p) for p in tiny_pair)
     ask = dict(prompt="x", model=base, draft=draft, max_new_tokens=200, quant="int4", nodes=3, profile="x86-cpu")
     ar = run_generate(GenerateRequest(strategy="ar", **ask))
-    # bf16: past the token where the old kernels diverged; int8 rounds differently and ends (EOS) at 60
-    assert ar["new_tokens"] > (86 if activations == "bf16" else 50)
+    # bf16 on the AVX-512 and portable builds: past the token where the old kernels diverged; int8 rounds
+    # differently and ends (EOS) at 60, the AVX2 and NEON builds' bf16 numerics at 63
+    long_bf16 = activations == "bf16" and w4a16.isa() in ("avx512bf16", "portable")
+    assert ar["new_tokens"] > (86 if long_bf16 else 50)
     assert run_generate(GenerateRequest(strategy=strategy, **ask))["token_ids"] == ar["token_ids"]
 
 

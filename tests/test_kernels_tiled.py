@@ -1,16 +1,17 @@
 """The contract every tiled kernel keeps (W4A16, W8A16, and W4A8 / W8A8 over the same tiles): a row's
-result is bitwise the same whatever rows share the call or how many threads run it, in the native build
-and the portable one; the bias is added once; bad input is refused; tiles concatenate; torch.compile
-calls the custom op without a graph break."""
+result is bitwise the same whatever rows share the call or how many threads run it, at every ISA level this
+CPU runs (AVX-512, AVX2, portable on x86); each level agrees with the portable reference (int8 activations
+bit for bit); the bias is added once; bad input is refused; tiles concatenate; torch.compile calls the
+custom op without a graph break. tests/test_kernels_neon.py checks the NEON tiles the same way under qemu."""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 import torch
-from kernel_helpers import KERNELS, make, rebuilt, rel_err  # noqa: F401 (rebuilt: a fixture)
+from kernel_helpers import KERNELS, LEVELS, level, make, rebuilt, rel_err  # noqa: F401 (fixtures)
 
-from flowedge.kernels import build, int8act, tiled, w4a16
+from flowedge.kernels import build, int8act, isa, tiled, w4a16
 from flowedge.models.quant import Int4Linear
 from flowedge.models.quant8 import Int8Linear
 
@@ -22,7 +23,7 @@ KINDS = tuple(KERNELS)
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", [(64, 256), (208, 512)])   # 208: 13 tiles, not a multiple of the wide step
-def test_each_row_equals_the_row_alone_for_1_to_64_rows(kind, n, k):
+def test_each_row_equals_the_row_alone_for_1_to_64_rows(level, kind, n, k):
     _, weight, x, bias, linear = make(kind, n, k)
     alone = torch.cat([linear(x[i:i + 1], weight, bias) for i in range(64)])
     for m in range(1, 65):
@@ -30,7 +31,7 @@ def test_each_row_equals_the_row_alone_for_1_to_64_rows(kind, n, k):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_row_ignores_its_neighbours(kind):
+def test_a_row_ignores_its_neighbours(level, kind):
     _, weight, x, _, linear = make(kind, 64, 256)
     alone = linear(x[:1], weight)
     for seed in range(4):
@@ -41,7 +42,7 @@ def test_a_row_ignores_its_neighbours(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 2, 5, 19])   # each row-pass width splits the tiles its own way
-def test_thread_count_does_not_change_a_bit(kind, m):
+def test_thread_count_does_not_change_a_bit(level, kind, m):
     _, weight, x, bias, linear = make(kind, 208, 512)
     one = linear(x[:m], weight, bias, threads=1)
     for threads in (2, 3, 5, 64):
@@ -49,7 +50,7 @@ def test_thread_count_does_not_change_a_bit(kind, m):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bias_is_added_once(kind):
+def test_bias_is_added_once(level, kind):
     _, weight, x, bias, linear = make(kind, 48, 128)
     assert torch.equal(linear(x, weight, bias), linear(x, weight) + bias)
 
@@ -66,7 +67,7 @@ def test_bad_inputs_are_refused(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_tiles_concatenate_into_the_weight_of_both(kind):
+def test_tiles_concatenate_into_the_weight_of_both(level, kind):
     _, wa, x, _, linear = make(kind, 48, 128, seed=1)
     _, wb, _, _, _ = make(kind, 32, 128, seed=2)
     both = type(wa)(torch.cat([wa.tiles, wb.tiles]), 80, 128, 32)
@@ -80,24 +81,45 @@ def test_each_kernel_has_its_custom_op():
     assert tiled.supports(32, 256, 64) and not tiled.supports(40, 256, 64) and not tiled.supports(32, 256, 512)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None or w4a16.isa() != "avx512bf16" or int8act.isa() != "avx512vnni",
-                    reason="needs gcc on AVX512-BF16 and VNNI")
 @pytest.mark.parametrize("kind", KINDS)
-def test_portable_build_is_row_invariant_and_agrees_with_the_native_one(kind, monkeypatch, rebuilt):
+def test_each_level_agrees_with_the_portable_reference(level, kind):
     """int8 activations: the same bits (the same integers and float operations); bf16: the last bits may
-    differ (FMA and the dot product's order), never between rows of one build."""
+    differ (FMA, the dot product's order, AVX2's zero point taking the -8), never between rows of one build."""
     _, weight, x, bias, linear = make(kind, 208, 256)
-    native = linear(x[:33], weight, bias)
-    monkeypatch.setenv(build.CC_ENV, "gcc -mno-avx512f")   # an AVX2-only x86
+    here = linear(x[:33], weight, bias)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(isa.ISA_ENV, "portable")
+        build.load.cache_clear()
+        assert w4a16.isa() == "portable" and int8act.isa() == "portable"
+        reference = linear(x[:33], weight, bias)
     build.load.cache_clear()
-    assert w4a16.isa() == "portable" and int8act.isa() == "portable"
-    portable = linear(x[:33], weight, bias)
-    assert all(torch.equal(portable[i], linear(x[i:i + 1], weight, bias)[0]) for i in range(33))
-    assert torch.equal(linear(x[:33], weight, bias, threads=3), portable)
     if kind.endswith("a8"):
-        assert torch.equal(portable, native)
+        assert torch.equal(here, reference)
     else:
-        assert rel_err(portable, native) < 1e-5
+        assert rel_err(here, reference) < 1e-5
+
+
+# level -> (the bf16 kernels' tile code, the int8 kernels'): avx512 runs the AVX-512 tiles where the CPU has
+# their extensions, else the AVX2 ones; the int8 AVX2 tiles use AVX-VNNI where there is one
+TILE_CODES = {"avx512": ({"avx512bf16", "avx2"}, {"avx512vnni", "avx2vnni", "avx2"}),
+              "avx2": ({"avx2"}, {"avx2vnni", "avx2"}), "neon": ({"neon"}, {"neon-i8mm", "neon-dotprod", "portable"}),
+              "portable": ({"portable"}, {"portable"})}
+
+
+def test_each_level_builds_its_own_tiles(level):
+    bf16_codes, int8_codes = TILE_CODES[level]
+    assert w4a16.isa() in bf16_codes and int8act.isa() in int8_codes
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or "avx2" not in LEVELS, reason="needs gcc on an AVX2 x86")
+def test_cc_flags_come_after_the_level_so_an_avx512_cpu_can_build_as_an_avx2_one(monkeypatch, rebuilt):
+    monkeypatch.setenv(build.CC_ENV, "gcc -mno-avx512f")
+    assert w4a16.isa() == "avx2" and int8act.isa().startswith("avx2")
+    monkeypatch.setenv(build.CC_ENV, "gcc -mno-avx512f -mno-avxvnni")   # an AVX2 CPU before AVX-VNNI
+    build.load.cache_clear()
+    assert int8act.isa() == "avx2"
+    _, weight, x, bias, linear = make("w8a8", 208, 256)
+    assert torch.equal(linear(x[:9], weight, bias), torch.cat([linear(x[i:i + 1], weight, bias) for i in range(9)]))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,7 +1,7 @@
 """Bit-for-bit A/B of the tiled kernels: a git revision's C sources against the working tree's.
 
-    python tools/kernel_bits_ab.py [--base main] [--rows 33]            # this CPU's build
-    CC="gcc -mno-avx512f" python tools/kernel_bits_ab.py                # the portable build (AVX2 x86)
+    python tools/kernel_bits_ab.py [--base main] [--rows 33]            # this CPU's best ISA level
+    FLOWEDGE_ISA=avx2 python tools/kernel_bits_ab.py                    # another level (kernels/isa.py)
 
 For a change to the kernels that must not move a bit (a refactor, a scheduling change): both revisions'
 W4A16, W8A16, W4A8 and W8A8 run on the same tiles (prepared by this tree's Python, the layout being

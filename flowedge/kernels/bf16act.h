@@ -1,7 +1,8 @@
 /* What the two bf16-activation kernels (w4a16.c, w8a16.c) share on top of tiles.h: the activation stream
- * (x rounded to bf16 pairs, a pass's rows interleaved, and the group sums zero points need), the body of
- * their entry points, the AVX-512 dot product with a broadcast pair, and the portable build's loop over a
- * tile's groups and rows.
+ * (x rounded to bf16: pairs for AVX-512's dot product and the portable loop, one float each for AVX2 and
+ * NEON's multiply-adds; a pass's rows interleaved), the group sums zero points need, the body of their
+ * entry points, the AVX-512 dot product with a broadcast pair, and the portable build's loop over a tile's
+ * groups and rows.
  *
  * The two differ in the tile layout only: w4a16 has bf16 scales and zeros (y also takes zero * X_g),
  * w8a16 fp32 scales and no zeros.
@@ -14,7 +15,8 @@
 typedef struct {   /* one call's arguments, read by every thread */
     const uint8_t *w;   /* the tiles */
     int64_t M, K, G, N, ng, bt;   /* ng = K / G groups, bt bytes a tile */
-    const uint32_t *xp; /* the activation stream (pack_pairs) */
+    const uint32_t *xp; /* the activation stream: pack_pairs, or pack_floats (FLOAT_STREAM) */
+    const float *xf;
     const float *xs;    /* [M, ng] group sums of bf16(x) (w4a16), or NULL */
     const float *bias;
     float *y;
@@ -30,6 +32,36 @@ static void pack_pairs(const float *x, int64_t M, int64_t K, uint32_t *xp) {
         uint32_t *dst = xp + m0 * (K / 2) + (m - m0);
         for (int64_t j = 0; j < K / 2; j++)
             dst[j * R] = (uint32_t)bf16_rne(xr[2 * j]) | (uint32_t)bf16_rne(xr[2 * j + 1]) << 16;
+    }
+}
+
+#define FLOAT_STREAM NARROW_SIMD   /* AVX2 and NEON broadcast one float an input */
+#if FLOAT_STREAM
+typedef float stream_t;      /* what a SIMD kernel reads the stream as */
+#else
+typedef uint32_t stream_t;
+#endif
+
+/* The stream of the pass that starts at row m */
+static inline const stream_t *stream_of(const bf16_job *j, int64_t m) {
+#if FLOAT_STREAM
+    return j->xf + m * j->K;
+#else
+    return j->xp + m * (j->K / 2);
+#endif
+}
+
+/* x [M, K] fp32 -> xf: bf16(x) as fp32 times unit[k % 8], interleaved per pass of R rows (pass base +
+ * k * R + r). unit: powers of two (exact short of underflow below 2^-100), or NULL for none. */
+static void pack_floats(const float *x, int64_t M, int64_t K, const float *unit, float *xf) {
+    int64_t rb = rows_per_pass(M);
+    for (int64_t m = 0; m < M; m++) {
+        int64_t m0, R = pass_of(m, M, rb, &m0);
+        float *dst = xf + m0 * K + (m - m0);
+        for (int64_t k = 0; k < K; k++) {
+            float v = bf16_to_f32(bf16_rne(x[m * K + k]));
+            dst[k * R] = unit ? v * unit[k & 7] : v;
+        }
     }
 }
 
@@ -50,28 +82,33 @@ static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *x
     }
 }
 
-/* The body of either kernel's entry point: the activation stream (and group sums, with_sums), then the
- * tiles (blk bytes a tile's group) by `run` on up to nthreads threads. 0, or -1 on bad arguments / no memory. */
+/* The body of either kernel's entry point: the activation stream (float streams times unit[k % 8], see
+ * pack_floats) and group sums (with_sums), then the tiles (blk bytes a tile's group) by `run` on up to
+ * nthreads threads. 0, or -1 on bad arguments / no memory. */
 static int bf16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G,
-                       const float *bias, float *y, int nthreads, int64_t blk, int with_sums, tiles_fn run) {
+                       const float *bias, float *y, int nthreads, int64_t blk, int with_sums, const float *unit,
+                       tiles_fn run) {
     if (bad_shape(M, K, N, G)) return -1;
     int64_t ng = K / G;
-    uint32_t *xp = malloc((size_t)(M * K / 2) * sizeof(uint32_t));
+    void *stream = malloc((size_t)(M * K) * (FLOAT_STREAM ? sizeof(float) : sizeof(uint16_t)));
     float *xs = with_sums ? malloc((size_t)(M * ng) * sizeof(float)) : NULL;
     int rc = -1;
-    if (xp && (xs || !with_sums)) {
-        pack_pairs(x, M, K, xp);
+    if (stream && (xs || !with_sums)) {
+        if (FLOAT_STREAM)
+            pack_floats(x, M, K, unit, stream);
+        else
+            pack_pairs(x, M, K, stream);
         if (with_sums) group_sums(x, M, K, G, xs);
-        bf16_job job = {w, M, K, G, N, ng, ng * blk, xp, xs, bias, y};
+        bf16_job job = {w, M, K, G, N, ng, ng * blk, stream, stream, xs, bias, y};
         split_tiles(&job, N / TILE, M, nthreads, run);
         rc = 0;
     }
-    free(xp);
+    free(stream);
     free(xs);
     return rc;
 }
 
-#if WIDE_KERNELS
+#if TILES_ISA == TILES_AVX512
 
 /* acc += w . broadcast(the bf16 pair at x): written out because gcc does not fold the broadcast
  * into the instruction's memory operand (a separate vpbroadcastd per row doubled the instructions) */
@@ -80,7 +117,7 @@ static inline __m512 dot_pair(__m512 acc, __m512bh w, const uint32_t *x) {
     return acc;
 }
 
-#else /* portable: plain C that the compiler vectorizes over the 16 outputs of a tile */
+#elif TILES_ISA == TILES_PORTABLE /* plain C that the compiler vectorizes over the 16 outputs of a tile */
 
 /* A tile's 16 outputs as two 8-lane vectors: gcc maps the type onto the target (one AVX2 or two NEON
  * registers) and computes each lane on its own, no reassociation: every row sees the same operations. */

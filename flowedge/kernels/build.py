@@ -1,13 +1,16 @@
-"""Compile a kernel's C source once per machine and load it with ctypes.
+"""Compile a kernel's C source once per machine and ISA level, and load it with ctypes.
 
-The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<key>.so`, the key hashing the source and the
-headers it includes with quotes (transitively: the tiled kernels share tiles.h), the compiler's version
-and the flags it expands `-march=native` to: a new source or header, compiler or CPU builds anew,
-anything else reuses the file. The compiler writes to a private temporary name that is renamed
-into place, so processes building at once never load a half-written file.
+The shared object goes to `$FLOWEDGE_HOME/kernels/<name>-<level>-<key>.so`, the key hashing the source
+and the headers it includes with quotes (transitively: the tiled kernels share tiles.h), the compiler's
+version, the flags it expands `-march=native` to and the level's flags (isa.py: the best level this CPU
+runs, or `FLOWEDGE_ISA`): a new source or header, compiler, CPU or level builds anew, anything else
+reuses the file. Flags in `CC` come last, so they override the level's (`CC="gcc -mno-avx512f"`). The
+compiler writes to a private temporary name that is renamed into place, so processes building at once
+never load a half-written file.
 
 No compiler, a failed build or `FLOWEDGE_KERNELS=torch` -> `load()` returns None and says why once
-(callers fall back to torch's kernels).
+(callers fall back to torch's kernels). A `FLOWEDGE_ISA` this CPU cannot run is a ConfigError instead:
+the user asked for something else than what would run.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from flowedge.errors import BuildError
 from flowedge.home import flowedge_home
+from flowedge.kernels import isa
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,12 @@ def disabled() -> bool:
 
 def compiler() -> list[str]:
     return shlex.split(os.environ.get(CC_ENV) or "gcc")
+
+
+def split_cc(cc: list[str]) -> tuple[list[str], list[str]]:
+    """`CC` as (the program, with any wrapper such as ccache; the flags from the first `-` on)."""
+    at = next((i for i, arg in enumerate(cc) if arg.startswith("-")), len(cc))
+    return cc[:at], cc[at:]
 
 
 def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -79,7 +89,7 @@ def inputs(source: Path) -> list[Path]:
     return found
 
 
-def cache_key(source: Path, cc: list[str]) -> str:
+def cache_key(source: Path, cc: list[str], level: isa.Level) -> str:
     try:
         version = _run([*cc, "--version"]).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -87,25 +97,29 @@ def cache_key(source: Path, cc: list[str]) -> str:
     digest = hashlib.sha256()
     source_code, *headers = inputs(source)   # a source with no headers keys as it did before headers counted
     code = [source_code.read_bytes(), *(part for path in headers for part in (path.name.encode(), path.read_bytes()))]
-    flags = (shlex.join(cc[1:]), _native_flags(cc), " ".join(FLAGS))   # CC="gcc -O0" is another build
+    flags = (shlex.join(cc[1:]), _native_flags(cc), " ".join(FLAGS),   # CC="gcc -O0" is another build
+             level.name, " ".join(level.flags))
     for part in (*code, version.encode(), *(f.encode() for f in flags)):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def build(source: Path, cache_dir: Path | None = None) -> Built:
-    """Compile `source` (or reuse its cached build) and load it. Raises BuildError."""
+def build(source: Path, cache_dir: Path | None = None, level: isa.Level | None = None) -> Built:
+    """Compile `source` for `level` (default: isa.chosen()), or reuse its cached build, and load it.
+    Raises BuildError (ConfigError for a FLOWEDGE_ISA this CPU cannot run)."""
     cc = compiler()
+    level = level or isa.chosen()
     cache_dir = cache_dir or flowedge_home() / "kernels"
-    target = cache_dir / f"{source.stem}-{cache_key(source, cc)}.so"
+    target = cache_dir / f"{source.stem}-{level.name}-{cache_key(source, cc, level)}.so"
     compiled = False
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=cache_dir)
         os.close(fd)
         try:
-            result = _run([*cc, *FLAGS, "-o", tmp, str(source)])
+            program, cc_flags = split_cc(cc)
+            result = _run([*program, *FLAGS, *level.flags, *cc_flags, "-o", tmp, str(source)])
             if result.returncode != 0:
                 raise BuildError(f"{shlex.join(cc)} failed on {source.name}: {_first_error(result.stderr)}")
             os.replace(tmp, target)

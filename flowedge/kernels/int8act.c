@@ -5,12 +5,13 @@
  *   per row m and group g of G inputs: s_a = max|x| / 127, q = rint(x / s_a) in -127..127 (int8),
  *   X_g = the fp32 sum of x over the group (16 fixed lanes, then the lanes in order), W4 only;
  *   per output n: S = sum over the group of (code - off) * q, in int32 (exact: order does not matter),
- *     W4: code 0..15, off 8; W8: the signed code + 128 (unsigned for vpdpbusd), off 128;
+ *     W4: code 0..15, off 8; W8: the signed code + 128 (unsigned for vpdpbusd), off 128; the builds
+ *     whose dot products take signed codes (AVX2 without AVX-VNNI for W8, NEON) sum code * q from 0;
  *   y = fma(float(S), scale * s_a, y) [W4: then y = fma(zero, X_g, y)], groups in order; y += bias.
  * The quantization of a row depends on that row only and every float operation is the same for every
- * row whatever M, its row pass or the thread count (threads split N only): rows are invariant. The two
- * builds compute the same integers and the same float operations (fmaf in the portable build), so they
- * agree bit for bit.
+ * row whatever M, its row pass or the thread count (threads split N only): rows are invariant. All
+ * builds (AVX-512, AVX2 in int8act_avx2.h, NEON in int8act_neon.h, portable) compute the same integers
+ * and the same float operations (fmaf in the portable build), so they agree bit for bit.
  *
  * Activation stream: per row, K int8 in dwords of 4 inputs, the pass's rows interleaved per dword
  * (dword j of row r at base + j * R + r). W8: inputs in order. W4: per 8 inputs the order 0 4 1 5 2 6 3 7,
@@ -21,9 +22,10 @@
 #include <math.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define WIDE_KERNELS 1
-#else
-#define WIDE_KERNELS 0
+#define AVX512_TILES
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+#define NEON_TILES   /* before dotprod NEON has no four-product int8 dot: the portable loop runs */
 #endif
 #include "tiles.h"
 
@@ -45,7 +47,41 @@ typedef struct {   /* one call's arguments, read by every thread */
     float *y;
 } job_t;
 
-#if WIDE_KERNELS
+#if TILES_ISA == TILES_NEON || TILES_ISA == TILES_PORTABLE
+static const int W4_POS[8] = {0, 2, 4, 6, 1, 3, 5, 7};   /* input e of 8 -> its place in the stream */
+
+/* one row's group: s_a, q into the stream (dst: its first dword, R rows a dword), -off * sum q, X_g */
+static void quantize_group(const float *xg, int64_t G, int w4, int8_t *dst, int64_t R, float *sa, int32_t *corr,
+                           float *xs) {
+    float amax = 0.f;
+    int finite = 1;
+    for (int64_t k = 0; k < G; k++) {
+        float a = fabsf(xg[k]);
+        finite &= a <= FLT_MAX;
+        amax = a > amax ? a : amax;
+    }
+    float s = finite ? amax / QMAX : NAN;   /* NaN or inf in x: the group's outputs become NaN */
+    int32_t sum = 0;
+    for (int64_t k = 0; k < G; k++) {
+        float v = finite && s > 0.f ? rintf(xg[k] / s) : 0.f;
+        v = v > QMAX ? QMAX : v < -QMAX ? -QMAX : v;
+        int8_t qv = (int8_t)v;
+        int64_t p = w4 ? (k & ~(int64_t)7) + W4_POS[k & 7] : k;
+        dst[(p >> 2) * R * 4 + (p & 3)] = qv;
+        sum += qv;
+    }
+    float lane[16] = {0};
+    for (int64_t k = 0; k < G; k += 16)
+        for (int j = 0; j < 16; j++) lane[j] += xg[k + j];
+    float total = 0.f;
+    for (int j = 0; j < 16; j++) total += lane[j];
+    *sa = s;
+    *corr = -(w4 ? 8 : 128) * sum;
+    *xs = total;
+}
+#endif
+
+#if TILES_ISA == TILES_AVX512
 
 const char *int8act_isa(void) { return "avx512vnni"; }
 
@@ -164,6 +200,22 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const int
     STORE_TILES(acc, bias, y, N, n0, R, T, 0);
 }
 
+#elif NARROW_SIMD
+/* After a group, lane by lane: acc += float(S) * (scale * s_a), then (W4) acc += zero * X_g: the same
+ * fused operations as the portable loop's fmaf, so every build gives the same bits. */
+static inline __attribute__((always_inline)) vf group_end(vf acc, vi S, vf s, vf z, float sa, float xs, const int w4) {
+    acc = vf_fma(vf_of_i32(S), vf_mul(s, vf_set1(sa)), acc);
+    return w4 ? vf_fma(z, vf_set1(xs), acc) : acc;
+}
+
+#if TILES_ISA == TILES_AVX2
+#include "int8act_avx2.h"
+#else
+#include "int8act_neon.h"
+#endif
+#endif
+
+#if TILES_ISA != TILES_PORTABLE
 typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const int32_t *, const float *, const int32_t *,
                         const float *, const float *, float *, int64_t, int64_t);
 #define KERNEL(R, T)                                                                                           \
@@ -195,38 +247,6 @@ static void run_tiles(const void *job, int64_t t0, int64_t t1) {
 #else /* portable: plain C over 16-lane vectors (gcc maps them onto the target's registers) */
 
 const char *int8act_isa(void) { return "portable"; }
-
-static const int W4_POS[8] = {0, 2, 4, 6, 1, 3, 5, 7};   /* input e of 8 -> its place in the stream */
-
-/* one row's group: s_a, q into the stream (dst: its first dword, R rows a dword), -off * sum q, X_g */
-static void quantize_group(const float *xg, int64_t G, int w4, int8_t *dst, int64_t R, float *sa, int32_t *corr,
-                           float *xs) {
-    float amax = 0.f;
-    int finite = 1;
-    for (int64_t k = 0; k < G; k++) {
-        float a = fabsf(xg[k]);
-        finite &= a <= FLT_MAX;
-        amax = a > amax ? a : amax;
-    }
-    float s = finite ? amax / QMAX : NAN;   /* NaN or inf in x: the group's outputs become NaN */
-    int32_t sum = 0;
-    for (int64_t k = 0; k < G; k++) {
-        float v = finite && s > 0.f ? rintf(xg[k] / s) : 0.f;
-        v = v > QMAX ? QMAX : v < -QMAX ? -QMAX : v;
-        int8_t qv = (int8_t)v;
-        int64_t p = w4 ? (k & ~(int64_t)7) + W4_POS[k & 7] : k;
-        dst[(p >> 2) * R * 4 + (p & 3)] = qv;
-        sum += qv;
-    }
-    float lane[16] = {0};
-    for (int64_t k = 0; k < G; k += 16)
-        for (int j = 0; j < 16; j++) lane[j] += xg[k + j];
-    float total = 0.f;
-    for (int j = 0; j < 16; j++) total += lane[j];
-    *sa = s;
-    *corr = -(w4 ? 8 : 128) * sum;
-    *xs = total;
-}
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 

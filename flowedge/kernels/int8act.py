@@ -15,8 +15,9 @@ Numerics (the same for every row whatever M, its row pass or the thread count; t
      zero-point term uses the activations at full precision, so only the scale term sees int8 rounding.
   4. y[n] = over g in order: y = fma(float(S), scale * s_a, y); W4 then y = fma(zero, X_g, y); then
      y += bias[n] (W4: scale, zero the stored bf16 values; W8: the fp32 scale).
-Both builds (AVX512-VNNI, and portable C using fmaf) compute the same integers and the same rounded float
-operations: they agree bit for bit, unlike the bf16 kernels' builds.
+Every build (AVX512-VNNI; AVX2 with AVX-VNNI's `vpdpbusd` or `vpmaddubsw`; NEON with `sdot` / `smmla`; and
+portable C using fmaf) computes the same integers and the same rounded float operations: they agree bit
+for bit, unlike the bf16 kernels' builds.
 
 Accuracy: int8 per group of 32 rounds x ~4x coarser than bf16 (docs/bench/w4a16-kernel.md has the figures).
 """
@@ -55,7 +56,8 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """'avx512vnni' or 'portable' (the code path compiled in), None when unavailable."""
+    """'avx512vnni', 'avx2vnni', 'avx2', 'neon-i8mm', 'neon-dotprod' or 'portable' (the tiles compiled in),
+    None when unavailable."""
     return KERNEL4.isa()
 
 

@@ -1,14 +1,21 @@
-/* What the tiled weight kernels (w4a16.c, w8a16.c, int8act.c) share: the shape check, bf16 rounding, and
- * the scaffolding around their hot loops (row passes, tile steps, the thread split over N, the prefetch,
- * the epilogues), so that the three files hold only what a tile contains and how they multiply it.
+/* What the tiled weight kernels (w4a16.c, w8a16.c, int8act.c) share: the shape check, bf16 rounding, the
+ * choice of tile code for the build's target, and the scaffolding around their hot loops (row passes, tile
+ * steps, the thread split over N, the prefetch, the epilogues), so that the three files hold only what a
+ * tile contains and how they multiply it.
  *
  * Row invariance is decided here: a kernel call covers whole rows and all of K, and threads split N only,
  * in whole steps of tiles, so every output's operations are the same whatever M, the pass a row falls in,
  * or the thread count.
  *
- * The including file defines WIDE_KERNELS first: 1 for its AVX-512 build (kernels of up to MAX_R rows by
- * MAX_T tiles, instantiated from an always_inline template per TILE_SHAPES), 0 for its portable build
- * (one row a pass). build.py hashes this header into every including kernel's cache key.
+ * Tile code (TILES_ISA), the highest the compiler's target allows (build.py sets the target per ISA level):
+ *   TILES_AVX512  the including file defined AVX512_TILES (its own AVX-512 extensions are there): kernels
+ *                 of up to 12 rows by 4 tiles, 32 registers of 16 lanes;
+ *   TILES_AVX2    AVX2 + FMA (tiles_avx2.h): up to 4 rows by 4 tiles, 16 registers of 8 lanes;
+ *   TILES_NEON    aarch64, the including file defined NEON_TILES (tiles_neon.h): the AVX2 shapes in
+ *                 32 registers of 4 lanes;
+ *   TILES_PORTABLE plain C, one row a pass; also whenever FLOWEDGE_PORTABLE is defined (the reference).
+ * The SIMD kernels are instantiated from an always_inline template per TILE_SHAPES. build.py hashes this
+ * header (and those it includes) into every including kernel's cache key.
  */
 #ifndef FLOWEDGE_TILES_H
 #define FLOWEDGE_TILES_H
@@ -18,9 +25,27 @@
 #include <string.h>
 #include <omp.h>
 
-#ifndef WIDE_KERNELS
-#error "define WIDE_KERNELS (1: AVX-512 build, 0: portable) before including tiles.h"
+#define TILES_PORTABLE 0
+#define TILES_NEON 1
+#define TILES_AVX2 2
+#define TILES_AVX512 3
+
+#if defined(FLOWEDGE_PORTABLE)
+#define TILES_ISA TILES_PORTABLE
+#elif defined(AVX512_TILES)
+#define TILES_ISA TILES_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TILES_ISA TILES_AVX2
+#elif defined(NEON_TILES) && defined(__aarch64__)
+#define TILES_ISA TILES_NEON
+#else
+#define TILES_ISA TILES_PORTABLE
 #endif
+
+/* AVX2 and NEON run the same kernels over a few vector helpers (tiles_avx2.h, tiles_neon.h) */
+#define NARROW_SIMD (TILES_ISA == TILES_AVX2 || TILES_ISA == TILES_NEON)
+
+#define UNROLL _Pragma("GCC unroll 16")   /* fully: keeps a kernel's accumulators in registers */
 
 #define TILE 16   /* outputs per tile */
 
@@ -52,12 +77,11 @@ static inline int64_t pass_of(int64_t m, int64_t M, int64_t rb, int64_t *m0) {
     return M - *m0 < rb ? M - *m0 : rb;
 }
 
-#if WIDE_KERNELS
+#if TILES_ISA == TILES_AVX512
 #include <immintrin.h>
 
 #define MAX_T 4    /* tiles a wide kernel runs at once */
 #define MAX_R 12   /* rows a kernel runs at once */
-#define UNROLL _Pragma("GCC unroll 16")   /* fully: keeps the [T][R] accumulators in registers */
 
 /* The (R rows, T tiles) kernels a file instantiates from its template: TILE_SHAPES(KERNEL) */
 #define TILE_SHAPES(X)                                                                            \
@@ -78,29 +102,10 @@ static inline int64_t pass_of(int64_t m, int64_t M, int64_t rb, int64_t *m0) {
  * measured 5-10% faster at 2-3 rows than half as wide). */
 static const int WIDE_T[ROW_BLOCK + 1] = {0, 4, 4, 4, 2, 2, 2, 1, 1, 1, 1, 1, 1};
 
-/* Rows go in balanced passes of at most ROW_BLOCK (16 rows: 8 + 8, not 12 + 4). */
-static int64_t rows_per_pass(int64_t M) {
-    int64_t passes = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-    return (M + passes - 1) / passes;
-}
-
-/* Tiles a thread takes at a time: the wide kernel's width for the row pass, so splits fall between them */
-static int64_t tile_step(int64_t M) { return WIDE_T[rows_per_pass(M)]; }
-
 /* 16 bf16 -> fp32 (the W4A16 tiles' scales and zeros) */
 static inline __m512 load_bf16x16(const uint8_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* One row streams weights from DRAM: fetch ~1 KB ahead of byte `at` of group g (blk bytes a group) in
- * each of the T tiles from w (+12-19% cold, 1536 x 1536/8960). Spelled as the address it was before the
- * kernels shared it: gcc then emits the same code (g * blk + at summed by the caller cost the 1-row,
- * 4-tile kernels 27 more instructions). */
-static inline __attribute__((always_inline)) void
-prefetch_tiles(const uint8_t *w, int64_t blk_tile, int64_t g, int64_t blk, int64_t at, const int T) {
-    UNROLL
-    for (int t = 0; t < T; t++) _mm_prefetch((const char *)(w + t * blk_tile + g * blk + at + 1024), _MM_HINT_T0);
 }
 
 /* Macros, not functions, for the two pieces of the kernel templates they share: an always_inline
@@ -125,6 +130,67 @@ prefetch_tiles(const uint8_t *w, int64_t blk_tile, int64_t g, int64_t blk, int64
             _mm512_storeu_ps((y) + r_ * (N) + (n0) + t_ * TILE,                                            \
                              (add_zero) || (bias) ? _mm512_add_ps((acc)[t_][r_], bv) : (acc)[t_][r_]);    \
     }
+
+#elif NARROW_SIMD
+#if TILES_ISA == TILES_AVX2
+#include "tiles_avx2.h"
+#else
+#include "tiles_neon.h"
+#endif
+
+#define MAX_T 4   /* tiles a kernel runs at once */
+#define MAX_R 4   /* rows a kernel runs at once: R x T x VECS accumulators stay within the registers */
+
+#define TILE_SHAPES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 2) X(3, 1) X(4, 1)
+#define ROW_BLOCK MAX_R
+#define ROWS_OF(k) {{0, 0}, {k##_1_1, k##_1_4}, {k##_2_1, k##_2_2}, {k##_3_1, k##_3_1}, {k##_4_1, k##_4_1}}
+
+/* One row needs 4 tiles (8 AVX2 accumulator chains) to hide the FMA latency; two rows 2 */
+static const int WIDE_T[ROW_BLOCK + 1] = {0, 4, 2, 1, 1};
+
+/* acc[t][v][r] = 0 for T tiles x VECS vectors x R rows */
+#define ZERO_VECS(acc, R, T)                 \
+    UNROLL                                   \
+    for (int t_ = 0; t_ < (T); t_++)         \
+        UNROLL                               \
+        for (int v_ = 0; v_ < VECS; v_++)    \
+            UNROLL                           \
+            for (int r_ = 0; r_ < (R); r_++) (acc)[t_][v_][r_] = vf_zero()
+
+/* y[r, n0 + 16t + LANES v + i] = acc[t][v][r][i] (+ bias) */
+#define STORE_VECS(acc, bias, y, N, n0, R, T)                                                         \
+    UNROLL                                                                                          \
+    for (int t_ = 0; t_ < (T); t_++)                                                                \
+        UNROLL                                                                                      \
+        for (int v_ = 0; v_ < VECS; v_++) {                                                         \
+            int64_t at_ = (n0) + t_ * TILE + v_ * LANES;                                            \
+            UNROLL                                                                                  \
+            for (int r_ = 0; r_ < (R); r_++)                                                        \
+                vf_store((y) + r_ * (N) + at_,                                                      \
+                         (bias) ? vf_add((acc)[t_][v_][r_], vf_load((bias) + at_)) : (acc)[t_][v_][r_]); \
+        }
+#endif
+
+#if TILES_ISA != TILES_PORTABLE
+
+/* Rows go in balanced passes of at most ROW_BLOCK (AVX-512, 16 rows: 8 + 8, not 12 + 4). */
+static int64_t rows_per_pass(int64_t M) {
+    int64_t passes = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+    return (M + passes - 1) / passes;
+}
+
+/* Tiles a thread takes at a time: the wide kernel's width for the row pass, so splits fall between them */
+static int64_t tile_step(int64_t M) { return WIDE_T[rows_per_pass(M)]; }
+
+/* One row streams weights from DRAM: fetch ~1 KB ahead of byte `at` of group g (blk bytes a group) in
+ * each of the T tiles from w (+12-19% cold, 1536 x 1536/8960). Spelled as the address it was before the
+ * kernels shared it: gcc then emits the same code (g * blk + at summed by the caller cost the 1-row,
+ * 4-tile kernels 27 more instructions). */
+static inline __attribute__((always_inline)) void
+prefetch_tiles(const uint8_t *w, int64_t blk_tile, int64_t g, int64_t blk, int64_t at, const int T) {
+    UNROLL
+    for (int t = 0; t < T; t++) __builtin_prefetch(w + t * blk_tile + g * blk + at + 1024, 0, 3);
+}
 
 /* The kernel call for R rows from row m and the tiles from t (WIDE_T[R] of them when wide, else one). */
 typedef void (*pass_fn)(const void *job, int64_t m, int64_t R, int64_t t, int wide);

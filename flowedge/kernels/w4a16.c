@@ -12,14 +12,15 @@
  *   c0..c7 of output i at k = 8b..8b+7 as nibbles c0 c2 c4 c6 c1 c3 c5 c7 (low to high), so that
  *   (dword >> 4p) puts (c_2p, c_2p+1) in the low bits of its two 16-bit halves.
  */
+/* The tiles per build (tiles.h picks): AVX512-BF16 `vdpbf16ps` here; AVX2 and NEON fused multiply-adds
+ * (tiles_avx2.h, tiles_neon.h); the portable loop (bf16act.h). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define WIDE_KERNELS 1
-#else
-#define WIDE_KERNELS 0
+#define AVX512_TILES
 #endif
+#define NEON_TILES   /* plain aarch64 NEON suffices */
 #include "bf16act.h"
 
-#if WIDE_KERNELS
+#if TILES_ISA == TILES_AVX512
 
 const char *w4a16_isa(void) { return "avx512bf16"; }
 
@@ -69,20 +70,86 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uin
     STORE_TILES(acc, bias, y, N, n0, R, T, 1);
 }
 
+#elif NARROW_SIMD
+
+const char *w4a16_isa(void) { return TILES_ISA == TILES_AVX2 ? "avx2" : "neon"; }
+
+/* R rows x T tiles, all of K, over tiles_avx2.h / tiles_neon.h. Per output and group, in input order,
+ * S' = fma(code, bf16(x), S') with the code as stored (0..15, not code - 8): the -8 goes into the zero,
+ * y += S' * scale + (zero - 8 * scale) * X_g, which saves a subtraction an input (equal to S * scale +
+ * zero * X_g in exact arithmetic, and agreeing within float rounding). */
+static inline __attribute__((always_inline)) void
+tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const float *xf, const float *xs,
+            const float *bias, float *y, int64_t N, int64_t n0, const int R, const int T) {
+    vf acc[MAX_T][VECS][MAX_R];
+    ZERO_VECS(acc, R, T);
+    const int64_t blk = 64 + 8 * G;
+    for (int64_t g = 0; g < ng; g++) {
+        vf gacc[MAX_T][VECS][MAX_R];
+        ZERO_VECS(gacc, R, T);
+        for (int64_t b = 0; b < G / 8; b++) {
+            if (R == 1) prefetch_tiles(w, blk_tile, g, blk, b * 64, T);
+            const float *xb = xf + (g * G + b * 8) * R;   /* input 8b + c of row r at xb[c * R + r] */
+            UNROLL
+            for (int t = 0; t < T; t++) {
+                vi d[VECS];
+                UNROLL
+                for (int v = 0; v < VECS; v++) d[v] = vi_load(w + t * blk_tile + g * blk + 64 + b * 64 + v * 4 * LANES);
+                UNROLL
+                for (int c = 0; c < 8; c++) {
+                    vf wv[VECS];
+                    UNROLL
+                    for (int v = 0; v < VECS; v++) wv[v] = w4_code(d[v], c);
+                    UNROLL
+                    for (int r = 0; r < R; r++) {
+                        vf xv = vf_bcast(xb + c * R + r);
+                        UNROLL
+                        for (int v = 0; v < VECS; v++) gacc[t][v][r] = vf_fma(wv[v], xv, gacc[t][v][r]);
+                    }
+                }
+            }
+        }
+        UNROLL
+        for (int t = 0; t < T; t++)
+            UNROLL
+            for (int v = 0; v < VECS; v++) {
+                const uint8_t *sp = w + t * blk_tile + g * blk + v * 2 * LANES;
+                vf s = vf_bf16(sp), z = vf_fma(s, vf_set1(-8.f), vf_bf16(sp + 32));
+                UNROLL
+                for (int r = 0; r < R; r++) {
+                    acc[t][v][r] = vf_fma(gacc[t][v][r], s, acc[t][v][r]);
+                    acc[t][v][r] = vf_fma(z, vf_bcast(xs + r * ng + g), acc[t][v][r]);
+                }
+            }
+    }
+    STORE_VECS(acc, bias, y, N, n0, R, T);
+}
+
+/* What the activation stream carries for input c of 8: 2^-W4_SHIFT(c), undoing w4_code's factor */
+#define UNIT(c) (1.f / (float)(1 << W4_SHIFT(c)))
+static const float W4_UNITS[8] = {UNIT(0), UNIT(1), UNIT(2), UNIT(3), UNIT(4), UNIT(5), UNIT(6), UNIT(7)};
+#undef UNIT
+#endif
+
+#if !NARROW_SIMD
+#define W4_UNITS NULL   /* a pair stream: no factors */
+#endif
+
+#if TILES_ISA != TILES_PORTABLE
 #define KERNEL(R, T)                                                                                      \
-    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const uint32_t *xp,  \
+    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const stream_t *xa,  \
                                const float *xs, const float *bias, float *y, int64_t N, int64_t n0) {     \
-        tile_kernel(w, bt, ng, G, xp, xs, bias, y, N, n0, R, T);                                          \
+        tile_kernel(w, bt, ng, G, xa, xs, bias, y, N, n0, R, T);                                          \
     }
 TILE_SHAPES(KERNEL)
 
-typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint32_t *, const float *,
+typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const stream_t *, const float *,
                         const float *, float *, int64_t, int64_t);
 static const kern_fn KERNELS[ROW_BLOCK + 1][2] = ROWS_OF(kern);
 
 static inline void pass(const void *job, int64_t m, int64_t R, int64_t t, int wide) {
     const bf16_job *j = job;
-    KERNELS[R][wide](j->w + t * j->bt, j->bt, j->ng, j->G, j->xp + m * (j->K / 2), j->xs + m * j->ng, j->bias,
+    KERNELS[R][wide](j->w + t * j->bt, j->bt, j->ng, j->G, stream_of(j, m), j->xs + m * j->ng, j->bias,
                      j->y + m * j->N, j->N, t * TILE);
 }
 
@@ -124,5 +191,5 @@ static void run_tiles(const void *job, int64_t t0, int64_t t1) {
 /* y[M, N] = x[M, K] @ W^T (+ bias). Returns 0, or -1 on bad arguments / no memory. */
 int w4a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                  float *y, int nthreads) {
-    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 8 * G, 1, run_tiles);
+    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 8 * G, 1, W4_UNITS, run_tiles);
 }

@@ -10,11 +10,14 @@ Numerics (the same for every row whatever M, its row pass or the thread count; t
   1. x is rounded to bfloat16 (round to nearest even), the "A16".
   2. Per output n and group g of G inputs: S = sum over the group of (code - 8) * bf16(x) in fp32.
      AVX512-BF16 build: one `vdpbf16ps` accumulator over the input pairs (2k, 2k+1) in k order.
+     AVX2 and NEON builds: S' = sum of code * bf16(x), fused multiply-adds in k order, the code as
+     stored (0..15): the -8 goes into the zero point (step 4 with zero - 8 * scale, one rounding).
      Portable build: a plain fp32 sum in k order, multiply then add (`-ffp-contract=off`: no FMA).
   3. X_g = sum of the group's bf16(x) in fp32: 16 strided lanes, then the lanes in order.
   4. y[n] = sum over g in order of: y = fma(S, scale, y); y = fma(zero, X_g, y) (portable: separate
      multiply and add), then y += bias[n]. scale and zero are the stored bfloat16 values, exactly.
-The two builds differ in the last bits from each other, never between rows of one build.
+The builds (one per ISA level, kernels/isa.py) differ in the last bits from each other, never between
+rows of one build.
 
 Prepared layout (about 5 bits a weight at G=32, like the stored one): uint8 [N/16, K/G, 64 + 8G], per tile
 of 16 outputs and group: 16 scales, 16 zeros (bf16), then G/8 blocks of 16 dwords; dword i holds output
@@ -62,7 +65,7 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """'avx512bf16' or 'portable' (the code path compiled in), None when unavailable."""
+    """'avx512bf16', 'avx2', 'neon' or 'portable' (the tiles compiled in), None when unavailable."""
     return KERNEL.isa()
 
 

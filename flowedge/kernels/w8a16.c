@@ -11,14 +11,15 @@
  *   16 scales fp32 | G/2 blocks of 32 int8: byte 2i + e of block j is output i's code at k = 2j + e,
  *   i.e. the (input pair, output) order `vdpbf16ps` consumes once widened to bf16.
  */
+/* The tiles per build (tiles.h picks): AVX512-BF16 `vdpbf16ps` here; AVX2 and NEON fused multiply-adds
+ * (tiles_avx2.h, tiles_neon.h); the portable loop (bf16act.h). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define WIDE_KERNELS 1
-#else
-#define WIDE_KERNELS 0
+#define AVX512_TILES
 #endif
+#define NEON_TILES   /* plain aarch64 NEON suffices */
 #include "bf16act.h"
 
-#if WIDE_KERNELS
+#if TILES_ISA == TILES_AVX512
 
 const char *w8a16_isa(void) { return "avx512bf16"; }
 
@@ -59,20 +60,66 @@ tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const uin
     STORE_TILES(acc, bias, y, N, n0, R, T, 1);
 }
 
+#elif NARROW_SIMD
+
+const char *w8a16_isa(void) { return TILES_ISA == TILES_AVX2 ? "avx2" : "neon"; }
+
+/* R rows x T tiles, all of K, over tiles_avx2.h / tiles_neon.h: per output and group, in input order,
+ * S = fma(code, bf16(x), S); y = fma(S, scale, y). */
+static inline __attribute__((always_inline)) void
+tile_kernel(const uint8_t *w, int64_t blk_tile, int64_t ng, int64_t G, const float *xf,
+            const float *bias, float *y, int64_t N, int64_t n0, const int R, const int T) {
+    vf acc[MAX_T][VECS][MAX_R];
+    ZERO_VECS(acc, R, T);
+    const int64_t blk = 64 + 16 * G;
+    for (int64_t g = 0; g < ng; g++) {
+        vf gacc[MAX_T][VECS][MAX_R];
+        ZERO_VECS(gacc, R, T);
+        for (int64_t j = 0; j < G / 2; j++) {
+            if (R == 1 && (j & 1) == 0) prefetch_tiles(w, blk_tile, g, blk, 64 + j * 32, T);
+            const float *xj = xf + (g * G + 2 * j) * R;   /* input 2j + e of row r at xj[e * R + r] */
+            UNROLL
+            for (int t = 0; t < T; t++) {
+                vf even[VECS], odd[VECS];
+                UNROLL
+                for (int v = 0; v < VECS; v++)
+                    w8_pair(w + t * blk_tile + g * blk + 64 + j * 32 + v * 2 * LANES, &even[v], &odd[v]);
+                UNROLL
+                for (int r = 0; r < R; r++) {
+                    vf x0 = vf_bcast(xj + r), x1 = vf_bcast(xj + R + r);
+                    UNROLL
+                    for (int v = 0; v < VECS; v++) gacc[t][v][r] = vf_fma(odd[v], x1, vf_fma(even[v], x0, gacc[t][v][r]));
+                }
+            }
+        }
+        UNROLL
+        for (int t = 0; t < T; t++)
+            UNROLL
+            for (int v = 0; v < VECS; v++) {
+                vf s = vf_load((const float *)(w + t * blk_tile + g * blk) + v * LANES);
+                UNROLL
+                for (int r = 0; r < R; r++) acc[t][v][r] = vf_fma(gacc[t][v][r], s, acc[t][v][r]);
+            }
+    }
+    STORE_VECS(acc, bias, y, N, n0, R, T);
+}
+#endif
+
+#if TILES_ISA != TILES_PORTABLE
 #define KERNEL(R, T)                                                                                      \
-    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const uint32_t *xp,  \
+    static void kern_##R##_##T(const uint8_t *w, int64_t bt, int64_t ng, int64_t G, const stream_t *xa,  \
                                const float *bias, float *y, int64_t N, int64_t n0) {                      \
-        tile_kernel(w, bt, ng, G, xp, bias, y, N, n0, R, T);                                              \
+        tile_kernel(w, bt, ng, G, xa, bias, y, N, n0, R, T);                                              \
     }
 TILE_SHAPES(KERNEL)
 
-typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint32_t *, const float *, float *,
+typedef void (*kern_fn)(const uint8_t *, int64_t, int64_t, int64_t, const stream_t *, const float *, float *,
                         int64_t, int64_t);
 static const kern_fn KERNELS[ROW_BLOCK + 1][2] = ROWS_OF(kern);
 
 static inline void pass(const void *job, int64_t m, int64_t R, int64_t t, int wide) {
     const bf16_job *j = job;
-    KERNELS[R][wide](j->w + t * j->bt, j->bt, j->ng, j->G, j->xp + m * (j->K / 2), j->bias, j->y + m * j->N, j->N,
+    KERNELS[R][wide](j->w + t * j->bt, j->bt, j->ng, j->G, stream_of(j, m), j->bias, j->y + m * j->N, j->N,
                      t * TILE);
 }
 
@@ -107,5 +154,5 @@ static void run_tiles(const void *job, int64_t t0, int64_t t1) {
 /* y[M, N] = x[M, K] @ W^T (+ bias). Returns 0, or -1 on bad arguments / no memory. */
 int w8a16_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t G, const float *bias,
                  float *y, int nthreads) {
-    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 16 * G, 0, run_tiles);
+    return bf16_linear(x, M, K, w, N, G, bias, y, nthreads, 64 + 16 * G, 0, NULL, run_tiles);
 }

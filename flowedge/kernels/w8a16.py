@@ -11,9 +11,11 @@ Numerics (the same for every row whatever M, its row pass or the thread count; t
   1. x is rounded to bfloat16 (round to nearest even), the "A16".
   2. Per output n and group g of G inputs: S = sum over the group of code * bf16(x) in fp32 (codes are
      integers in -127..127, exact in bf16). AVX512-BF16 build: one `vdpbf16ps` accumulator over the
-     input pairs (2k, 2k+1) in k order. Portable build: a plain fp32 sum in k order (no FMA).
+     input pairs (2k, 2k+1) in k order. AVX2 and NEON builds: fused multiply-adds in k order. Portable
+     build: a plain fp32 sum in k order (no FMA).
   3. y[n] = sum over g in order of: y = fma(S, scale, y) (portable: multiply then add), then y += bias[n].
-The two builds differ in the last bits from each other, never between rows of one build.
+The builds (one per ISA level, kernels/isa.py) differ in the last bits from each other, never between
+rows of one build.
 
 Prepared layout (9 bits a weight at G=32): uint8 [N/16, K/G, 64 + 16G]: per tile of 16 outputs and
 group, 16 float32 scales, then G/2 blocks of 32 codes; byte 2i + e of block j is output i's code at
@@ -55,7 +57,7 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """'avx512bf16' or 'portable' (the code path compiled in), None when unavailable."""
+    """'avx512bf16', 'avx2', 'neon' or 'portable' (the tiles compiled in), None when unavailable."""
     return KERNEL.isa()
 
 
