@@ -1,13 +1,13 @@
 """flowedge: serve an LLM split across small edge devices with pipelined tree speculation."""
 from __future__ import annotations
 
-from flowedge.errors import (BackendUnavailable, ConfigError, ContextOverflow, FlowedgeError, ModelError,
-                             ProtocolError, RequestFailed, StageLost)
+from flowedge.errors import (BackendUnavailable, ClusterNotReady, ConfigError, ContextOverflow, FlowedgeError,
+                             ModelError, ProtocolError, RequestFailed, StageLost)
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "Client", "AsyncClient", "FlowedgeError", "RequestFailed", "ContextOverflow",
-           "ConfigError", "ModelError", "ProtocolError", "StageLost", "BackendUnavailable"]
+           "ClusterNotReady", "ConfigError", "ModelError", "ProtocolError", "StageLost", "BackendUnavailable"]
 
 
 def __getattr__(name: str):

@@ -134,9 +134,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request ended without completing; `message` is what its asker is told."""
+    """The request ended without completing; `message` is what its asker is told. `rejected`: for what it
+    asked (it can never fit), not for a fault of the cluster."""
     key: int
     message: str
+    rejected: bool = False
 
 
 @dataclass(frozen=True, slots=True)
