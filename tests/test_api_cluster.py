@@ -146,8 +146,9 @@ def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
     with pytest.raises(openai.BadRequestError, match="context") as info:
         oai.completions.create(model=NAME, prompt="x", max_tokens=5000, temperature=0)
     assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
-    assert info.value.message.startswith("This model's maximum context length is ")
-    assert "5000 in the completion" in info.value.message and "--max-new-tokens" not in info.value.message
+    said = info.value.body["message"]
+    assert said.startswith("This model's maximum context length is ") and "5000 in the completion" in said
+    assert "--max-new-tokens" not in said
     after = _served(stack)   # the client's mistake: rejected, not a failure of the cluster
     assert (after["rejected"] - before["rejected"], after["failed"] - before["failed"]) == (1, 0)
     with pytest.raises(openai.BadRequestError):

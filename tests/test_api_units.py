@@ -579,3 +579,12 @@ def test_models_lists_the_model_s_name_and_when_it_was_made(api, monkeypatch):
     monkeypatch.setattr(routes, "head_status", head_status)
     (model,) = api.get("/v1/models").json()["data"]
     assert model == {"id": "tiny-base", "object": "model", "created": 1_700_000_000, "owned_by": "flowedge"}
+
+
+def test_a_body_sent_without_its_json_content_type_is_told_so(api):
+    r = api.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}',
+                 headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ("the body must be a JSON object, sent with "
+                                                                     "Content-Type: application/json"), r.text
+    r = api.post("/v1/chat/completions", json=["not", "an", "object"])
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the body must be a JSON object", r.text

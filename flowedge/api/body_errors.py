@@ -31,8 +31,8 @@ def field_path(loc: tuple) -> str:
 
 
 def shown(value: object) -> str:
-    """A short input quoted back (`7`, `'hot'`), or "" for a long or nested one."""
-    if isinstance(value, (dict, list)):
+    """A short input quoted back (`7`, `'hot'`), or "" for a long one or one that is not a JSON scalar."""
+    if not isinstance(value, (str, int, float, bool)) and value is not None:
         return ""
     text = repr(value) if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= MAX_SHOWN else ""
@@ -47,6 +47,10 @@ def readable(error: dict) -> BodyError:
     where = field_path(tuple(error.get("loc", ())))
     if kind == "unsupported":   # the message names the field itself
         return BodyError(message, where or None, "unsupported_parameter")
+    if not where and kind in ("model_attributes_type", "model_type", "dict_type"):
+        unread = isinstance(error.get("input"), bytes)   # FastAPI reads no JSON without its content type
+        return BodyError("the body must be a JSON object" + (", sent with Content-Type: application/json"
+                                                             if unread else ""), None, None)
     got = shown(error.get("input")) if kind not in OWN_WORDS and "input" in error else ""
     if got:
         message = f"{message} (got {got})"

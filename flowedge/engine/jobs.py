@@ -14,7 +14,7 @@ from enum import Enum
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Compute, Done, Send
-from flowedge.errors import ConfigError
+from flowedge.errors import ClusterNotReady, ConfigError
 
 REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
 
@@ -108,6 +108,15 @@ def replay_params(params: SamplingParams, committed: int) -> SamplingParams:
         return params
     digest = hashlib.sha256(f"{params.seed}:{committed}".encode()).digest()
     return replace(params, seed=int.from_bytes(digest[:7], "big"))
+
+
+def not_whole(lost_why: str, missing: str, recovery_s: float) -> str:
+    """What a request that waited `recovery_s` for a whole cluster is told: the missing stage(s), the last
+    loss, and the deadline (a `ClusterNotReady` for its client)."""
+    why = lost_why or "a stage is missing"
+    if missing:
+        why = f"waiting for {missing}" + (f" ({lost_why})" if lost_why else "")
+    return f"{ClusterNotReady.PREFIX}{why}, and no node took its place within {recovery_s:g} s"
 
 
 # ---- actions ------------------------------------------------------------------------------------

@@ -16,11 +16,10 @@ Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused
   again each is *replayed*: the engine restarts on the prompt plus every token already handed out, under
   a new engine id (segments of the old run still in the pipeline are ignored), with a generator seeded
   from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
-- **Deadlines.** A paused request fails past `recovery_s` without a whole cluster; so does a request
-  that arrived while the cluster was not whole, if the cluster is still not whole `recovery_s` later
-  (its asker is told which stage is missing rather than left waiting). A request already queued when a
-  stage was lost keeps its place through the outage, under its own `Job.deadline_s` (None: until its
-  asker cancels it). A running request that gets nothing back for `stall_s` is paused and replayed.
+- **Deadlines.** A paused request, or one that arrived while the cluster was not whole, fails past
+  `recovery_s` without a whole cluster (told which stage is missing); one queued before the loss keeps
+  its place through the outage, under its own `Job.deadline_s` (None: until its asker cancels it); a
+  running request that gets nothing back for `stall_s` is paused and replayed.
 """
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ from functools import partial
 
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
-                                  Limits, Request, ResetStages, State, replay_params)
-from flowedge.errors import ClusterNotReady, ConfigError, FlowedgeError
+                                  Limits, Request, ResetStages, State, not_whole, replay_params)
+from flowedge.errors import ConfigError, FlowedgeError
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +81,8 @@ class Scheduler:
 
     # ---- events in --------------------------------------------------------------------------------
     def submit(self, key: int, job: Job, now: float, ready: bool = True) -> list[Action]:
-        """Queue a job under `key` (unique among live requests); it starts at a `tick`. Submitted while
-        the cluster is not whole (`ready` False), it waits at most `recovery_s` for the cluster."""
+        """Queue a job under `key` (unique among live requests); it starts at a `tick` (`ready` False: at
+        most `recovery_s` from now, unless the cluster is whole by then)."""
         self.now_s = now
         if key in self.running or any(r.key == key for r in self.queue):
             raise ConfigError(f"request id {key} is already in use")
@@ -177,9 +176,8 @@ class Scheduler:
         self._release_ended()
         self.now_s = now
         self.ever_ready |= ready
-        if ready:
-            for req in self.queue:   # the cluster is whole: a queued request waits only for its turn
-                req.deadline_s = None
+        for req in self.queue if ready else ():   # the cluster is whole: a queued request waits for its turn only
+            req.deadline_s = None
         out = self._expire(now, ready, missing)
         if not ready:
             return out
@@ -199,7 +197,7 @@ class Scheduler:
         late = [r for r in self.running.values() if r.deadline_s is not None and now > r.deadline_s]
         late += [r for r in self.queue if r.deadline_s is not None and now > r.deadline_s]
         for req in late:
-            out += self._end(req, State.FAILED, self.not_whole(missing), prefix="")
+            out += self._end(req, State.FAILED, not_whole(self.lost_why, missing, self.limits.recovery_s), prefix="")
         for req in [r for r in self.queue if r.job.deadline_s is not None and now > r.job.deadline_s]:
             out += self._end(req, State.FAILED, "it waited in the queue past its deadline")
         for req in list(self.running.values()):
@@ -207,13 +205,6 @@ class Scheduler:
                 out += self._pause(req, f"the pipeline returned nothing for {self.limits.stall_s:g} s")
                 req.deadline_s = None if ready else now + self.limits.recovery_s
         return out
-
-    def not_whole(self, missing: str = "") -> str:
-        """What a request that waited `recovery_s` for a whole cluster is told: the missing stage(s) and why."""
-        why = self.lost_why or "a stage is missing"
-        if missing:
-            why = f"waiting for {missing}" + (f" ({self.lost_why})" if self.lost_why else "")
-        return f"{ClusterNotReady.PREFIX}{why}, and no node took its place within {self.limits.recovery_s:g} s"
 
     # ---- queries ----------------------------------------------------------------------------------
     def get(self, key: int) -> Request | None:
@@ -309,8 +300,7 @@ class Scheduler:
 
     def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ",
              rejected: bool = False) -> list[Action]:
-        """End a request that did not complete: its stages reset, its asker told (not for a cancel);
-        `rejected`: it failed for what it asked, not for the cluster."""
+        """End a request that did not complete: its stages reset, its asker told (not for a cancel)."""
         out: list[Action] = [ResetStages(req.key, req.engine_id)] if req.state is State.RUNNING else []
         stats = getattr(req.engine, "stats", None) or Stats()
         self._forget(req)
@@ -318,8 +308,7 @@ class Scheduler:
         if state is State.CANCELLED:
             log.info("request %d %s", req.key, why)
             return out + [Cancelled(req.key, Done(list(req.emitted), stats, req.key, cancelled=True))]
-        log.log(logging.INFO if rejected else logging.ERROR, "request %d %s: %s", req.key,
-                "rejected" if rejected else "failed", why)
+        log.log(logging.INFO if rejected else logging.ERROR, "request %d ended: %s", req.key, why)
         return out + [Failed(req.key, prefix + why, rejected)]
 
     def _release_ended(self) -> None:
