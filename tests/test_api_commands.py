@@ -23,6 +23,7 @@ def test_http_warns_at_start_when_its_head_is_unreachable() -> None:
     import os
     import subprocess
     import sys
+    import threading
     import time
 
     from daemon_helpers import free_port_pair
@@ -30,13 +31,12 @@ def test_http_warns_at_start_when_its_head_is_unreachable() -> None:
     head = f"127.0.0.1:{free_port_pair()}"   # nothing listens there
     proc = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", "127.0.0.1:0", "--head", head,
                              "--insecure"], stderr=subprocess.PIPE, text=True, env={**os.environ})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()   # a hung server blocks no one
     try:
-        lines, deadline = [], time.monotonic() + 60
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any("unreachable" in line for line in lines):
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
+            time.sleep(0.1)
         said = next((line for line in lines if "unreachable" in line), "")
         assert f"the head at {head} is unreachable: cannot reach a flowedge head" in said, "".join(lines)
         assert "requests get 503 until it answers" in said and " WARNING " in said
