@@ -81,6 +81,7 @@ class HeadNode:
         self.announcer = None   # mDNS, once the plan is ready (run)
         self.cpu = CpuLoad()   # this process's load, from one psutil.Process for the head's life
         self.started_unix = time.time()
+        self.model_created = model_created(config.model, self.started_unix)   # for /v1/models
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -284,8 +285,7 @@ class HeadNode:
     def status(self) -> list[dict]:
         return [{
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
-            "layers": "embed+head", "model": self.config.model, "model_created": model_created(self.config.model,
-                                                                                            self.started_unix),
+            "layers": "embed+head", "model": self.config.model, "model_created": self.model_created,
             "started_unix": round(self.started_unix, 3), "draft": self.config.draft,
             "draft_quant": self.config.draft_quant,
             "device": self.config.device, "rss_bytes": self.cpu.rss_bytes(),
@@ -350,7 +350,6 @@ class HeadNode:
         for identity in self.members.stage_identities() + [p.identity for p in self.members.peers.values() if p.drafter]:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
-
 
 
 def model_created(model: str, started_unix: float) -> int:

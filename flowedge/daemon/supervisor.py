@@ -159,13 +159,16 @@ class RecordedCluster:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[k] = proc
         self.state["pids"][k] = proc.pid
-        self._record()
+        self._record(k, proc.pid)
         return proc
 
-    def _record(self) -> None:
-        """Rewrite the state file (atomically: `flowedge down` may read it at any time)."""
+    def _record(self, k: int, pid: int) -> None:
+        """Node k's new pid into the state file as it is now (`up` may have added this supervisor's own pid
+        after it was read), atomically: `flowedge down` may read it at any time."""
+        state = json.loads((self.run_dir / STATE_FILE).read_text())
+        state["pids"][k] = pid
         tmp = self.run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.state) + "\n")
+        tmp.write_text(json.dumps(state) + "\n")
         tmp.replace(self.run_dir / STATE_FILE)
 
 
