@@ -35,9 +35,24 @@ class ContextOverflow(RequestFailed):
         super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
 
 
+class ClusterNotReady(RequestFailed):
+    """The cluster cannot answer now: a stage slot is empty (or loading) and did not fill in time. Worth
+    retrying later; the message names the missing stage(s). Its message starts with PREFIX, as the head
+    sends it."""
+
+    PREFIX = "cluster not ready: "
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
+
+
 def refusal(message: str) -> RequestFailed:
     """The typed error for a head's error reply."""
-    return ContextOverflow(message) if message.startswith(ContextOverflow.PREFIX) else RequestFailed(message)
+    for kind in (ContextOverflow, ClusterNotReady):
+        if message.startswith(kind.PREFIX):
+            return kind(message)
+    return RequestFailed(message)
 
 
 class BackendUnavailable(FlowedgeError):
@@ -116,9 +131,10 @@ class ApiError(FlowedgeError):
     """The HTTP front's answer to a failed call: status, OpenAI error type, metrics outcome, code, param."""
 
     def __init__(self, status: int, message: str, kind: str, outcome: str, code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.outcome, self.code, self.param = status, kind, outcome, code, param
+        self.headers = headers or {}
 
 
 class LinkError(FlowedgeError):

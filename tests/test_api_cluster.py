@@ -26,7 +26,7 @@ from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"
-NAME = "base"   # the served model's id is the tiny base model's path; it answers to its last part too
+NAME = "base"   # the served model's name: the last part of the tiny base model's path (it answers to both)
 PROMPT = "zzzz"
 MAX_NEW = 30
 LONG_PROMPT = "1 2 3 4"   # the tiny model does not stop by itself on this one
@@ -87,7 +87,8 @@ def test_health_is_503_until_the_cluster_is_ready(stack):
 
 
 def test_openai_client_models_and_chat(stack, oai, reference):
-    assert [m.id for m in oai.models.list().data] == [stack["model"]]
+    (model,) = oai.models.list().data
+    assert model.id == NAME and model.created > 0   # the model's name, not a path on the head's disk
     msgs = [{"role": "user", "content": PROMPT}]
     whole = oai.chat.completions.create(model=NAME, messages=msgs, max_tokens=MAX_NEW, temperature=0)
     want = reference["chat"]
@@ -141,10 +142,15 @@ def test_stop_sequences_cut_the_answer(stack, oai, reference):
 
 
 def test_client_mistakes_are_400_and_keys_are_required(stack, oai):
+    before = _served(stack)
     with pytest.raises(openai.BadRequestError, match="context") as info:
         oai.completions.create(model=NAME, prompt="x", max_tokens=5000, temperature=0)
-    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
-    assert "`max_tokens`" in info.value.message and "--max-new-tokens" not in info.value.message
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    said = info.value.body["message"]
+    assert said.startswith("This model's maximum context length is ") and "5000 in the completion" in said
+    assert "--max-new-tokens" not in said
+    after = _served(stack)   # the client's mistake: rejected, not a failure of the cluster
+    assert (after["rejected"] - before["rejected"], after["failed"] - before["failed"]) == (1, 0)
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=7)
     r = httpx.post(stack["url"] + "/v1/chat/completions", content=b'{"messages": [', headers=_auth())
@@ -373,8 +379,8 @@ def test_an_unknown_model_is_404_and_the_served_names_work(stack, oai):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert info.value.code == "model_not_found" and NAME in info.value.message
     served = oai.models.list().data[0].id
-    assert served == stack["model"]
-    for name in (NAME, served):
+    assert served == NAME
+    for name in (NAME, stack["model"]):
         r = oai.completions.create(model=name, prompt=PROMPT, max_tokens=2, temperature=0)
         assert r.model == served and r.usage.completion_tokens == 2
 
@@ -383,7 +389,7 @@ def test_context_overflow_reaches_both_clients_typed(stack):
     from flowedge import ContextOverflow, RequestFailed as Exported
 
     addr = stack["cluster"].spec.addr
-    with Client(addr, timeout_s=30) as c, pytest.raises(ContextOverflow, match="context of"):
+    with Client(addr, timeout_s=30) as c, pytest.raises(ContextOverflow, match="maximum context length is"):
         c.generate(PROMPT, max_new_tokens=100_000)
 
     async def run() -> None:
@@ -408,3 +414,37 @@ def test_one_async_client_carries_concurrent_requests(stack, reference):
     assert texts == [reference["chat"]["text"]] * 3 and "".join(streamed) == reference["chat"]["text"]
     assert isinstance(answers[3], list) and answers[3][0].get("ready")
     assert _stages_hold_nothing(stack)
+
+
+def test_status_and_metrics_show_live_tokens_per_s_and_the_head_s_load_during_an_answer(stack):
+    """Before: `flowedge status` said `tokens/s -` during an answer (one reply has no rate of its own), and
+    the head's load was always 0.00 (a new psutil.Process each call, whose first cpu_percent is 0)."""
+    import re
+
+    from flowedge.daemon.status_view import render
+
+    addr = stack["cluster"].spec.addr
+    with Client(addr, timeout_s=60) as asker, Client(addr, timeout_s=10) as probe:
+        for k, _ in enumerate(asker.stream(LONG_PROMPT, max_new_tokens=1500)):
+            if k == 20:
+                nodes = probe.status()
+                metrics = httpx.get(stack["url"] + "/metrics", headers=_auth()).text
+                break
+    head = nodes[0]
+    assert head["requests"]["running"] == 1 and head["requests"]["queued"] == 0
+    assert head["requests"]["tokens_per_s"] > 0 and head["load"] > 0, head
+    shown = render(nodes)   # what `flowedge status` prints
+    assert float(re.search(r"tokens/s (\S+)", shown).group(1)) > 0 and "running 1" in shown, shown
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    assert families["flowedge_head_tokens_per_second"].samples[0].value > 0
+    assert families["flowedge_head_load"].samples[0].value > 0
+    assert _stages_hold_nothing(stack)   # the stream left early: cancelled, KV freed
+
+
+def test_litellm_maps_a_context_overflow_to_its_context_window_error(stack, monkeypatch):
+    """Client libraries tell a context overflow by OpenAI's words; litellm raises its own error type on them."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # no fetch of its price list
+    litellm = pytest.importorskip("litellm")
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=f"openai/{NAME}", api_base=stack["url"] + "/v1", api_key=KEY, num_retries=0,
+                           messages=[{"role": "user", "content": PROMPT}], max_tokens=5000)

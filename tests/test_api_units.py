@@ -165,6 +165,46 @@ def test_status_view_renders_rates_from_two_replies():
     assert "running now: accepted length 2.00" in render(streaming, reply(100), 4.0)
 
 
+def test_status_metrics_and_the_dashboard_show_the_same_figures():
+    """One head status, three readers: `flowedge status`, /metrics and the dashboard's stream. Before:
+    status counted the running request as queued and had no tokens/s of its own; a client's context
+    overflow was one more "failed"."""
+    import asyncio
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from flowedge.api.dashboard import status_events
+    from flowedge.api.metrics import ApiMetrics
+    from flowedge.daemon.status_view import render
+
+    nodes = [{"node_id": "head", "role": "head", "queue": 3, "ready": True, "load": 0.75,
+              "served": {"requests": 4, "tokens": 120, "rejected": 2, "failed": 1, "cancelled": 1},
+              "requests": {"queued": 2, "running": 1, "paused": 0, "tokens_per_s": 12.5, "active": []}}]
+    text = render(nodes)
+    assert "queued 2   running 1   tokens/s 12.50" in text and "(rejected 2, failed 1, cancelled 1)" in text
+    assert " 0.75 " in text.splitlines()[1]   # the head's load
+    metrics = ApiMetrics()
+    metrics.cluster(nodes)
+    samples = {(s.name, s.labels.get("outcome")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples[("flowedge_requests_queued", None)] == 2 and samples[("flowedge_requests_running", None)] == 1
+    assert samples[("flowedge_head_tokens_per_second", None)] == 12.5 and samples[("flowedge_head_load", None)] == 0.75
+    assert samples[("flowedge_head_requests", "rejected")] == 2 and samples[("flowedge_head_requests", "failed")] == 1
+
+    async def first_event() -> dict:
+        async def fetch():
+            return nodes
+        events = status_events(fetch, interval_s=0)
+        line = await anext(events)
+        await events.aclose()
+        return json.loads(line.removeprefix(b"data: "))
+
+    head = asyncio.run(first_event())["nodes"][0]   # what the page reads: the same figures, as the head gave them
+    assert head["requests"]["queued"] == 2 and head["requests"]["running"] == 1
+    assert head["served"]["failed"] == 1 and head["served"]["rejected"] == 2
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_http_unit_passes_systemd_analyze_verify(tmp_path):
     unit = "flowedge-http.service"
@@ -453,7 +493,7 @@ def test_client_errors_are_exported_and_typed():
 
     assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)
     assert issubclass(flowedge.RequestFailed, flowedge.FlowedgeError)
-    with pytest.raises(flowedge.ContextOverflow, match="context of 64"):
+    with pytest.raises(flowedge.ContextOverflow, match="maximum context length is 64 tokens"):
         from flowedge.engine.local import check_context
         check_context(60, 10, 64)
     try:
@@ -469,5 +509,82 @@ def test_client_errors_are_exported_and_typed():
         return failed.error
 
     assert isinstance(refused(wire), flowedge.ContextOverflow)
-    other = refused("cluster not ready")
+    other = refused("internal error: boom")
     assert isinstance(other, flowedge.RequestFailed) and not isinstance(other, flowedge.ContextOverflow)
+    assert isinstance(refused("cluster not ready: waiting for stage 2"), flowedge.ClusterNotReady)
+
+
+def test_context_overflow_is_worded_and_coded_as_openai_does():
+    """Client libraries (litellm, LangChain) spot a context overflow by OpenAI's own words and code."""
+    from flowedge.api.app import classify
+    from flowedge.engine.local import check_context
+    from flowedge.errors import ContextOverflow
+
+    with pytest.raises(ContextOverflow) as info:
+        check_context(60, 10, 64)
+    api = classify(info.value)
+    assert (api.status, api.code, api.kind, api.param) == (400, "context_length_exceeded", "invalid_request_error",
+                                                          "messages")
+    assert str(api).startswith("This model's maximum context length is 64 tokens. However, you requested 70 "
+                               "tokens (60 in the messages, 10 in the completion).")
+    empty = classify(ContextOverflow("the prompt is empty after tokenization"))
+    assert empty.status == 400 and empty.code is None
+
+
+def test_a_missing_stage_is_503_with_retry_after_naming_the_stage():
+    from flowedge.api.app import classify
+    from flowedge.errors import ClusterNotReady, refusal
+
+    api = classify(refusal("cluster not ready: waiting for stage 2 (stage 2 (stage-2) disconnected), and no "
+                           "node took its place within 3 s"))
+    assert isinstance(refusal("cluster not ready: x"), ClusterNotReady)
+    assert api.status == 503 and api.code == "cluster_not_ready" and "stage 2" in str(api)
+    assert int(api.headers["retry-after"]) > 0
+
+
+@pytest.mark.parametrize("content,says", [
+    ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], "image content parts are not supported; send text"),
+    ([{"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {}}],
+     "input_audio content parts are not supported; send text"),
+    (5, "must be a string or a list of text parts"),
+])
+def test_content_flowedge_cannot_read_is_one_readable_400(api, content, says):
+    """Before: `messages.0.content.str: Input should be a valid string` (pydantic's path into a union)."""
+    r = api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["message"] == f"messages[0].content: {says}", err
+    assert err["param"] == "messages[0].content" and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role: Input should be 'system', 'developer', "
+                                                         "'user' or 'assistant' (got 'wizard')"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 7}, "temperature: Input should be less than or "
+                                                                         "equal to 2 (got 7)"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop: at most 16 non-empty stop strings"),
+])
+def test_400_texts_say_where_and_what_in_words(api, body, says):
+    r = api.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+
+
+def test_models_lists_the_model_s_name_and_when_it_was_made(api, monkeypatch):
+    """Before: the head's filesystem path as the id, and `created: 0`."""
+    routes = api.app.state.routes
+
+    async def head_status():
+        return [{"role": "head", "model": "/srv/models/tiny-base", "model_created": 1_700_000_000,
+                 "started_unix": 1_800_000_000.5}]
+
+    monkeypatch.setattr(routes, "head_status", head_status)
+    (model,) = api.get("/v1/models").json()["data"]
+    assert model == {"id": "tiny-base", "object": "model", "created": 1_700_000_000, "owned_by": "flowedge"}
+
+
+def test_a_body_sent_without_its_json_content_type_is_told_so(api):
+    r = api.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}]}',
+                 headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ("the body must be a JSON object, sent with "
+                                                                     "Content-Type: application/json"), r.text
+    r = api.post("/v1/chat/completions", json=["not", "an", "object"])
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the body must be a JSON object", r.text

@@ -165,3 +165,31 @@ def test_strategy_names_match_the_engine():
     from flowedge.engine.strategies import STRATEGIES
 
     assert sorted(STRATEGY_NAMES) == sorted(STRATEGIES)
+
+
+def test_down_reports_what_it_stopped_and_what_had_already_exited(tmp_path, monkeypatch):
+    """Before: "stopped the cluster at ... (3 processes)" whatever was still running."""
+    from flowedge.daemon import local_cluster
+
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(sleeper) for _ in range(3)]
+    procs[1].kill()
+    procs[1].wait()   # stage-1 died before `down`
+    supervisor = subprocess.Popen(sleeper)
+    run_dir = tmp_path / "run" / "up-7300"
+    run_dir.mkdir(parents=True)
+    (run_dir / local_cluster.STATE_FILE).write_text(json.dumps({
+        "addr": "127.0.0.1:7300", "pids": [p.pid for p in procs], "names": ["head", "stage-1", "stage-2"],
+        "insecure": True, "supervisor": supervisor.pid}))
+    try:
+        line = local_cluster.down(7300, grace_s=0.5)
+        assert supervisor.wait(5) is not None   # stopped first: it would restart what is being stopped
+        assert line.startswith("stopped the cluster at 127.0.0.1:7300: 2 processes (head, stage-2)"), line
+        assert line.endswith("; stage-1 had already exited"), line
+        assert all(p.wait(5) is not None for p in procs)
+        assert not (run_dir / local_cluster.STATE_FILE).exists()
+    finally:
+        for p in [*procs, supervisor]:
+            p.kill()
+            p.wait()

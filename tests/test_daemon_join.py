@@ -189,9 +189,12 @@ def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path)
         assert status.returncode == 0 and "stage-1" in status.stdout and "ready" in status.stdout
         answer = flowedge_cli("prompt", "zzzz", "--head", f"127.0.0.1:{port}", "--max-new-tokens", "8", env=env)
         assert answer.returncode == 0 and "8 tokens" in answer.stderr
+        assert "a supervisor starts a stage that dies again" in up.stderr
+        _a_killed_stage_is_started_again_by_the_supervisor(tmp_path / "home" / "run" / f"up-{port}", port, env)
     finally:
         down = flowedge_cli("down", "--port", port, env=env)
-    assert down.returncode == 0 and "stopped the cluster" in down.stdout, down.stderr
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.startswith(f"stopped the cluster at 127.0.0.1:{port}: 2 processes (head, stage-1)"), down.stdout
     gone = flowedge_cli("status", "--head", f"127.0.0.1:{port}", env=env)
     assert gone.returncode == 1 and gone.stderr.startswith("error: cannot reach a flowedge head")
 
@@ -275,3 +278,17 @@ def test_a_cached_shard_reused_for_another_model_takes_its_side_files_and_drops_
     assert "cut from model sha256 aaaaaaaaaaaa" in caplog.text
     assert Manifest.load(entry).source_sha256 == "b" * 64 and (entry / "config.json").read_text() == '{"rope_theta": 2}'
     assert not (entry / "head.safetensors").exists() and (entry / "stage-0.safetensors").read_bytes() == data
+def _a_killed_stage_is_started_again_by_the_supervisor(run_dir: Path, port: str, env: dict) -> None:
+    from daemon_helpers import flowedge_cli, flowedge_home, wait_for_text
+
+    state = json.loads((run_dir / "cluster.json").read_text())
+    os.kill(state["pids"][1], signal.SIGKILL)
+    assert wait_for_text(run_dir / "supervisor.log", "stage-1 restarted (pid", 30), (run_dir / "supervisor.log").read_text()
+    assert "stage-1 exited; restarting it in 1 s" in (run_dir / "supervisor.log").read_text()
+    new = json.loads((run_dir / "cluster.json").read_text())["pids"][1]
+    assert new != state["pids"][1] and psutil.pid_exists(new)
+    with flowedge_home(Path(env["FLOWEDGE_HOME"])):   # its keys
+        wait_ready(f"127.0.0.1:{port}", 120)
+    answer = flowedge_cli("prompt", "zzzz", "--head", f"127.0.0.1:{port}", "--max-new-tokens", "8", "--timeout",
+                          "120", env=env)
+    assert answer.returncode == 0 and "8 tokens" in answer.stderr, answer.stderr

@@ -13,7 +13,7 @@ from flowedge.daemon.membership import ClientGone, Membership, StageLost
 from flowedge.daemon.requests import HeadRequests, Prepared
 from flowedge.engine.jobs import Limits, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
-from flowedge.errors import FlowedgeError
+from flowedge.errors import ContextOverflow, FlowedgeError
 from flowedge.transport import protocol as proto
 
 PROMPT = [5, 6, 7]
@@ -153,6 +153,34 @@ def test_status_counts_tokens_while_the_answer_streams():
     assert b.served["tokens"] == 5 and b.served["requests"] == 1
 
 
+def test_status_has_a_live_token_rate_while_the_answer_streams_and_none_after():
+    """`flowedge status` once said `tokens/s -` during an answer: one reply had no rate of its own."""
+    b, port = book()
+    b.tick(0.0, True)
+    b.submit(b"c", prompt(max_new=10), 0.0, True, [])
+    b.tick(0.1, True)
+    engine_id = port.engine_.starts[0][0]
+    for k, t in enumerate((0.5, 1.0, 1.5, 2.0, 2.5, 3.0)):
+        b.on_segment(engine_id, 11 + k, t)
+    assert b.live(3.0)["tokens_per_s"] == pytest.approx(2.0)   # 6 tokens in the last 3 s
+    assert b.live(10.0)["tokens_per_s"] == 0.0
+
+
+def test_client_mistakes_are_counted_rejected_and_cluster_faults_failed():
+    """A context overflow once showed as "1 failed" on the dashboard, as if the cluster had failed."""
+    b, port = book()
+    b.submit(b"c", prompt(rid=1), 0.0, False, ["stage 1"])    # never ready yet: the cluster's fault
+    b.tick(0.0, True)
+    port.prepare = lambda msg: (_ for _ in ()).throw(ContextOverflow("This model's maximum context length is 8 "
+                                                                     "tokens. However, you requested 9 tokens"))
+    b.submit(b"c", prompt(rid=2), 0.1, True, [])
+    port.prepare = FakePort.prepare.__get__(port)
+    port.budget = KvBudget(5, 1, "test")
+    b.submit(b"c", prompt(rid=3, max_new=10), 0.2, True, [])   # can never fit the stages' KV
+    assert len(port.errors(b"c")) == 3
+    assert (b.served["rejected"], b.served["failed"]) == (2, 1)
+
+
 def test_an_engine_sees_how_many_requests_are_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py)."""
     b, port = book(max_running=2)
@@ -200,18 +228,22 @@ def test_past_the_recovery_deadline_every_request_in_flight_gets_one_clear_error
     b.tick(0.0, True)
     b.stage_lost("stage 1 (s1) silent for 2.0 s (missed heartbeats)", 1.0)
     b.submit(b"d", prompt(), 2.0, False, ["stage 1"])   # arrives during the outage: queued, not refused
-    b.tick(10.9, False)
+    b.tick(10.9, False, ["stage 1"])
     assert not any(port.errors(o) for o in (b"a", b"b", b"c", b"d"))
-    b.tick(11.1, False)
+    b.tick(11.1, False, ["stage 1"])
     for owner in (b"a", b"b", b"c"):
         (err,) = port.errors(owner)
-        assert err.startswith("request failed: stage 1 (s1) silent") and "within 10 s" in err
-    assert b.pending() == 1 and not port.errors(b"d") and b.served["failed"] == 3   # d waits on
+        assert err.startswith("cluster not ready: waiting for stage 1 (stage 1 (s1) silent") and "within 10 s" in err
+    assert b.pending() == 1 and not port.errors(b"d") and b.served["failed"] == 3   # d waits its own 10 s
+    b.tick(12.1, False, ["stage 1"])
+    (err,) = port.errors(b"d")
+    assert err.startswith("cluster not ready: waiting for stage 1") and b.pending() == 0
 
 
 def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_recovery_deadline():
-    """Once, 7 of 8 queued requests failed with the running one. Only requests in flight time out at
-    `recovery_s`; a queued one waits under its own deadline (its client's timeout, which cancels it)."""
+    """7 of 8 queued requests once failed with the running one. Requests in flight time out at
+    `recovery_s`, and so does one that arrived during the outage; one queued before it waits under its
+    own deadline (its client's timeout, which cancels it)."""
     b, port = book(recovery_s=10.0, max_running=1)
     b.tick(0.0, True)
     owners = [f"c{i}".encode() for i in range(5)]
@@ -227,8 +259,10 @@ def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_reco
     assert "within 10 s" in err
     b.cancel(b"c3", 1)                                   # a client that stops waiting takes its request away
     b.tick(600.0, False)                                 # a long outage: the queue holds
-    assert not any(port.errors(o) for o in owners[1:] + [b"late"])
-    assert [r.owner for r in b.queue] == [b"c1", b"c2", b"c4", b"late"]
+    assert not any(port.errors(o) for o in owners[1:])
+    (late,) = port.errors(b"late")                       # it came during the outage: told after recovery_s
+    assert late.startswith("cluster not ready") and "stage 2" in late
+    assert [r.owner for r in b.queue] == [b"c1", b"c2", b"c4"]
     order, t = [], 601.0
     while b.pending():                                    # the slot is filled again: served in order
         b.tick(t, True)
@@ -237,8 +271,32 @@ def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_reco
         b.on_segment(req.engine_id, 1, t)
         b.on_segment(req.engine_id, 2, t)
         t += 0.1
-    assert order == [b"c1", b"c2", b"c4", b"late"]
+    assert order == [b"c1", b"c2", b"c4"]
     assert all(port.done(o) and port.tokens(o) == [1, 2] and not port.errors(o) for o in order)
+
+
+def test_a_request_arriving_while_a_slot_is_empty_waits_at_most_recovery_s_and_runs_if_the_stage_returns():
+    """It once waited out its client's timeout (300 s) with no word, the head knowing the slot was empty."""
+    b, port = book(recovery_s=3.0)
+    b.tick(0.0, True)
+    b.stage_lost("stage 2 (s2) disconnected", 1.0)
+    b.submit(b"a", prompt(max_new=1), 1.5, False, ["stage 2"])
+    b.submit(b"b", prompt(max_new=1), 2.0, False, ["stage 2"])
+    b.tick(4.0, True)        # back within 3 s of each: a runs, b keeps its place behind it
+    b.tick(9.0, True)        # b waits for its turn now, not for the cluster: no deadline left
+    assert not port.errors(b"a") and not port.errors(b"b")
+    b.on_segment(port.engine_.starts[0][0], 7, 9.5)
+    b.tick(9.6, True)
+    b.on_segment(port.engine_.starts[1][0], 8, 9.7)
+    assert port.done(b"a") and port.done(b"b")
+    b.stage_lost("stage 2 (s2) disconnected", 20.0)
+    b.submit(b"c", prompt(), 20.5, False, ["stage 2"])
+    b.tick(23.4, False, ["stage 2"])
+    assert not port.errors(b"c")
+    b.tick(23.6, False, ["stage 2"])
+    assert port.errors(b"c") == ["cluster not ready: waiting for stage 2 (stage 2 (s2) disconnected), and no node "
+                                 "took its place within 3 s"]
+    assert b.pending() == 0 and b.served["failed"] == 1
 
 
 def test_queued_requests_keep_their_place_across_an_outage_and_all_are_answered():

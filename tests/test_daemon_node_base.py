@@ -192,3 +192,39 @@ def test_load_fetched_finds_again_after_a_repair_and_stops_where_it_may_not_repa
         node._load_fetched(None, lambda: tmp_path / "split", load)
     assert tries == [tmp_path / "split"]
     node.close()
+
+
+def test_a_node_waiting_for_an_absent_head_backs_off_says_why_and_joins_once_it_listens(net, tmp_path, caplog,
+                                                                                      monkeypatch):
+    """Before: a HELLO every 5 s for ever, each the same line, and no word of the next wait."""
+    from flowedge.daemon import node_base
+    from flowedge.transport.link import Kind
+
+    monkeypatch.setattr(node_base, "HELLO_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(node_base, "HELLO_MAX_WAIT_S", 0.2)
+    port = 20999   # nobody listens there yet
+    cfg = NodeConfig(role="stage", node_id="tiny", head=f"127.0.0.1:{port}", insecure=True, heartbeat_ms=50,
+                     stage_timeout_s=10.0)
+    node = TinyNode(cfg, NodeParts(net.link(), DropLog(log), tmp_path))
+    with caplog.at_level(logging.WARNING):
+        thread = _running(node)
+        try:
+            deadline = time.monotonic() + 10
+            while sum("joining" in r.getMessage() for r in caplog.records) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            said = [r.getMessage() for r in caplog.records if "joining" in r.getMessage()]
+            assert [s.split("waiting up to ")[1] for s in said[:4]] == ["0.1 s for an answer", "0.2 s for an answer",
+                                                                       "0.2 s for an answer", "0.2 s for an answer"]
+            assert "(try 1): no answer to HELLO within 50 ms" in said[0] and "is the head up" in said[0]
+            assert node.phase.startswith(f"waiting for the head at 127.0.0.1:{port}: no answer to HELLO")
+            router = net.link().listen(Kind.ROUTER, "127.0.0.1", (port, port))   # the head comes up
+            t0 = time.monotonic()
+            got = router.next_message(5.0)   # the HELLO that was waiting for it
+            router.send(p.Welcome(node_id="head", heartbeat_interval_ms=40), got.peer)
+            while node.phase != "serving" and time.monotonic() - t0 < 5:
+                time.sleep(0.01)
+            assert node.phase == "serving" and time.monotonic() - t0 < 1.0
+        finally:
+            node.stop.set()
+            thread.join(5)
+    assert not thread.is_alive()

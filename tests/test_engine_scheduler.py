@@ -79,7 +79,7 @@ def test_past_the_recovery_deadline_a_paused_request_fails_but_a_queued_one_wait
     s.tick(0.0, True)
     s.stage_lost("stage 1 lost", 0.5)
     (failed,) = s.tick(1.6, False)
-    assert failed == Failed(1, "request failed: stage 1 lost, and no node took its place within 1 s")
+    assert failed == Failed(1, "cluster not ready: stage 1 lost, and no node took its place within 1 s")
     assert [r.key for r in s.queue] == [2] and s.tick(100.0, False) == []
 
 

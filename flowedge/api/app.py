@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from flowedge.api import dashboard
+from flowedge.api.body_errors import readable
 from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.headers import SecurityHeaders
 from flowedge.api.metrics import ApiMetrics
@@ -35,11 +36,13 @@ from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon.async_client import AsyncClient, AsyncLink, client_link
 from flowedge.daemon.client_core import prompt_request
-from flowedge.errors import ApiError, ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
+from flowedge.errors import ApiError, ClusterNotReady, ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
 
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = ("cluster not ready", "request aborted")
+RETRY_AFTER_S = 10   # a cluster missing a stage: about when a restarted stage is back (its supervisor's first tries)
+OVERFLOW_START = "This model's maximum context length is"   # OpenAI's wording, which client libraries match on
 
 
 def classify(err: Exception) -> ApiError:
@@ -47,8 +50,12 @@ def classify(err: Exception) -> ApiError:
     text = str(err)
     if isinstance(err, ContextOverflow):
         text = text.removeprefix(ContextOverflow.PREFIX)
-        return ApiError(400, f"{text}: lower `max_tokens` or shorten the prompt", "invalid_request_error",
-                        "client_error", code="context_length_exceeded", param="max_tokens")
+        code = "context_length_exceeded" if text.startswith(OVERFLOW_START) else None
+        return ApiError(400, text, "invalid_request_error", "client_error", code=code,
+                        param="messages" if code else None)
+    if isinstance(err, ClusterNotReady):
+        return ApiError(503, text, "service_unavailable", "unavailable", code="cluster_not_ready",
+                        headers={"retry-after": str(RETRY_AFTER_S)})
     if isinstance(err, ProtocolError):
         return ApiError(400, text, "invalid_request_error", "client_error")
     if isinstance(err, RequestFailed):
@@ -85,9 +92,15 @@ def sse(obj: dict | str) -> bytes:
 
 
 def served_names(model_id: str) -> list[str]:
-    """The names the served model answers to: its id (often a path) and the id's last part."""
+    """The names the served model answers to: its name (the last part of the head's model id, which is
+    often a path) first, then the id itself."""
     short = model_id.rstrip("/").rsplit("/", 1)[-1]
     return [model_id] if short == model_id else [short, model_id]
+
+
+def model_name(model_id: str) -> str:
+    """The name a client sees (/v1/models, each answer's `model`): never a path on the head's disk."""
+    return served_names(model_id)[0]
 
 
 def answers_to(model_id: str, asked: str) -> bool:
@@ -138,12 +151,8 @@ class Routes:
         if first.get("type") == "json_invalid":   # its loc is a byte offset, not a field
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'invalid')}"
             return JSONResponse(error_body(message, code="invalid_json"), status_code=400)
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = first.get("msg", "invalid request body")
-        if first.get("type") != "unsupported" and where:
-            message = f"{where}: {message}"
-        code = "unsupported_parameter" if first.get("type") == "unsupported" else None
-        return JSONResponse(error_body(message, param=where or None, code=code), status_code=400)
+        said = readable(first)
+        return JSONResponse(error_body(said.message, param=said.param, code=said.code), status_code=400)
 
     async def http_error(self, request: Request, err: HTTPException) -> JSONResponse:
         """Unknown routes (404) and methods (405) in OpenAI's error shape, not FastAPI's {"detail": ...}."""
@@ -162,9 +171,9 @@ class Routes:
             self.metrics.failures.labels(err.outcome).inc()
         # an unreachable head stays so for longer than a client's retry back-off: tell OpenAI's clients
         # (they honour x-should-retry) to fail at once rather than retry for seconds
-        headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else None
+        headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else {}
         return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status,
-                            headers=headers)
+                            headers={**headers, **err.headers})
 
     # ---- cluster --------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -190,8 +199,11 @@ class Routes:
         nodes = await self.head_status()
         if not nodes:
             raise unavailable(self.settings.head)
+        head = nodes[0]
+        created = head.get("model_created") or head.get("started_unix") or 0
         return JSONResponse({"object": "list", "data": [
-            {"id": str(nodes[0].get("model", "")), "object": "model", "created": 0, "owned_by": "flowedge"}]})
+            {"id": model_name(str(head.get("model", ""))), "object": "model", "created": int(created),
+             "owned_by": "flowedge"}]})
 
     # ---- generation -----------------------------------------------------------------------------
     async def chat_completions(self, request: Request, body: ChatRequest) -> Response:
@@ -203,8 +215,8 @@ class Routes:
         return await self.answer(request, body, chat=False)
 
     async def served_model(self, asked: str) -> str:
-        """The served model's id; 404 model_not_found for a name it does not answer to. The id is
-        cached (one head serves one model), asked again when a name does not match it."""
+        """The served model's name; 404 model_not_found for a name it does not answer to. The head's id
+        is cached (one head serves one model), asked again when a name does not match it."""
         if self._model is None or (asked and not answers_to(self._model, asked)):
             nodes = await self.head_status()
             if nodes:
@@ -216,7 +228,7 @@ class Routes:
             raise ApiError(404, f"the model `{asked}` does not exist here; this server serves "
                                 f"{', '.join(served_names(self._model))}", "invalid_request_error",
                            "client_error", code="model_not_found", param="model")
-        return self._model
+        return model_name(self._model)
 
     async def answer(self, request: Request, body: ChatRequest | CompletionRequest, chat: bool) -> Response:
         kwargs = body.client_kwargs(self.settings.default_max_tokens)

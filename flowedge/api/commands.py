@@ -12,6 +12,7 @@ from flowedge.daemon.config import split_addr
 from flowedge.errors import ConfigError
 
 EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
+HEAD_CHECK_S = 5.0   # the start-up look at the head: a status request's wait
 
 log = logging.getLogger("flowedge")
 
@@ -73,6 +74,28 @@ def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limi
     server = build_server(settings, host, port)
     log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,
              f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key: loopback only")
+    threading.Thread(target=say_how_the_head_is, args=(head, keys_dir, insecure), name="head-check",
+                     daemon=True).start()   # beside the server's start, not before it: it may take seconds
     server.run()
     if not server.started:
         raise ConfigError(f"cannot listen on {listen} (see the log above)")
+
+
+def say_how_the_head_is(head: str, keys_dir: str | None, insecure: bool) -> None:
+    """Warn at start when the head does not answer (or its cluster is not ready): every request would
+    get 503 until it does, and the operator should know why from the first line, not the first request."""
+    from flowedge.daemon.client import Client
+    from flowedge.errors import FlowedgeError
+
+    try:
+        with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=HEAD_CHECK_S) as client:
+            nodes = client.status()
+    except FlowedgeError as err:
+        log.warning("the head at %s is unreachable: %s; requests get 503 until it answers", head, err)
+        return
+    missing = [f"stage {n.get('stage')}" for n in nodes[1:] if n.get("role") == "stage" and not n.get("ready")]
+    if nodes and not nodes[0].get("ready"):
+        log.warning("the head at %s answers, but its cluster is not ready (waiting for %s); requests get 503 "
+                    "until it is", head, ", ".join(missing) or "its stages")
+    else:
+        log.info("the head at %s answers and its cluster is ready", head)

@@ -38,8 +38,15 @@ class ApiMetrics:
         self.head_up = Gauge("flowedge_head_up", "1 when the head answered the status request", registry=r)
         self.ready = Gauge("flowedge_cluster_ready", "1 when every stage is ready", registry=r)
         self.queue = Gauge("flowedge_queue_depth", "Requests at the head, queued or running", registry=r)
+        self.live = {state: Gauge(f"flowedge_requests_{state}", f"Requests {state} at the head now", registry=r)
+                     for state in ("queued", "running", "paused")}
+        self.head_rate = Gauge("flowedge_head_tokens_per_second", "Tokens the head streams a second now, to "
+                               "every client (over its last few seconds)", registry=r)
+        self.head_load = Gauge("flowedge_head_load", "CPU use of the head process, in cores", registry=r)
         self.head_served = Gauge("flowedge_head_requests", "Requests the head has finished, by outcome (its "
-                                 "own count, all clients)", ["outcome"], registry=r)
+                                 "own count, all clients): requests (answered), rejected (the client's "
+                                 "mistake), failed (the cluster's), cancelled, and tokens streamed",
+                                 ["outcome"], registry=r)
         self.busy = Gauge("flowedge_stage_busy_fraction", "Busy time over wall time since the stage's last "
                           "heartbeat", ["stage", "node"], registry=r)
         self.step_ms = Gauge("flowedge_stage_step_ms", "Median step time of the stage", ["stage", "node"],
@@ -78,6 +85,11 @@ class ApiMetrics:
         head = nodes[0]
         self.ready.set(bool(head.get("ready")))
         self.queue.set(head.get("queue") or 0)
+        self.head_load.set(head.get("load") or 0.0)
+        live = head.get("requests") or {}
+        for state, gauge in self.live.items():
+            gauge.set(live.get(state) or 0)
+        self.head_rate.set(live.get("tokens_per_s") or 0.0)
         for outcome, n in (head.get("served") or {}).items():
             if isinstance(n, (int, float)):
                 self.head_served.labels(outcome).set(n)

@@ -43,6 +43,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        """One readable message for content flowedge cannot read (an image, audio, a file, a number),
+        instead of pydantic's attempt at each member of the union."""
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("image_url", "input_image", "image"):
+                    raise PydanticCustomError("content", "image content parts are not supported; send text")
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError("content", "{kind} content parts are not supported; send text",
+                                              {"kind": kind})
+        elif not isinstance(v, str):
+            raise PydanticCustomError("content", "must be a string or a list of text parts")
+        return v
+
     def turn(self) -> dict[str, str]:
         """The {role, content} turn the head's chat template gets (developer = system)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -209,16 +209,16 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
         click.echo(f"cluster ready in {time.monotonic() - t0:.1f} s: `flowedge prompt TEXT{at}` or "
                    f"`flowedge status{at}`", err=True)
         if detach:
+            cluster.supervise_detached()
             down_cmd = "flowedge down" + ("" if port == DEFAULT_PORT else f" --port {port}")
-            click.echo(f"detached; stop it with `{down_cmd}`", err=True)
+            click.echo(f"detached; a supervisor starts a stage that dies again (its log: "
+                       f"{cluster.run_dir / local_cluster.SUPERVISOR_LOG}); stop it all with `{down_cmd}`", err=True)
             return
         if prompt is not None:
             _answer_once(spec, prompt, max_new_tokens)
             return
-        click.echo("serving; Ctrl-C stops every node", err=True)
-        while cluster.alive():
-            time.sleep(0.5)
-        raise FlowedgeError("a node exited: " + "; ".join(cluster.dead()))
+        click.echo("serving; a stage that dies is started again; Ctrl-C stops every node", err=True)
+        _supervise(cluster)
     except KeyboardInterrupt:
         click.echo("\nstopping", err=True)
     except FlowedgeError:
@@ -231,6 +231,29 @@ def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_qu
             dead = [d for d in cluster.dead() if "exit 0" not in d and "exit -15" not in d]
             if dead:
                 click.echo("nodes that did not stop cleanly: " + "; ".join(dead), err=True)
+
+
+def _supervise(cluster) -> None:
+    """`up` in the foreground: restart the stages that die (with backoff, said on stderr) while the head lives."""
+    from flowedge.daemon.supervisor import POLL_S, Supervisor
+
+    supervisor = Supervisor(cluster, lambda line: click.echo(f"flowedge up: {line}", err=True))
+    while not supervisor.head_exited():
+        supervisor.tick()
+        time.sleep(POLL_S)
+    raise FlowedgeError("the head exited: " + "; ".join(cluster.dead()))
+
+
+@click.command(hidden=True)
+@click.option("--port", type=int, required=True, help="The port given to `flowedge up --detach`.")
+def supervise(port) -> None:
+    """Restart the stages of a detached local cluster that die (started by `flowedge up --detach`, stopped
+    by `flowedge down`)."""
+    from flowedge.daemon.config import flowedge_home
+    from flowedge.daemon.supervisor import watch_detached
+
+    daemon_logging()
+    watch_detached(flowedge_home() / "run" / f"up-{port}", _stop_on_signals())
 
 
 def _answer_once(spec, prompt: str, max_new_tokens: int) -> None:
@@ -379,4 +402,4 @@ def _int_list(text: str | None) -> list[int]:
         raise ConfigError(f"--layers must be comma-separated integers, got {text!r}") from None
 
 
-COMMANDS = [serve, join, up, down, prompt, status]
+COMMANDS = [serve, join, up, down, prompt, status, supervise]

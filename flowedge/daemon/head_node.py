@@ -23,8 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-
-import psutil
+from pathlib import Path
 
 from flowedge.allocator import settle
 from flowedge.daemon import memdebug
@@ -34,6 +33,7 @@ from flowedge.daemon.draft_dispatch import DraftDispatch
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
+from flowedge.daemon.live_figures import CpuLoad
 from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.requests import HeadRequests
@@ -79,6 +79,9 @@ class HeadNode:
         self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
         self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control endpoint)
         self.announcer = None   # mDNS, once the plan is ready (run)
+        self.cpu = CpuLoad()   # this process's load, from one psutil.Process for the head's life
+        self.started_unix = time.time()
+        self.model_created = model_created(config.model, self.started_unix)   # for /v1/models
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -168,9 +171,9 @@ class HeadNode:
         """One piece of work per running request (draft calls batched), then deadlines, replays and
         queued starts: on the compute thread while this one keeps heartbeating, bounded by the stall
         timeout (past it the head is taken for hung: beats and the systemd watchdog stop)."""
-        ready = self.members.cluster_ready()
+        ready, missing = self.members.cluster_ready(), self.members.missing()
         if not self.requests.pending():
-            self.requests.tick(time.monotonic(), ready)   # nothing to run: no need for the thread
+            self.requests.tick(time.monotonic(), ready, missing)   # nothing to run: no need for the thread
             return
         clients, status = self.requests.busy_clients(), self.sd_status()
 
@@ -185,7 +188,7 @@ class HeadNode:
                 self.requests.idle_step(time.monotonic())
             else:
                 self.requests.step(time.monotonic())
-            self.requests.tick(time.monotonic(), ready)
+            self.requests.tick(time.monotonic(), ready, missing)
 
         try:
             self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
@@ -294,14 +297,14 @@ class HeadNode:
                 f"stages ready, {self.requests.pending() - running} queued, {running} running")
 
     def status(self) -> list[dict]:
-        me = psutil.Process()
         return [{
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
-            "layers": "embed+head", "model": self.config.model, "draft": self.config.draft,
+            "layers": "embed+head", "model": self.config.model, "model_created": self.model_created,
+            "started_unix": round(self.started_unix, 3), "draft": self.config.draft,
             "model_sha256": self.members.plan.model_sha256 if self.members.plan is not None else "",
             "draft_quant": self.config.draft_quant,
-            "device": self.config.device, "rss_bytes": me.memory_info().rss,
-            "load": round(me.cpu_percent(None) / 100, 3), "last_seen_s": 0.0,
+            "device": self.config.device, "rss_bytes": self.cpu.rss_bytes(),
+            "load": self.cpu.read(), "last_seen_s": 0.0,
             "ready": self.members.cluster_ready(), "plan_ready": self.engines.plan is not None,
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
@@ -363,3 +366,11 @@ class HeadNode:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
 
+
+def model_created(model: str, started_unix: float) -> int:
+    """When the served model was made, for /v1/models: its files' modification time when the model is
+    a path here, else (a registry name) when this head started."""
+    try:
+        return int(Path(model).stat().st_mtime)
+    except (OSError, ValueError):
+        return int(started_unix)

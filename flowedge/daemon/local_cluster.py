@@ -3,7 +3,8 @@
 Each node is its own `python -m flowedge` process (spawned, not forked: no torch state is shared), with
 its own torch thread count, its log in `$FLOWEDGE_HOME/run/up-PORT/`, and the cluster keys from
 `$FLOWEDGE_HOME/keys` (created on first use). A detached cluster records its pids in `cluster.json`
-so `flowedge down` can stop it.
+so `flowedge down` can stop it, and runs a supervisor process (daemon/supervisor.py) that starts a stage
+that dies again; in the foreground, `up` supervises itself.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from flowedge.transport import security
 log = logging.getLogger(__name__)
 
 STATE_FILE = "cluster.json"
+SUPERVISOR_LOG = "supervisor.log"
 
 # Idle OpenMP threads sleep instead of spinning: several processes of one box share its cores (a user's
 # own OMP_WAIT_POLICY wins).
@@ -99,6 +101,7 @@ class LocalCluster:
     procs: list[subprocess.Popen]
     commands: list[list[str]] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    supervisor: subprocess.Popen | None = None   # `up --detach`: the process restarting dead stages
 
     @property
     def names(self) -> list[str]:
@@ -140,12 +143,25 @@ class LocalCluster:
         return self.procs[k]
 
     def _record(self) -> None:
-        (self.run_dir / STATE_FILE).write_text(json.dumps({
-            "addr": self.spec.addr, "pids": [p.pid for p in self.procs], "insecure": self.spec.insecure,
-            "commands": self.commands}) + "\n")
+        tmp = self.run_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps({
+            "addr": self.spec.addr, "pids": [p.pid for p in self.procs], "names": self.names,
+            "insecure": self.spec.insecure, "commands": self.commands,
+            "supervisor": self.supervisor.pid if self.supervisor is not None else None}) + "\n")
+        tmp.replace(self.run_dir / STATE_FILE)
+
+    def supervise_detached(self) -> None:
+        """Start the supervisor of a detached cluster (`flowedge supervise`), in its own session and log."""
+        with open(self.run_dir / SUPERVISOR_LOG, "ab") as logf:
+            self.supervisor = subprocess.Popen(
+                [sys.executable, "-m", "flowedge", "-v", "supervise", "--port", str(self.spec.port)],
+                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        self._record()
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask the head to stop everything, then make sure every child is gone."""
+        if self.supervisor is not None and self.supervisor.poll() is None:
+            _reap([self.supervisor.pid], 0.0, [self.supervisor])
         if self.procs and self.procs[0].poll() is None:
             _request_shutdown(self.spec.addr, self.spec.insecure, "flowedge up is stopping")
         for p in self.procs:   # a stopped (SIGSTOP) node must be able to exit
@@ -233,7 +249,8 @@ def recorded_ports() -> list[int]:
 
 
 def down(port: int | None = None, grace_s: float = 10.0) -> str:
-    """Stop a detached local cluster (the only one recorded when `port` is None); returns a one-line report."""
+    """Stop a detached local cluster (the only one recorded when `port` is None) and its supervisor;
+    returns a one-line report of what was running and stopped, and what had already exited."""
     if port is None:
         ports = recorded_ports()
         if len(ports) > 1:
@@ -244,12 +261,31 @@ def down(port: int | None = None, grace_s: float = 10.0) -> str:
     if not state_file.is_file():
         raise ConfigError(f"no detached local cluster recorded on port {port} ({state_file} missing; "
                           f"`flowedge up --detach` records one)")
-    state = json.loads(state_file.read_text())
-    _request_shutdown(state["addr"], state.get("insecure", False), "flowedge down")
-    left = _reap(state["pids"], grace_s)
+    supervisor = json.loads(state_file.read_text()).get("supervisor")
+    if supervisor and _alive(supervisor):   # first, or it would start again what is being stopped
+        _reap([supervisor], 0.0)
+    state = json.loads(state_file.read_text())   # as the supervisor left it: the pids of its restarts
+    pids = state["pids"]
+    names = (state.get("names") or node_names(len(pids)))[:len(pids)]
+    running = [(name, pid) for name, pid in zip(names, pids) if _alive(pid)]
+    if running and _alive(pids[0]):
+        _request_shutdown(state["addr"], state.get("insecure", False), "flowedge down")
+    killed = _reap([pid for _, pid in running], grace_s)
     state_file.unlink(missing_ok=True)
-    return f"stopped the cluster at {state['addr']} ({len(state['pids'])} processes" + \
-        (f", {left} killed)" if left else ")")
+    return stop_report(state["addr"], [n for n, _ in running], [n for n in names if n not in dict(running)],
+                       killed, grace_s)
+
+
+def stop_report(addr: str, stopped: list[str], gone: list[str], killed: int, grace_s: float) -> str:
+    """`down`'s line: the processes it stopped by name, how many had to be killed, which were gone already."""
+    if not stopped:
+        return f"nothing was running at {addr}" + (f": {', '.join(gone)} had already exited" if gone else "") + \
+            "; its record is removed"
+    line = f"stopped the cluster at {addr}: {len(stopped)} process{'es' if len(stopped) > 1 else ''} " \
+           f"({', '.join(stopped)})"
+    if killed:
+        line += f", {killed} killed after {grace_s:g} s"
+    return line + (f"; {', '.join(gone)} had already exited" if gone else "")
 
 
 def _request_shutdown(addr: str, insecure: bool, reason: str) -> None:

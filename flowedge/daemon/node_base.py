@@ -33,13 +33,15 @@ from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.transport import protocol as proto
-from flowedge.transport.handshake import hello_exchange
+from flowedge.transport.handshake import welcome_from
 from flowedge.transport.link import Endpoint, Inbound, Kind, Link
 
 T = TypeVar("T")
 
-HELLO_TIMEOUT_S = 5.0   # a HELLO's wait for the WELCOME: the pace of tries while the head is away
+HELLO_TIMEOUT_S = 5.0   # the first HELLO's wait for the WELCOME; each unanswered one doubles the next wait
+HELLO_MAX_WAIT_S = 30.0   # ... up to this: a head that comes up answers the HELLO waiting for it at once
 LOAD_BEAT_S = 0.2       # how often a load on the compute thread lets this thread beat
+WAIT_SLICE_S = 0.2      # a wait for the head checks `stop` (and feeds systemd's watchdog) this often
 
 
 @dataclass
@@ -113,38 +115,77 @@ class NodeBase(ABC):
 
     def _hello(self, capabilities: Callable[[], dict[str, Any]]) -> proto.Welcome | None:
         """HELLO until the head WELCOMEs this node (and `_welcome_ok` takes it); None once stopped. Each try
-        says what the node holds now (`capabilities()`, its free memory): a refusal may have changed it."""
+        says what the node holds now (`capabilities()`, its free memory): a refusal may have changed it.
+        Each unanswered HELLO doubles the next one's wait (HELLO_TIMEOUT_S up to HELLO_MAX_WAIT_S) and the
+        node says why it waits; a head found by mDNS that never answers is given up for another one."""
+        tries = 0
         while not self.stop.is_set():
-            self.notifier.tick(self._sd_status)
+            wait_s = min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries)
+            tries += 1
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
                                 free_memory_bytes=int(psutil.virtual_memory().available), capabilities=capabilities())
             try:
-                welcome = hello_exchange(self.ctrl, hello, HELLO_TIMEOUT_S)
-                if self.search is not None:
+                welcome = self._await_welcome(hello, wait_s)
+                if welcome is not None and self.search is not None:
                     self.search.answered()
-                if self._welcome_ok(welcome):
+                if welcome is None or self._welcome_ok(welcome):
                     break
             except (ProtocolError, PeerUnreachable) as err:
-                self.log.warning("joining %s: %s", self.config.head, err)
                 self._hello_refused(str(err))
-                if "refused" in str(err) or "protocol" in str(err):   # a head with the keys said no
-                    time.sleep(2.0)
-                else:
-                    self._unanswered()
-        else:
+                self._waiting_for_head(err, tries, min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries))
+                refused = "refused" in str(err) or "protocol" in str(err)   # a head with the keys said no
+                if not refused and self._unanswered():
+                    tries = 0   # another head: its first HELLO waits the shortest again
+        if self.stop.is_set():
             return None
         self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
         self.last_head = time.monotonic()
         return welcome
 
-    def _unanswered(self) -> None:
-        """A HELLO nobody answered: a head found by mDNS may be given up for another one announced."""
+    def _unanswered(self) -> bool:
+        """A HELLO nobody answered: a head found by mDNS may be given up for another one announced
+        (whether the node now dials another address)."""
         found = self.search.missed() if self.search is not None else None
-        if found is not None:
-            self.config = replace(self.config, head=found.addr)
-            self.head_host, self.head_port = found.host, found.port
-            self.phase = f"joining the head at {found.addr} (found by mDNS)"
+        if found is None:
+            return False
+        self.config = replace(self.config, head=found.addr)
+        self.head_host, self.head_port = found.host, found.port
+        self.phase = f"joining the head at {found.addr} (found by mDNS)"
+        return True
+
+    def _await_welcome(self, hello: proto.Hello, wait_s: float) -> proto.Welcome | None:
+        """Send HELLO and wait up to `wait_s` for the answer (None: stopped meanwhile); ProtocolError for
+        a refusal, an odd answer or none (PeerUnreachable for a send the link refused: waited out too)."""
+        deadline = time.monotonic() + wait_s
+        try:
+            self.ctrl.send(hello)
+        except PeerUnreachable:
+            self._pause(deadline - time.monotonic())
+            raise
+        while not self.stop.is_set():
+            self.notifier.tick(self._sd_status)
+            left = deadline - time.monotonic()
+            got = self.ctrl.next_message(max(0.0, min(WAIT_SLICE_S, left)))
+            if got is not None or left <= 0:
+                return welcome_from(got, wait_s)
+        return None
+
+    def _waiting_for_head(self, err: FlowedgeError, tries: int, next_wait_s: float) -> None:
+        """Say why the node still waits for the head, and how long its next HELLO waits."""
+        self.phase = f"waiting for the head at {self.config.head}: {err}"
+        self.log.warning("joining %s (try %d): %s; asking again, waiting up to %g s for an answer",
+                         self.config.head, tries, err, next_wait_s)
+        if "refused" in str(err) or "protocol" in str(err):   # an answer that will not change at once
+            self._pause(min(next_wait_s, 2.0 * tries))
+
+    def _pause(self, seconds: float) -> None:
+        """Wait, feeding systemd's watchdog, until `seconds` pass or the node is stopped."""
+        deadline = time.monotonic() + seconds
+        while not self.stop.wait(max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))):
+            self.notifier.tick(self._sd_status)
+            if time.monotonic() >= deadline:
+                return
 
     def _welcome_ok(self, welcome: proto.Welcome) -> bool:
         """Whether this node can work with the head that WELCOMEd it (False: HELLO again)."""

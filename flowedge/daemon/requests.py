@@ -7,9 +7,14 @@ need), tokens go back as `TokenChunk`s with their text cut at stop strings, fail
 `ErrorReply`, and the scheduler's actions go out through an `OutPort` (the head node's sockets; a
 recording fake plays both ports in the unit tests). Counters and the live table feed `flowedge status`.
 
-Queued requests wait through an outage, however long: each under its client's own deadline (every
-flowedge client gives up after its timeout and cancels; a client that leaves is dropped). A request in
-flight has a client watching tokens stop; one in the queue has seen nothing yet and loses nothing by waiting.
+Requests queued before an outage wait through it, however long: each under its client's own deadline
+(every flowedge client gives up after its timeout and cancels; a client that leaves is dropped). A request
+that arrives while a stage slot is empty waits at most `recovery_s` for it, then is told which stage is
+missing (`ClusterNotReady`), rather than waiting out its client's timeout in silence.
+
+Counters (`served`): answers completed, tokens streamed, requests `rejected` for what they asked (a
+context overflow, bad parameters: the client's mistake), `failed` by the cluster (a lost stage, an
+internal error), `cancelled` by their clients.
 """
 from __future__ import annotations
 
@@ -18,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.live_figures import TokenRate
 from flowedge.daemon.prompting import StopText
 from flowedge.engine.events import Done, Offload, Send
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget, Limits, Request,
                                   ResetStages, State)
 from flowedge.engine.scheduler import Handlers, Scheduler, run_in_turn
-from flowedge.errors import FlowedgeError
+from flowedge.errors import ClusterNotReady, FlowedgeError
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -111,7 +117,8 @@ class HeadRequests:
                                    engines.accept, run_handlers=run_handlers)
         self.clients: dict[int, ClientRequest] = {}   # key -> live request
         self.keys = 0
-        self.served = {"requests": 0, "tokens": 0, "failed": 0, "cancelled": 0}   # for status / metrics
+        self.served = {"requests": 0, "tokens": 0, "rejected": 0, "failed": 0, "cancelled": 0}   # status, metrics
+        self.rate = TokenRate()   # tokens/s as they stream
         self.last_stats: dict = {}
         self.last_auto: dict = {}   # the latest `auto` answer's choice, reason and switches (status)
         self.last_predraft: dict = {}   # the latest pre-drafted answer's jobs, calls, hits, misses (status)
@@ -123,9 +130,10 @@ class HeadRequests:
     # ---- events in --------------------------------------------------------------------------------
     def submit(self, owner: bytes, msg: proto.PromptRequest, now: float, ready: bool,
                missing: list[str]) -> None:
+        """A client's prompt: refused at once before the cluster was ever whole; queued otherwise (while a
+        stage is missing, for at most `recovery_s`)."""
         if not ready and not self.scheduler.ever_ready:
-            self.out.to_client(owner, proto.ErrorReply(
-                request_id=msg.request_id, message=f"cluster not ready: waiting for {', '.join(missing)}"))
+            self._refuse(owner, msg.request_id, f"{ClusterNotReady.PREFIX}waiting for {', '.join(missing)}")
             return
         self.keys += 1
         try:
@@ -134,15 +142,15 @@ class HeadRequests:
                       self.engines.kv_need(prepared, msg.max_new_tokens))
             client = ClientRequest(owner, msg, prepared, stop=StopText(msg.stop))
             client.text = self.engines.text_stream(client.pieces.append)
-        except FlowedgeError as err:
-            self._refuse(owner, msg.request_id, str(err))
+        except FlowedgeError as err:   # the request's own mistake: a context overflow, bad parameters
+            self._refuse(owner, msg.request_id, str(err), rejected=True)
             return
         except Exception as err:  # noqa: BLE001 - a bug met by one request must not take the head down
             log.exception("request %d could not start", self.keys)
             self._refuse(owner, msg.request_id, f"internal error: {type(err).__name__}: {err}")
             return
         self.clients[self.keys] = client
-        actions = self.scheduler.submit(self.keys, job, now)
+        actions = self.scheduler.submit(self.keys, job, now, ready)
         client.run = self.scheduler.get(self.keys)
         self._carry_out(actions)
 
@@ -197,8 +205,9 @@ class HeadRequests:
         if run is not None:
             self._carry_out(self.scheduler.fail(run.key, f"a stage gave up on it ({reason})"))
 
-    def tick(self, now: float, ready: bool) -> None:
-        self._carry_out(self.scheduler.tick(now, ready))
+    def tick(self, now: float, ready: bool, missing: list[str] = ()) -> None:
+        """Deadlines, replays and starts; `missing`: the stages the cluster waits for (named to whoever it fails)."""
+        self._carry_out(self.scheduler.tick(now, ready, ", ".join(missing)))
 
     # ---- queries ----------------------------------------------------------------------------------
     @property
@@ -230,7 +239,8 @@ class HeadRequests:
                          "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None})
         running = self.scheduler.running.values()
         return {"queued": len(self.scheduler.queue), "running": self.scheduler.running_count(),
-                "paused": sum(1 for r in running if r.state is State.PAUSED), "active": rows}
+                "paused": sum(1 for r in running if r.state is State.PAUSED), "tokens_per_s": self.rate.per_s(now),
+                "active": rows}
 
     # ---- actions out ------------------------------------------------------------------------------
     def _carry_out(self, actions: list) -> None:
@@ -270,13 +280,14 @@ class HeadRequests:
         elif isinstance(a, Finished):
             self._finish(client, a.done)
         elif isinstance(a, Failed):
-            self._fail(client, a.message)
+            self._fail(client, a.message, a.rejected)
         elif isinstance(a, Cancelled):
             self.clients.pop(a.key, None)
             self.served["cancelled"] += 1
 
     def _stream(self, client: ClientRequest, tokens: list[int]) -> None:
         self.served["tokens"] += len(tokens)   # as they stream, so status shows live tokens/s
+        self.rate.add(len(tokens), self.scheduler.now_s)
         client.text(tokens)
         self.out.to_client(client.owner, proto.TokenChunk(
             request_id=client.request_id, token_ids=list(tokens), text=client.stop.feed(client.take_pieces()),
@@ -303,10 +314,11 @@ class HeadRequests:
         log.info("request %d done: %d tokens in %.2f s%s", client.key, len(client.emitted),
                  stats.get("wall_s", 0.0), f" ({client.replays} replays)" if client.replays else "")
 
-    def _fail(self, client: ClientRequest, message: str) -> None:
+    def _fail(self, client: ClientRequest, message: str, rejected: bool = False) -> None:
         self.clients.pop(client.key, None)
-        self._refuse(client.owner, client.request_id, message)
+        self._refuse(client.owner, client.request_id, message, rejected)
 
-    def _refuse(self, owner: bytes, request_id: int, message: str) -> None:
-        self.served["failed"] += 1
+    def _refuse(self, owner: bytes, request_id: int, message: str, rejected: bool = False) -> None:
+        """Tell the asker why its request ends; counted `rejected` (its own mistake) or `failed` (the cluster's)."""
+        self.served["rejected" if rejected else "failed"] += 1
         self.out.to_client(owner, proto.ErrorReply(request_id=request_id, message=message))

@@ -29,7 +29,7 @@ from flowedge.allocator import settle
 from flowedge.daemon import model_check, shard_fetch, wire
 from flowedge.daemon.config import NodeConfig, tcp
 from flowedge.daemon.membership import too_old_for_the_data_plane
-from flowedge.daemon.node_base import HELLO_TIMEOUT_S, NodeBase, NodeParts
+from flowedge.daemon.node_base import HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S, NodeBase, NodeParts
 from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
@@ -69,8 +69,9 @@ class StageNode(NodeBase):
     def _join(self) -> None:
         """HELLO until the head answers, then wait for the assignment and get ready."""
         self.phase = f"joining the head at {self.config.head}"
-        log.info("waiting for the head at %s to answer (HELLO every %.0f s; start it with `flowedge serve` "
-                 "or `flowedge up`)", self.config.head, HELLO_TIMEOUT_S)
+        log.info("waiting for the head at %s to answer (HELLO, waiting %g s for an answer, then twice as long "
+                 "each time up to %g s; start it with `flowedge serve` or `flowedge up`)", self.config.head,
+                 HELLO_TIMEOUT_S, HELLO_MAX_WAIT_S)
         welcome = self._hello(lambda: {"data_addr": self.data_addr, "want_stage": self.config.stage,
                                        "cached_shards": shard_fetch.cached_shas(self.home),
                                        **model_check.held(self.model_sha256)})

@@ -37,22 +37,40 @@ def node_table(nodes: list[dict]) -> list[str]:
 
 
 def summary(nodes: list[dict], before: list[dict] | None, interval_s: float) -> str:
-    """One line about the work: queue, tokens/s over the last interval, the last answer's figures."""
+    """One line about the work: queued and running requests, tokens/s now, what was served, the last
+    answer's figures. The head's own live figures when it has them (the numbers /metrics and the dashboard
+    show too); from two replies' token counts for an older head."""
     head = nodes[0] if nodes else {}
     served = head.get("served") or {}
-    rate = "-"
-    if before and interval_s > 0:
-        made = served.get("tokens", 0) - ((before[0].get("served") or {}).get("tokens", 0))
-        rate = f"{max(0, made) / interval_s:.2f}"
+    live = head.get("requests") or {}
+    accept = (head.get("last_request") or {}).get("mean_accept_len")
+    accepts = [r["mean_accept_len"] for r in live.get("active", []) if r.get("mean_accept_len") is not None]
+    now = f"   running now: accepted length {sum(accepts) / len(accepts):.2f}" if accepts else ""
     last = head.get("last_request") or {}
-    accept = last.get("mean_accept_len")
-    live = [r["mean_accept_len"] for r in (head.get("requests") or {}).get("active", [])
-            if r.get("mean_accept_len") is not None]
-    now = f"   running now: accepted length {sum(live) / len(live):.2f}" if live else ""
-    return (f"queue {head.get('queue', 0)}   tokens/s {rate}   served {served.get('requests', 0)} "
-            f"(failed {served.get('failed', 0)}, cancelled {served.get('cancelled', 0)})   last answer: "
-            f"{last.get('tokens_per_s', '-')} tok/s, accepted length {accept if accept is not None else '-'}, "
-            f"{last.get('strategy', '-')}{now}")
+    return (f"{work_now(head)}   tokens/s {rate(head, before, interval_s)}   served {served.get('requests', 0)} "
+            f"(rejected {served.get('rejected', 0)}, failed {served.get('failed', 0)}, cancelled "
+            f"{served.get('cancelled', 0)})   last answer: {last.get('tokens_per_s', '-')} tok/s, accepted length "
+            f"{accept if accept is not None else '-'}, {last.get('strategy', '-')}{now}")
+
+
+def work_now(head: dict) -> str:
+    """Requests queued and running (paused ones apart), or the head's one `queue` count if that is all."""
+    live = head.get("requests")
+    if not isinstance(live, dict) or "queued" not in live:
+        return f"queue {head.get('queue', 0)}"
+    paused = f" ({live['paused']} paused)" if live.get("paused") else ""
+    return f"queued {live.get('queued', 0)}   running {live.get('running', 0)}{paused}"
+
+
+def rate(head: dict, before: list[dict] | None, interval_s: float) -> str:
+    """Tokens a second now, as the head measures them; else over the interval between two replies."""
+    live = head.get("requests") or {}
+    if isinstance(live.get("tokens_per_s"), (int, float)):
+        return f"{live['tokens_per_s']:.2f}"
+    if not before or interval_s <= 0:
+        return "-"
+    made = (head.get("served") or {}).get("tokens", 0) - ((before[0].get("served") or {}).get("tokens", 0))
+    return f"{max(0, made) / interval_s:.2f}"
 
 
 def auto_line(nodes: list[dict]) -> list[str]:

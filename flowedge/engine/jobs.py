@@ -14,7 +14,7 @@ from enum import Enum
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Compute, Done, Send
-from flowedge.errors import ConfigError
+from flowedge.errors import ClusterNotReady, ConfigError
 
 REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
 
@@ -110,6 +110,15 @@ def replay_params(params: SamplingParams, committed: int) -> SamplingParams:
     return replace(params, seed=int.from_bytes(digest[:7], "big"))
 
 
+def not_whole(lost_why: str, missing: str, recovery_s: float) -> str:
+    """What a request that waited `recovery_s` for a whole cluster is told: the missing stage(s), the last
+    loss, and the deadline (a `ClusterNotReady` for its client)."""
+    why = lost_why or "a stage is missing"
+    if missing:
+        why = f"waiting for {missing}" + (f" ({lost_why})" if lost_why else "")
+    return f"{ClusterNotReady.PREFIX}{why}, and no node took its place within {recovery_s:g} s"
+
+
 # ---- actions ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class FromEngine:
@@ -134,9 +143,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request ended without completing; `message` is what its asker is told."""
+    """The request ended without completing; `message` is what its asker is told. `rejected`: for what it
+    asked (it can never fit), not for a fault of the cluster."""
     key: int
     message: str
+    rejected: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,12 @@ class GenerationResult:
 def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
     if prompt_len == 0:
         raise ContextOverflow("the prompt is empty after tokenization")
-    if prompt_len + max_new_tokens > context:
+    if prompt_len + max_new_tokens > context:   # OpenAI's words, which clients and their libraries match on
         raise ContextOverflow(
-            f"the prompt is {prompt_len} tokens and {max_new_tokens} new tokens were asked for: "
-            f"{prompt_len + max_new_tokens} positions, beyond the model's context of {context} "
-            f"(at most {max(context - prompt_len, 0)} new tokens fit)")
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the messages, {max_new_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion "
+            f"(at most {max(context - prompt_len, 0)} completion tokens fit).")
 
 
 def stop_ids(config) -> set[int]:

@@ -16,9 +16,10 @@ Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused
   again each is *replayed*: the engine restarts on the prompt plus every token already handed out, under
   a new engine id (segments of the old run still in the pipeline are ignored), with a generator seeded
   from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
-- **Deadlines.** A paused request fails past `recovery_s` without a whole cluster; a queued one waits
-  through any outage, under its own `Job.deadline_s` (None: until its asker cancels it); a running
-  request that gets nothing back for `stall_s` is paused and replayed.
+- **Deadlines.** A paused request, or one that arrived while the cluster was not whole, fails past
+  `recovery_s` without a whole cluster (told which stage is missing); one queued before the loss keeps
+  its place through the outage, under its own `Job.deadline_s` (None: until its asker cancels it); a
+  running request that gets nothing back for `stall_s` is paused and replayed.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from functools import partial
 
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
-                                  Limits, Request, ResetStages, State, replay_params)
+                                  Limits, Request, ResetStages, State, not_whole, replay_params)
 from flowedge.errors import ConfigError, FlowedgeError
 
 log = logging.getLogger(__name__)
@@ -79,14 +80,16 @@ class Scheduler:
         return cls(lambda req: engine, Limits(max_running=1), contain_errors=False)
 
     # ---- events in --------------------------------------------------------------------------------
-    def submit(self, key: int, job: Job, now: float) -> list[Action]:
-        """Queue a job under `key` (unique among live requests); it starts at a `tick`."""
+    def submit(self, key: int, job: Job, now: float, ready: bool = True) -> list[Action]:
+        """Queue a job under `key` (unique among live requests); it starts at a `tick` (`ready` False: at
+        most `recovery_s` from now, unless the cluster is whole by then)."""
         self.now_s = now
         if key in self.running or any(r.key == key for r in self.queue):
             raise ConfigError(f"request id {key} is already in use")
         req = Request(key, job, now)
         out: list[Action] = []
         if self._can_ever_fit(req, out):
+            req.deadline_s = None if ready else now + self.limits.recovery_s
             self.queue.append(req)
         return out
 
@@ -173,12 +176,15 @@ class Scheduler:
                 req.deadline_s = now + self.limits.recovery_s
         return out
 
-    def tick(self, now: float, ready: bool) -> list[Action]:
-        """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones."""
+    def tick(self, now: float, ready: bool, missing: str = "") -> list[Action]:
+        """Deadlines and stalls; with a ready cluster resume paused requests, then start queued ones.
+        `missing`: what the cluster waits for while not ready ("stage 2"), named to those it fails."""
         self._release_ended()
         self.now_s = now
         self.ever_ready |= ready
-        out = self._expire(now, ready)
+        for req in self.queue if ready else ():   # the cluster is whole: a queued request waits for its turn only
+            req.deadline_s = None
+        out = self._expire(now, ready, missing)
         if not ready:
             return out
         for req in [r for r in self.running.values() if r.state is State.PAUSED]:
@@ -192,11 +198,12 @@ class Scheduler:
             out += self._start(self.queue.popleft(), now)
         return out
 
-    def _expire(self, now: float, ready: bool) -> list[Action]:
+    def _expire(self, now: float, ready: bool, missing: str = "") -> list[Action]:
         out: list[Action] = []
-        for req in [r for r in self.running.values() if r.deadline_s is not None and now > r.deadline_s]:
-            out += self._end(req, State.FAILED, f"{self.lost_why or 'the cluster lost a stage'}, and no node "
-                                                f"took its place within {self.limits.recovery_s:g} s")
+        late = [r for r in self.running.values() if r.deadline_s is not None and now > r.deadline_s]
+        late += [r for r in self.queue if r.deadline_s is not None and now > r.deadline_s]
+        for req in late:
+            out += self._end(req, State.FAILED, not_whole(self.lost_why, missing, self.limits.recovery_s), prefix="")
         for req in [r for r in self.queue if r.job.deadline_s is not None and now > r.job.deadline_s]:
             out += self._end(req, State.FAILED, "it waited in the queue past its deadline")
         for req in list(self.running.values()):
@@ -227,7 +234,7 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """The earliest recovery or queue deadline (stalls are checked on every tick)."""
-        times = [r.deadline_s for r in self.running.values() if r.deadline_s is not None]
+        times = [r.deadline_s for r in [*self.running.values(), *self.queue] if r.deadline_s is not None]
         times += [r.job.deadline_s for r in self.queue if r.job.deadline_s is not None]
         return min(times, default=None)
 
@@ -239,7 +246,7 @@ class Scheduler:
         out += self._end(req, State.FAILED, f"the request needs {req.job.kv_tokens} KV tokens on every stage "
                                             f"(prompt + max_tokens + a draft tree); stage {budget.stage} can hold "
                                             f"{budget.tokens} ({budget.why}): shorten the prompt or lower "
-                                            f"max_tokens", prefix="")
+                                            f"max_tokens", prefix="", rejected=True)
         return False
 
     def _fits_now(self, req: Request) -> bool:
@@ -297,7 +304,8 @@ class Scheduler:
         req.state = State.PAUSED
         return [ResetStages(req.key, req.engine_id)]
 
-    def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ") -> list[Action]:
+    def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ",
+             rejected: bool = False) -> list[Action]:
         """End a request that did not complete: its stages reset, its asker told (not for a cancel)."""
         out: list[Action] = [ResetStages(req.key, req.engine_id)] if req.state is State.RUNNING else []
         stats = getattr(req.engine, "stats", None) or Stats()
@@ -306,8 +314,8 @@ class Scheduler:
         if state is State.CANCELLED:
             log.info("request %d %s", req.key, why)
             return out + [Cancelled(req.key, Done(list(req.emitted), stats, req.key, cancelled=True))]
-        log.error("request %d failed: %s", req.key, why)
-        return out + [Failed(req.key, prefix + why)]
+        log.log(logging.INFO if rejected else logging.ERROR, "request %d ended: %s", req.key, why)
+        return out + [Failed(req.key, prefix + why, rejected)]
 
     def _release_ended(self) -> None:
         for req in self.releasing:
