@@ -15,7 +15,7 @@ from flowedge.core.config import DRAFT_QUANTS
 from flowedge.daemon.client_answer import Answer
 from flowedge.daemon.config import (DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES,
                                     load_node_config)
-from flowedge.daemon.head_search import HeadSearch
+from flowedge.daemon.head_search import HeadSearch, search_lan
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -132,29 +132,13 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
     daemon_logging()
     search = None
     if not head_addr:   # found by mDNS: looked for again if it does not answer (an address given is kept)
-        search = _search_head(cluster, discover_timeout)
+        search = search_lan(cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
     cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)
     _run_node(cfg, search)
-
-
-def _search_head(cluster: str | None, timeout_s: float) -> HeadSearch:
-    """The head on the LAN (mDNS) to join first, in a `HeadSearch` that looks again when it does not answer."""
-    try:
-        from flowedge.daemon.discovery import browse
-    except ImportError:
-        raise click.UsageError("finding the head on the LAN needs the zeroconf package "
-                               "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
-    click.echo(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
-               f"(mDNS, up to {timeout_s:g} s)...", err=True)
-    search = HeadSearch(browse, cluster)
-    found = search.start(timeout_s)
-    click.echo(f"found head of cluster {found.cluster!r} at {found.addr}"
-               f"{f' serving {found.model}' if found.model else ''}; joining", err=True)
-    return search
 
 
 @click.command()

@@ -102,3 +102,20 @@ class HeadSearch:
                     "%s, also announced as cluster %r", self.head.addr, self.forget_after, pick.addr, self.cluster)
         self.head = pick
         return pick
+
+
+def search_lan(cluster: str | None, timeout_s: float, say: Callable[[str], None]) -> HeadSearch:
+    """The head on the LAN (mDNS) to join first, in a `HeadSearch` that looks again when it does not
+    answer; `say` tells the operator what it is doing."""
+    try:
+        from flowedge.daemon.discovery import browse
+    except ImportError:
+        raise ConfigError("finding the head on the LAN needs the zeroconf package (pip install zeroconf), "
+                          "or give its address: `flowedge join HOST:PORT`") from None
+    say(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
+        f"(mDNS, up to {timeout_s:g} s)...")
+    search = HeadSearch(browse, cluster)
+    found = search.start(timeout_s)
+    say(f"found head of cluster {found.cluster!r} at {found.addr}"
+        f"{f' serving {found.model}' if found.model else ''}; joining")
+    return search

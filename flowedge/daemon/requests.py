@@ -203,7 +203,7 @@ class HeadRequests:
         """A stage freed run `engine_id`: its request fails now, saying why (a late notice is ignored)."""
         run = self.scheduler.by_engine.get(engine_id)
         if run is not None:
-            self._carry_out(self.scheduler.fail(run.key, f"a stage gave up on it ({reason})"))
+            self._carry_out(self.scheduler.stop(run.key, State.FAILED, f"a stage gave up on it ({reason})"))
 
     def tick(self, now: float, ready: bool, missing: list[str] = ()) -> None:
         """Deadlines, replays and starts; `missing`: the stages the cluster waits for (named to whoever it fails)."""
@@ -257,7 +257,7 @@ class HeadRequests:
         """End the request whose action raised; its asker hears why even if the scheduler had already
         let it go (a bug while finishing)."""
         client = self.clients.get(key)
-        actions = self.scheduler.fail(key, message)
+        actions = self.scheduler.stop(key, State.FAILED, message)
         if any(isinstance(a, Failed) for a in actions):
             self._carry_out(actions)
         elif client is not None:

@@ -2,24 +2,19 @@
 both drive (events in, actions out, time passed in: virtual on the simulator, wall on the daemon).
 
 Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused`) while a stage is lost.
-- **Admission.** Up to `max_running` requests run at once, each with its own engine (`Head`: its tree,
-  draft cache, sampling state); their segments interleave in the pipeline and the stages batch them. A
-  request starts only when its worst-case KV (`Job.kv_tokens`: prompt + new tokens + a draft tree) fits
-  on every stage next to what the running ones reserve; the queue is first come, first served (nothing
-  overtakes), and a request that could never fit fails at once.
-- **Steps.** Segments back from the pipeline and each engine's own follow-ups (`Continue`) queue on
-  their request; every `step` takes one piece of work per running request — follow-ups first,
-  depth-first, then segments in arrival order, the order of work it would have alone — and runs those
-  handlers side by side (`run_handlers`: the `DraftBatcher`'s `run_step` makes the k-th draft call of
-  every handler one packed forward).
-- **Stage loss.** Running requests pause and their stages' KV is dropped; once the cluster is whole
-  again each is *replayed*: the engine restarts on the prompt plus every token already handed out, under
-  a new engine id (segments of the old run still in the pipeline are ignored), with a generator seeded
-  from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
+- **Admission.** Up to `max_running` requests run at once, each with its own engine (`Head`); their
+  segments interleave in the pipeline and the stages batch them. A request starts only when its worst-case
+  KV (`Job.kv_tokens`: prompt + new tokens + a draft tree) fits on every stage next to what the running ones
+  reserve; the queue is first come, first served, and a request that could never fit fails at once.
+- **Steps.** Pipeline segments and each engine's own follow-ups (`Continue`) queue on their request; a
+  `step` takes one piece per running request (follow-ups first, then segments in arrival order) and runs
+  those handlers side by side (`run_handlers`: the `DraftBatcher` packs their k-th draft calls together).
+- **Stage loss.** Running requests pause and their stages' KV is dropped; once the cluster is whole again
+  each is *replayed* on the prompt plus every token handed out, under a new engine id, with a generator
+  seeded from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
 - **Deadlines.** A paused request, or one that arrived while the cluster was not whole, fails past
-  `recovery_s` without a whole cluster (told which stage is missing); one queued before the loss keeps
-  its place through the outage, under its own `Job.deadline_s` (None: until its asker cancels it); a
-  running request that gets nothing back for `stall_s` is paused and replayed.
+  `recovery_s` (told which stage is missing); one queued before the loss keeps its place, under its own
+  `Job.deadline_s` (None: until its asker cancels it); a running one silent for `stall_s` is replayed.
 """
 from __future__ import annotations
 
@@ -146,14 +141,13 @@ class Scheduler:
         return []
 
     def cancel(self, key: int, why: str = "cancelled by its client") -> list[Action]:
-        req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
-        return [] if req is None else self._end(req, State.CANCELLED, why)
+        return self.stop(key, State.CANCELLED, why)
 
-    def fail(self, key: int, why: str) -> list[Action]:
-        """The driver could not carry out this request's action (a bug met by one request): it ends
-        failed, its stages reset, and every other request goes on."""
+    def stop(self, key: int, state: State, why: str) -> list[Action]:
+        """End a live request early: CANCELLED (its client), or FAILED (the driver could not carry out one
+        of its actions, a bug met by one request; every other request goes on)."""
         req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
-        return [] if req is None else self._end(req, State.FAILED, why, prefix="")
+        return [] if req is None else self._end(req, state, why, prefix="")
 
     def end(self, key: int) -> list[Action]:
         """Its asker ended the answer (a stop string): the stages drop its KV; no further action for it."""
