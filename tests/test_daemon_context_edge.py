@@ -12,14 +12,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from daemon_helpers import flowedge_home
 from flowedge.core.config import STRATEGY_NAMES
 from flowedge.core.sampling import SamplingParams
 from flowedge.daemon import stage_inbox
 from flowedge.daemon.client import Client, RequestFailed
 from flowedge.engine.local import generate_ar
 from flowedge.transport import protocol as p
-from test_daemon_in_memory import HEAD, Cluster
+from memory_cluster import HEAD, started
 
 CONTEXT = 2048          # the tiny pair's max_position_embeddings
 PROMPT_LENGTHS = (CONTEXT - 70, CONTEXT - 23, CONTEXT - 9, CONTEXT - 2)
@@ -39,13 +38,8 @@ def references(tiny_pair) -> dict[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, tmp_path_factory):
-    with flowedge_home(tmp_path_factory.mktemp("home")):
-        c = Cluster(*tiny_pair)
-        try:
-            c.wait_ready()
-            yield c
-        finally:
-            c.stop()
+    with started(*tiny_pair, tmp_path_factory.mktemp("home")) as c:
+        yield c
 
 
 @settings(max_examples=16, deadline=None, derandomize=True,

@@ -9,25 +9,19 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
-import time
 
 import pytest
 
 from daemon_helpers import flowedge_home
+from memory_cluster import HEAD, MAX_NEW, PROMPT, Cluster, ask
 from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.client import Client
 from flowedge.daemon.client_answer import Answer
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.roots import build_head, build_stage
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import protocol as p
 from flowedge.transport.async_link import MemoryAsyncLink
 from flowedge.transport.link import Inbound, Kind
 from flowedge.transport.memory_link import MemoryEndpoint, MemoryLink, MemoryNetwork
 
-PROMPT = "abc def ghi jkl"
-MAX_NEW = 40
-HEAD = "127.0.0.1:5555"
 
 
 class Tripwire(MemoryEndpoint):
@@ -58,54 +52,6 @@ class TrippingLink(MemoryLink):
         with self.net.cond:
             self.net.dealers.append(endpoint)
         return self._keep(endpoint)
-
-
-class Cluster:
-    """Nodes in threads of this process; remembers what escaped each node's `run`."""
-
-    def __init__(self, base, draft, **extra) -> None:
-        self.net = MemoryNetwork()
-        self.common = dict(head=HEAD, model=str(base), draft=str(draft), stages=2, insecure=True, threads=1,
-                           wire_dtype="float32", quant="none", stage_timeout_s=10.0, client_timeout_s=30.0,
-                           recovery_s=120.0, discovery=False) | extra
-        self.errors: dict[str, BaseException] = {}
-        self.threads: dict[str, threading.Thread] = {}
-        self.head = self._start("head", build_head(NodeConfig(role="head", node_id="head", **self.common),
-                                                   link=self.net.link()))
-        self.stages = {name: self.add_stage(name) for name in ("s1", "s2")}
-
-    def add_stage(self, name: str):
-        node = build_stage(NodeConfig(role="stage", node_id=name, same_host=True, **self.common), link=self.net.link())
-        return self._start(name, node)
-
-    def _start(self, name: str, node):
-        def run() -> None:
-            try:
-                node.run()
-            except BaseException as err:  # noqa: BLE001 - the test reads it
-                self.errors[name] = err
-
-        self.threads[name] = threading.Thread(target=run, name=name, daemon=True)
-        self.threads[name].start()
-        return node
-
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.head.members.cluster_ready():
-            assert time.monotonic() < deadline and not self.errors, f"not ready: {self.errors}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for node in [*self.stages.values(), self.head]:
-            node.stop.set()
-        for t in self.threads.values():
-            t.join(15)
-
-
-def ask(link, strategy: str = "flowspec") -> Answer:
-    """The sync client on `link`: one answer, as `flowedge prompt --json` gets it."""
-    with Client(HEAD, link=link, timeout_s=300) as client:
-        return client.generate(PROMPT, max_new_tokens=MAX_NEW, strategy=strategy)
 
 
 async def ask_async(net: MemoryNetwork) -> Answer:

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from daemon_helpers import flowedge_home
 from flowedge.daemon.client import Client, RequestFailed
 from flowedge.engine.strategies.ar_pp import ArPP
-from test_daemon_in_memory import HEAD, MAX_NEW, PROMPT, Cluster, ask, reference  # noqa: F401 - a fixture
+from memory_cluster import HEAD, MAX_NEW, PROMPT, ask, started
+from test_daemon_in_memory import reference  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_pair, tmp_path_factory):
-    with flowedge_home(tmp_path_factory.mktemp("home")):
-        c = Cluster(*tiny_pair)
-        try:
-            c.wait_ready()
-            yield c
-        finally:
-            c.stop()
+    with started(*tiny_pair, tmp_path_factory.mktemp("home")) as c:
+        yield c
 
 
 def _still_serving(cluster, reference) -> None:
