@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flowedge.daemon.client_answer import Answer, Chunk, Stats, Usage
-from flowedge.errors import (BackendUnavailable, ConfigError, ContextOverflow, FlowedgeError, ModelError,
+from flowedge.errors import (BackendUnavailable, Busy, ConfigError, ContextOverflow, FlowedgeError, ModelError,
                              ProtocolError, RequestFailed, StageLost)
 
 if TYPE_CHECKING:   # for type checkers: at run time `__getattr__` imports them when first asked
@@ -14,7 +14,7 @@ if TYPE_CHECKING:   # for type checkers: at run time `__getattr__` imports them 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "Client", "AsyncClient", "Answer", "Chunk", "Usage", "Stats", "FlowedgeError",
-           "RequestFailed", "ContextOverflow", "ConfigError", "ModelError", "ProtocolError", "StageLost",
+           "RequestFailed", "ContextOverflow", "Busy", "ConfigError", "ModelError", "ProtocolError", "StageLost",
            "BackendUnavailable"]
 
 

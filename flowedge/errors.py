@@ -35,9 +35,25 @@ class ContextOverflow(RequestFailed):
         super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
 
 
+class Busy(RequestFailed):
+    """The head refused a request because its client already has as many waiting as it may
+    (`max_queued_per_client`): nothing is wrong with the request, retry it once some have started.
+
+    Told apart in the head's error reply by PREFIX, as ContextOverflow is."""
+
+    PREFIX = "busy: "
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
+
+
 def refusal(message: str) -> RequestFailed:
     """The typed error for a head's error reply."""
-    return ContextOverflow(message) if message.startswith(ContextOverflow.PREFIX) else RequestFailed(message)
+    for kind in (ContextOverflow, Busy):
+        if message.startswith(kind.PREFIX):
+            return kind(message)
+    return RequestFailed(message)
 
 
 class BackendUnavailable(FlowedgeError):
