@@ -44,7 +44,8 @@ UNAVAILABLE = ("cluster not ready", "request aborted")
 
 
 def classify(err: Exception) -> ApiError:
-    """A flowedge error as the HTTP answer it deserves: the client's mistake 400, the cluster's 503."""
+    """A flowedge error as the HTTP answer it deserves: the client's mistake 400, its full queue 429, the
+    cluster's 503."""
     text = str(err)
     if isinstance(err, Busy):
         return busy(err)

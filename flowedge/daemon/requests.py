@@ -1,10 +1,10 @@
 """The head's client side of the request scheduler: the daemon's driver of `engine.scheduler.Scheduler`.
 
-The scheduler (admission, KV budget, a fair queue per client, draft batching, cancel, pause and replay on a stage loss,
-deadlines) is the one the simulator runs too; what is the daemon's own lives here: requests belong to
-client connections (`owner`), prompts become jobs through the `EnginePort` (token ids, sampling, KV
-need), tokens go back as `TokenChunk`s with their text cut at stop strings, failures as one
-`ErrorReply`, and the scheduler's actions go out through an `OutPort` (the head node's sockets; a
+The scheduler (admission, KV budget, a fair queue per client, draft batching, cancel, pause and replay on
+a stage loss, deadlines) is the one the simulator runs too; what is the daemon's own lives here: requests
+belong to client connections (`owner`) and to the clients they are for (`client_name`), prompts become
+jobs through the `EnginePort` (token ids, sampling, KV need), tokens go back as `TokenChunk`s with their
+text cut at stop strings, failures as one `ErrorReply`, and the scheduler's actions go out through an `OutPort` (the head node's sockets; a
 recording fake plays both ports in the unit tests). Counters and the live table feed `flowedge status`.
 
 Queued requests wait through an outage, however long: each under its client's own deadline (every
