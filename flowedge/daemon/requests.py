@@ -4,8 +4,9 @@ The scheduler (admission, KV budget, a fair queue per client, draft batching, ca
 a stage loss, deadlines) is the one the simulator runs too; what is the daemon's own lives here: requests
 belong to client connections (`owner`) and to the clients they are for (`client_name`), prompts become
 jobs through the `EnginePort` (token ids, sampling, KV need), tokens go back as `TokenChunk`s with their
-text cut at stop strings, failures as one `ErrorReply`, and the scheduler's actions go out through an `OutPort` (the head node's sockets; a
-recording fake plays both ports in the unit tests). Counters and the live table feed `flowedge status`.
+text cut at stop strings, failures as one `ErrorReply`, and the scheduler's actions go out through an
+`OutPort` (the head node's sockets; a recording fake plays both ports in the unit tests). Counters and the
+live table feed `flowedge status`.
 
 Queued requests wait through an outage, however long: each under its client's own deadline (every
 flowedge client gives up after its timeout and cancels; a client that leaves is dropped). A request in
