@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flowedge.daemon.client_answer import Answer, Chunk, Stats, Usage
-from flowedge.errors import (BackendUnavailable, ClusterNotReady, ConfigError, ContextOverflow, FlowedgeError,
+from flowedge.errors import (BackendUnavailable, Busy, ClusterNotReady, ConfigError, ContextOverflow, FlowedgeError,
                              ModelError, ProtocolError, RequestFailed, StageLost)
 
 if TYPE_CHECKING:   # for type checkers: at run time `__getattr__` imports them when first asked
@@ -14,8 +14,8 @@ if TYPE_CHECKING:   # for type checkers: at run time `__getattr__` imports them 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "Client", "AsyncClient", "Answer", "Chunk", "Usage", "Stats", "FlowedgeError",
-           "RequestFailed", "ContextOverflow", "ClusterNotReady", "ConfigError", "ModelError", "ProtocolError",
-           "StageLost", "BackendUnavailable"]
+           "RequestFailed", "ContextOverflow", "ClusterNotReady", "Busy", "ConfigError", "ModelError",
+           "ProtocolError", "StageLost", "BackendUnavailable"]
 
 
 def __getattr__(name: str) -> Any:

@@ -42,6 +42,15 @@ class ClusterNotReady(RequestFailed):
 
     PREFIX = "cluster not ready: "
 
+
+class Busy(RequestFailed):
+    """The head refused a request because its client already has as many waiting as it may
+    (`max_queued_per_client`): nothing is wrong with the request, retry it once some have started.
+
+    Told apart in the head's error reply by PREFIX, as ContextOverflow is."""
+
+    PREFIX = "busy: "
+
     def __init__(self, message: object = "") -> None:
         text = str(message)
         super().__init__(text if text.startswith(self.PREFIX) else self.PREFIX + text)
@@ -49,7 +58,7 @@ class ClusterNotReady(RequestFailed):
 
 def refusal(message: str) -> RequestFailed:
     """The typed error for a head's error reply."""
-    for kind in (ContextOverflow, ClusterNotReady):
+    for kind in (ContextOverflow, ClusterNotReady, Busy):
         if message.startswith(kind.PREFIX):
             return kind(message)
     return RequestFailed(message)

@@ -214,6 +214,26 @@ def test_values_of_the_wrong_type_still_draw_the_cluster(fed, page):
         fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
 
 
+def test_the_queue_by_client_is_a_table_of_text(fed, page):
+    """The head's fair queue, one row per client (engine/fair_queue.py); a client's name is whatever a
+    gateway sent, so it is drawn as text; no clients (or no list), no table."""
+    rows = [{"client": XSS, "weight": 1.0, "queued": 3, "running": 1, "refused": 5},
+            {"client": "http:key-0123456789ab", "weight": 2, "queued": "x", "running": None, "refused": 0}]
+    fed["feed"]["nodes"] = [head_row(clients=rows), stage_row(1), stage_row(2)]
+    try:
+        open_with_key(page, fed["url"] + "/")
+        assert page.eval("document.body.dataset.clients") == "2"
+        assert not page.eval("document.getElementById('clients-box').hidden")
+        table = page.eval("document.getElementById('clients').innerText")
+        assert "http:key-0123456789ab\t2\t-\t-\t0" in table and "<img src=x" in table and "\t3\t1\t5" in table
+        assert page.eval("document.querySelectorAll('main img').length") == 0 and page.eval(PWNED) is None
+        fed["feed"]["nodes"][0]["clients"] = "many"
+        assert page.wait_for("document.body.dataset.clients === '0'", 10)
+        assert page.eval("document.getElementById('clients-box').hidden")
+    finally:
+        fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
 def test_ask_fills_the_box_and_sends_only_on_a_click_with_the_key_kept_for_the_tab(fed, page):
     """`/?ask=` sent its question on load with the stored key: a link could spend it unseen."""
     def chats() -> int:

@@ -54,6 +54,7 @@ SAMPLES = [
                                             {"role": "user", "content": "hi"}], max_new_tokens=4,
                     stop=["\n\n", "END"]),
     p.PromptRequest(request_id=4, text="def f(", max_new_tokens=4, raw=True),
+    p.PromptRequest(request_id=5, text="hi", max_new_tokens=4, client="http:key-0123456789ab"),
     p.Cancel(request_id=3),
     p.TokenChunk(request_id=1, token_ids=torch.tensor([9, 10]), text="ab", done=True,
                  stats={"tokens_per_s": 3.5}),
@@ -97,7 +98,7 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 6]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 7]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
@@ -191,6 +192,8 @@ def test_equality_compares_tensors_by_value() -> None:
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop=["a"] * 17),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, stop="END"),
         lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, raw=1),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, client=7),
+        lambda: p.PromptRequest(request_id=1, text="x", max_new_tokens=4, client="c" * 129),
         lambda: p.PromptRequest(request_id=1, text="", max_new_tokens=4),          # the empty prompt
         lambda: p.PromptRequest(request_id=1, token_ids=[], max_new_tokens=4),
         lambda: p.PromptRequest(request_id=1, token_ids=[True, False], max_new_tokens=4),
@@ -223,7 +226,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.6"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.7"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

@@ -5,4 +5,5 @@ guard.py     bearer API keys and the request-body guard (Content-Length, read ti
 schema.py    the OpenAI request bodies (pydantic) and the answers and stream chunks built from results
 metrics.py   Prometheus metrics: this process's request counters plus the head's status
 app.py       the routes; each request talks to the head through its own AsyncClient
+clients.py   whom a request is for (its API key's name, else its address): the head's fair queue lanes
 """

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from flowedge.api import dashboard
 from flowedge.api.body_errors import readable
+from flowedge.api.clients import RETRY_AFTER_S, busy, client_name
 from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.headers import SecurityHeaders
 from flowedge.api.metrics import ApiMetrics
@@ -36,7 +37,8 @@ from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon.async_client import AsyncClient, AsyncLink, client_link
 from flowedge.daemon.client_core import prompt_request
-from flowedge.errors import ApiError, ClusterNotReady, ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
+from flowedge.errors import (ApiError, Busy, ClusterNotReady, ContextOverflow, FlowedgeError, ProtocolError,
+                             RequestFailed)
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,11 @@ OVERFLOW_START = "This model's maximum context length is"   # OpenAI's wording, 
 
 
 def classify(err: Exception) -> ApiError:
-    """A flowedge error as the HTTP answer it deserves: the client's mistake 400, the cluster's 503."""
+    """A flowedge error as the HTTP answer it deserves: the client's mistake 400, its full queue 429, the
+    cluster's 503."""
     text = str(err)
+    if isinstance(err, Busy):
+        return busy(err)
     if isinstance(err, ContextOverflow):
         text = text.removeprefix(ContextOverflow.PREFIX)
         code = "context_length_exceeded" if text.startswith(OVERFLOW_START) else None
@@ -120,11 +125,12 @@ class Routes:
         self._link: AsyncLink | None = None   # made at the first call (missing keys fail that call, as before)
         self._model: str | None = None
 
-    def client(self, timeout_s: float | None = None) -> AsyncClient:
+    def client(self, timeout_s: float | None = None, client: str = "") -> AsyncClient:
+        """A connection to the head; `client` names whom its requests are for (api/clients.py)."""
         s = self.settings
         if self._link is None:
             self._link = client_link(s.keys_dir, s.insecure)
-        return AsyncClient(s.head, timeout_s=timeout_s or s.request_timeout_s, link=self._link)
+        return AsyncClient(s.head, timeout_s=timeout_s or s.request_timeout_s, client=client, link=self._link)
 
     def close_link(self) -> None:
         if self._link is not None:
@@ -172,6 +178,8 @@ class Routes:
         # an unreachable head stays so for longer than a client's retry back-off: tell OpenAI's clients
         # (they honour x-should-retry) to fail at once rather than retry for seconds
         headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else {}
+        if err.status == 429:   # the client's queue at the head is full
+            headers = {"retry-after": str(RETRY_AFTER_S)}
         return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status,
                             headers={**headers, **err.headers})
 
@@ -239,7 +247,8 @@ class Routes:
             raise classify(err) from None
         body.model = await self.served_model(body.model)
         reply = Reply(chat, body.model)
-        c = self.client()
+        c = self.client(client=client_name(request.headers.get("authorization"),
+                                           request.client.host if request.client else "?", self.settings.api_keys))
         self.metrics.in_flight.inc()
         pieces = c.stream(**kwargs)
         if not body.stream:

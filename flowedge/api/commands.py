@@ -60,6 +60,7 @@ def http(listen, head, api_keys, api_key_file, read_timeout, request_timeout, he
 def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limits) -> None:
     """`limits`: ApiSettings fields (timeouts, connection and request-rate caps)."""
     from flowedge.allocator import HeapTrimmer, limit_arenas
+    from flowedge.api.clients import key_client
     from flowedge.api.settings import ApiSettings, load_api_keys, split_listen
 
     limit_arenas()
@@ -72,6 +73,8 @@ def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limi
     HeapTrimmer(threading.Event()).start()   # a daemon thread: ends with the process
 
     server = build_server(settings, host, port)
+    for i, key in enumerate(settings.api_keys, 1):   # the names `client_weights` (the head's config) takes
+        log.info("API key %d of %d: client %s at the head", i, len(settings.api_keys), key_client(key))
     log.info("OpenAI-compatible API on http://%s/v1 for the head at %s (%s)", listen, head,
              f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API key: loopback only")
     threading.Thread(target=say_how_the_head_is, args=(head, keys_dir, insecure), name="head-check",

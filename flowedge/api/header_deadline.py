@@ -15,7 +15,8 @@ is never cut. Passed to uvicorn as its `http` protocol class (a documented `Conf
 
 The same waits feed the server's `Admission` (admission.py): a connection waiting for its head is
 counted for its client address, and the connections it names (the oldest waiting ones, of an address
-or of all, past the limits) are closed.
+or of all, past the limits) are closed. A connection this module closes leaves uvicorn's count of
+connections (what `limit_concurrency` weighs) at once, not when asyncio later reports it lost (`cut`).
 """
 from __future__ import annotations
 
@@ -79,8 +80,7 @@ class HeaderDeadlineH11(H11Protocol):
                 log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
                             "from one address or in all); the latest from %s", self.admission.evicted,
                             other.client[0] if other.client else "?")
-            other._stop_head_timer()
-            other.transport.close()
+            other.cut()
 
     def _head_overdue(self) -> None:
         self._head_timer = None
@@ -88,7 +88,15 @@ class HeaderDeadlineH11(H11Protocol):
             client = "%s:%d" % self.client if self.client else "a client"
             log.warning("closing the connection from %s: no complete request head within %g s",
                         client, self.header_timeout_s)
-            self.transport.close()
+            self.cut()
+
+    def cut(self) -> None:
+        """Close this connection, and stop counting it against `limit_concurrency` now: asyncio calls
+        `connection_lost` only on a later turn of its loop, and while a flood of new connections was being
+        accepted the ones closed but not yet lost filled uvicorn's cap, so a legitimate request got 503."""
+        self._stop_head_timer()
+        self.connections.discard(self)
+        self.transport.close()
 
 
 def header_deadline_protocol(timeout_s: float, admission: Admission | None = None) -> type[HeaderDeadlineH11]:

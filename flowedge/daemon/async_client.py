@@ -69,14 +69,15 @@ def client_link(keys_dir: str | Path | None = None, insecure: bool = False) -> A
 
 class AsyncClient:
     """A connection to a head for asyncio code; several requests may be in flight on it at once.
-    The protocol is `ClientCore`'s; this face only awaits the socket and routes events to tasks."""
+    The protocol is `ClientCore`'s; this face only awaits the socket and routes events to tasks. `client`
+    names whom the requests are for, for the head's fair queue (a gateway sets it; `ClientCore`)."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 link: AsyncLink | None = None) -> None:
+                 client: str = "", link: AsyncLink | None = None) -> None:
         self.addr = addr
         split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
-        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
+        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
         self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
         self._control_lock: asyncio.Lock | None = None   # one HELLO or status exchange at a time

@@ -86,14 +86,15 @@ class Client:
     `head_timeout_s` without a word from the head while a request is in progress; `timeout_s` bounds
     the wait for any answer. Closing the client (or the stream) mid-answer cancels the request.
     The protocol is `ClientCore`'s; this face only blocks on the link (its own ZeroMQ link with the
-    cluster's keys, unless given one: a `MemoryLink` puts it in an in-process cluster)."""
+    cluster's keys, unless given one: a `MemoryLink` puts it in an in-process cluster). `client` names
+    whom the requests are for, for the head's fair queue (`ClientCore`)."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 link: Link | None = None) -> None:
+                 client: str = "", link: Link | None = None) -> None:
         self.addr = addr
         split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
-        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
+        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
         self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
         self._streaming: int | None = None

@@ -82,7 +82,8 @@ Event = Send | Welcomed | Status | Piece | Done | Failed
 def prompt_request(rid: int, prompt: Prompt | None, *, messages: Turns | None = None, system: str | None = None,
                    stop: Stops | None = None, raw: bool = False, max_new_tokens: int | None = None,
                    max_tokens: int | None = None, temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None, seed: int | None = None, strategy: str = "") -> proto.PromptRequest:
+                   top_p: float | None = None, seed: int | None = None, strategy: str = "",
+                   client: str = "") -> proto.PromptRequest:
     """The PromptRequest for one call of `stream`; FlowedgeError (ProtocolError from the message's own
     checks) for a request that cannot be sent, so a bad one never reaches the head. `max_tokens` is
     OpenAI's name for `max_new_tokens` (either, or both when they agree)."""
@@ -101,7 +102,7 @@ def prompt_request(rid: int, prompt: Prompt | None, *, messages: Turns | None = 
         request_id=rid, max_new_tokens=new_tokens_limit(max_new_tokens, max_tokens), text=text, token_ids=ids,
         messages=turns, stop=[stop] if isinstance(stop, str) else list(stop or ()), raw=raw,
         temperature=temperature, top_k=top_k or None, top_p=top_p if top_p not in (None, 1.0) else None,
-        seed=seed, strategy=strategy)
+        seed=seed, strategy=strategy, client=client)
 
 
 def new_tokens_limit(max_new_tokens: int | None, max_tokens: int | None) -> int:
@@ -152,11 +153,14 @@ class ClientCore:
 
     Timeouts (deadlines are data: every call takes `now`, a `time.monotonic()` value): a waiter fails
     after `timeout_s` without a reply of its own; an open request also after `head_timeout_s` without
-    a word from the head (it heartbeats a client while it holds a request of its)."""
+    a word from the head (it heartbeats a client while it holds a request of its).
+
+    `client`: whom the requests are for, when this connection asks on behalf of others (a gateway): the
+    head queues each client's requests in a lane of its own (empty: this connection is the client)."""
 
     def __init__(self, addr: str, *, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 node_id: str | None = None) -> None:
-        self.addr = addr
+                 node_id: str | None = None, client: str = "") -> None:
+        self.addr, self.client = addr, client
         self.timeout_s = timeout_s
         self.head_timeout_s = head_timeout_s
         self.node_id = node_id or f"client-{os.getpid()}"
@@ -170,7 +174,7 @@ class ClientCore:
     def request(self, prompt: Prompt | None, **kwargs: Any) -> proto.PromptRequest:
         """A new PromptRequest on this connection (`prompt_request`'s arguments); not open until `start`."""
         self._next_id += 1
-        return prompt_request(self._next_id, prompt, **kwargs)
+        return prompt_request(self._next_id, prompt, client=self.client, **kwargs)
 
     def hello(self, now: float) -> proto.Hello:
         """The HELLO to send; Welcomed or Failed(CONTROL) follows."""

@@ -31,6 +31,7 @@ TREE_SIZES = ("profile", "paper")
 # pre-drafting (engine/predraft.py): off | idle (in node 0's gaps) | drafter (on a joined drafter node;
 # node 0 drafts alone while none is joined)
 PREDRAFT_MODES = ("off", "idle", "drafter")
+MAX_CLIENT_WEIGHT = 1000
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class NodeConfig:
     max_concurrent: int = 4                   # requests in the pipeline at once (stages batch them); the rest queue
     kv_budget_tokens: int = 0                 # KV tokens a stage holds for all its requests; 0 = from each
                                               # stage's free memory (daemon/kv_budget.py); else also a cap
+    max_queued_per_client: int = 32           # requests one client may have waiting; past it "busy" (0: no cap)
+    client_weights: dict[str, float] = field(default_factory=dict)   # client name -> its share of the
+                                              # starts (1 if not named; engine/fair_queue.py)
     # head only
     model: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
@@ -113,6 +117,9 @@ class NodeConfig:
             raise ConfigError("heartbeat_ms must be >= 10 and stage_timeout_s at least two heartbeats")
         if self.max_concurrent < 1:
             raise ConfigError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        check_client_weights(self.client_weights)
+        if self.max_queued_per_client < 0:
+            raise ConfigError(f"max_queued_per_client must be >= 0 (0 = no cap), got {self.max_queued_per_client}")
         if self.kv_budget_tokens < 0:
             raise ConfigError(f"kv_budget_tokens must be >= 0 (0 = from free memory), got {self.kv_budget_tokens}")
         for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):
@@ -150,6 +157,14 @@ class NodeConfig:
     @property
     def keys_path(self) -> Path:
         return Path(self.keys_dir).expanduser() if self.keys_dir else flowedge_home() / "keys"
+
+
+def check_client_weights(weights: object) -> None:
+    """`client_weights`: a table of client names (as `flowedge status` lists them) to weights in (0, 1000]."""
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and type(v) in (int, float) and 0 < v <= MAX_CLIENT_WEIGHT for k, v in weights.items()):
+        raise ConfigError(f"client_weights must map client names to weights in (0, {MAX_CLIENT_WEIGHT}], "
+                          f"e.g. {{\"http:key-3f2a9c01b7de\" = 4}}; got {weights!r}")
 
 
 def check_model(key: str, spec: str) -> None:

@@ -309,6 +309,7 @@ class HeadNode:
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "requests": self.requests.live(time.monotonic()),
+            "clients": self.requests.client_queues(),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
             "predraft": self.requests.last_predraft,
             "drafter_jobs": self.drafts.status() if self.drafts is not None else None,

@@ -1,11 +1,12 @@
 """The head's client side of the request scheduler: the daemon's driver of `engine.scheduler.Scheduler`.
 
-The scheduler (admission, KV budget, FIFO, draft batching, cancel, pause and replay on a stage loss,
-deadlines) is the one the simulator runs too; what is the daemon's own lives here: requests belong to
-client connections (`owner`), prompts become jobs through the `EnginePort` (token ids, sampling, KV
-need), tokens go back as `TokenChunk`s with their text cut at stop strings, failures as one
-`ErrorReply`, and the scheduler's actions go out through an `OutPort` (the head node's sockets; a
-recording fake plays both ports in the unit tests). Counters and the live table feed `flowedge status`.
+The scheduler (admission, KV budget, a fair queue per client, draft batching, cancel, pause and replay on
+a stage loss, deadlines) is the one the simulator runs too; what is the daemon's own lives here: requests
+belong to client connections (`owner`) and to the clients they are for (`client_name`), prompts become
+jobs through the `EnginePort` (token ids, sampling, KV need), tokens go back as `TokenChunk`s with their
+text cut at stop strings, failures as one `ErrorReply`, and the scheduler's actions go out through an
+`OutPort` (the head node's sockets; a recording fake plays both ports in the unit tests). Counters and the
+live table feed `flowedge status`.
 
 Requests queued before an outage wait through it, however long: each under its client's own deadline
 (every flowedge client gives up after its timeout and cancels; a client that leaves is dropped). A request
@@ -19,6 +20,7 @@ internal error), `cancelled` by their clients.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,10 +111,17 @@ class ClientRequest:
         return piece
 
 
+def client_name(owner: bytes, msg: proto.PromptRequest) -> str:
+    """Whom a request is for: the name a gateway gave (`PromptRequest.client`), else its connection."""
+    return msg.client or f"zmq:{owner.hex()}"
+
+
 class HeadRequests:
     def __init__(self, engines: EnginePort, out: OutPort, limits: Limits = Limits(),
-                 run_handlers: Handlers = run_in_turn) -> None:
+                 run_handlers: Handlers = run_in_turn, client_weights: Mapping[str, float] | None = None) -> None:
+        """`client_weights`: a client's share of the starts by its name (`client_name`; others 1)."""
         self.engines, self.out = engines, out
+        self.client_weights = dict(client_weights or {})
         self.scheduler = Scheduler(lambda req: engines.engine(req.job.strategy), limits, engines.kv_budget,
                                    engines.accept, run_handlers=run_handlers)
         self.clients: dict[int, ClientRequest] = {}   # key -> live request
@@ -139,7 +148,7 @@ class HeadRequests:
         try:
             prepared = self.engines.prepare(msg)
             job = Job(tuple(prepared.prompt_ids), msg.max_new_tokens, prepared.params, prepared.strategy,
-                      self.engines.kv_need(prepared, msg.max_new_tokens))
+                      self.engines.kv_need(prepared, msg.max_new_tokens), **self._whose(owner, msg))
             client = ClientRequest(owner, msg, prepared, stop=StopText(msg.stop))
             client.text = self.engines.text_stream(client.pieces.append)
         except FlowedgeError as err:   # the request's own mistake: a context overflow, bad parameters
@@ -153,6 +162,11 @@ class HeadRequests:
         actions = self.scheduler.submit(self.keys, job, now, ready)
         client.run = self.scheduler.get(self.keys)
         self._carry_out(actions)
+
+    def _whose(self, owner: bytes, msg: proto.PromptRequest) -> dict:
+        """The fair queue's lane of a request, and its weight."""
+        client = client_name(owner, msg)
+        return {"client": client, "weight": float(self.client_weights.get(client, 1.0))}
 
     def deliver(self, key: int, event) -> None:
         """The outcome of work an engine sent off node 0 (a drafter's pre-draft), queued as its follow-up."""
@@ -221,6 +235,10 @@ class HeadRequests:
 
     def kv_reserved(self) -> int:
         return self.scheduler.kv_reserved()
+
+    def client_queues(self) -> list[dict]:
+        """Per client with requests here (or refused lately): its weight, queued, running and refused."""
+        return self.scheduler.queue.table()
 
     def busy_clients(self) -> set[bytes]:
         return {c.owner for c in self.clients.values()}

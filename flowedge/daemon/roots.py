@@ -53,7 +53,8 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops)
     outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)
     requests = HeadRequests(engines, outbox, Limits(
-        recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent))
+        recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
+        max_queued_per_client=config.max_queued_per_client), client_weights=config.client_weights)
     drafts.deliver = requests.deliver
     return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, drafts),
                     stop)

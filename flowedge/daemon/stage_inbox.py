@@ -17,6 +17,7 @@ from flowedge.daemon import wire
 from flowedge.daemon.droplog import DropLog
 from flowedge.engine.events import Compute, Failed, Finish, Send
 from flowedge.engine.stage_worker import StageWorker
+from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, StagePlan, check_stage_input
 
@@ -58,6 +59,8 @@ class StageInbox:
             return wire.from_wire(msg, self.worker.model.dtype)
         except InvalidMessage as err:
             self.drops.drop(err.rule, f"{msg.TYPE} of request {getattr(msg, 'request_id', '?')}: {err}")
+        except ProtocolError as err:   # the adapter's: fields valid alone that break a rule across them
+            self.drops.drop("malformed", str(err))
         except Exception as err:  # noqa: BLE001 - a conversion the checks did not foresee: drop, never crash
             self.drops.drop("unconvertible", f"{msg.TYPE}: {proto.bounded(repr(err), 300)}", exc_info=True)
         return None

@@ -104,9 +104,21 @@ def drafter_line(nodes: list[dict]) -> list[str]:
             f"lost with a drafter, {jobs.get('no_drafter')} with none joined (node 0 drafted alone)"]
 
 
+def client_table(nodes: list[dict]) -> list[str]:
+    """The head's queue per client (engine/fair_queue.py), when any client has requests there or was refused."""
+    rows = (nodes[0] if nodes else {}).get("clients") or []
+    if not rows:
+        return []
+    lines = ["", f"{'client':<40} {'weight':>6} {'queued':>6} {'running':>7} {'refused':>7}"]
+    for r in rows:
+        lines.append(f"{str(r.get('client') or '-')[:40]:<40} {r.get('weight', 1):>6g} {r.get('queued', 0):>6} "
+                     f"{r.get('running', 0):>7} {r.get('refused', 0):>7}")
+    return lines
+
+
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
     return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes),
-                      *predraft_line(nodes), *drafter_line(nodes)])
+                      *predraft_line(nodes), *drafter_line(nodes), *client_table(nodes)])
 
 
 def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,

@@ -4,6 +4,11 @@ The two say the same things in the same ids (no shift): a tree node that hangs o
 context is marked by the engine's `roots` mask and travels as an index set of those rows
 (`root_rows`); a prompt chunk carries no tree ids at all; token choices travel as they are. Only the
 roots change form (mask <-> rows); every other tensor passes through without a copy.
+
+Peer input ends here as a ProtocolError, however it is wrong: what decodes (each field valid alone) can
+still break a rule that spans fields, which the engine's own types check by raising ValueError (a
+PruneSet's ids past its horizon, a root row past the segment's nodes); `from_wire` turns those into
+ProtocolError, so a node drops and counts the frame as it does a malformed one.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from flowedge.core.prune import PruneSet
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine import events
-from flowedge.errors import ProtocolError
+from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.channel import wire_bytes
 from flowedge.transport.link import Endpoint
@@ -57,9 +62,11 @@ def prune_to_wire(p: events.Prune) -> proto.Prune:
 
 
 def prune_from_wire(msg: proto.Prune) -> events.Prune:
-    return events.Prune(msg.request_id, msg.round_id, msg.version,
-                        PruneSet(commit=msg.commit_ids, keep=msg.keep_ids, horizon=msg.horizon),
-                        msg.end_round)
+    try:
+        prune = PruneSet(commit=msg.commit_ids, keep=msg.keep_ids, horizon=msg.horizon)
+    except ValueError as err:   # ids past the horizon, unsorted keep ids, an id both committed and kept
+        raise ProtocolError(proto.bounded(f"prune of request {msg.request_id}: {err}", 512)) from None
+    return events.Prune(msg.request_id, msg.round_id, msg.version, prune, msg.end_round)
 
 
 def to_wire(message, hidden_wire: str) -> proto.Message:
@@ -74,11 +81,15 @@ def to_wire(message, hidden_wire: str) -> proto.Message:
 
 
 def from_wire(msg: proto.Message, dtype: torch.dtype):
-    """The engine event for a data-plane wire message, or None if it is not one."""
-    if isinstance(msg, proto.Segment):
-        return segment_from_wire(msg, dtype)
-    if isinstance(msg, proto.Prune):
-        return prune_from_wire(msg)
+    """The engine event for a data-plane wire message, or None if it is not one; ProtocolError for one the
+    engine's types refuse."""
+    try:
+        if isinstance(msg, proto.Segment):
+            return segment_from_wire(msg, dtype)
+        if isinstance(msg, proto.Prune):
+            return prune_from_wire(msg)
+    except (ValueError, IndexError, TypeError, ConfigError) as err:   # safety net: peer input never crashes
+        raise ProtocolError(proto.bounded(f"{msg.TYPE} of request {msg.request_id}: {err}", 512)) from None
     if isinstance(msg, proto.Reset):
         return events.Finish(msg.request_id)
     return None

@@ -7,6 +7,7 @@ One copy for both drivers: the simulated cluster (virtual time) and the daemon's
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -33,17 +34,22 @@ class Job:
     """A request to run: its tokens, how many to generate, how to sample, and what it may hold.
 
     `kv_tokens`: KV entries it may hold on every stage (`kv_need`); `deadline_s`: while still queued, it
-    fails past this time (None: it waits until its client cancels it)."""
+    fails past this time (None: it waits until its client cancels it). `client`: whose it is, for the
+    fair queue (engine/fair_queue.py: one lane per client, `weight` starts per round)."""
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     params: SamplingParams = SamplingParams()
     strategy: str = ""
     kv_tokens: int = 0
     deadline_s: float | None = None
+    client: str = ""
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max new tokens must be >= 1 (got {self.max_new_tokens})")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ConfigError(f"a client's weight must be > 0 (got {self.weight})")
 
 
 @dataclass
@@ -75,10 +81,13 @@ class Limits:
     recovery_s: float = 30.0          # a paused request waits this long for a lost stage's slot to be filled
     stall_s: float = 60.0             # a running request with no pipeline output this long is replayed
     max_replays: int = 3
+    max_queued_per_client: int = 0   # queued requests one client may have; past it `Busy` (0: no cap)
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ConfigError(f"max-concurrent must be >= 1 (got {self.max_running})")
+        if self.max_queued_per_client < 0:
+            raise ConfigError(f"max_queued_per_client must be >= 0 (got {self.max_queued_per_client})")
 
 
 @dataclass(frozen=True, slots=True)

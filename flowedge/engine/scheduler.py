@@ -5,13 +5,12 @@ Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused
 - **Admission.** Up to `max_running` requests run at once, each with its own engine (`Head`); their
   segments interleave in the pipeline and the stages batch them. A request starts only when its worst-case
   KV (`Job.kv_tokens`: prompt + new tokens + a draft tree) fits on every stage next to what the running ones
-  reserve; the queue is first come, first served, and a request that could never fit fails at once.
-- **Steps.** Pipeline segments and each engine's own follow-ups (`Continue`) queue on their request; a
-  `step` takes one piece per running request (follow-ups first, then segments in arrival order) and runs
-  those handlers side by side (`run_handlers`: the `DraftBatcher` packs their k-th draft calls together).
-- **Stage loss.** Running requests pause and their stages' KV is dropped; once the cluster is whole again
-  each is *replayed* on the prompt plus every token handed out, under a new engine id, with a generator
-  seeded from (seed, tokens committed) (`jobs.replay_params`). At T=0 the answer equals an undisturbed run.
+  reserve; the queue is one capped FIFO lane per client, shared fairly (`FairQueue`), the one due next
+  waits for KV (nothing overtakes it), and a request that could never fit fails at once.
+- **Steps.** Pipeline segments and each engine's follow-ups (`Continue`) queue on their request; a `step`
+  runs one piece per running request side by side (`run_handlers`: the `DraftBatcher` packs draft calls).
+- **Stage loss.** Running requests pause; once the cluster is whole each is *replayed* on the prompt plus
+  every token handed out, under a new engine id and a generator seeded from (seed, tokens committed).
 - **Deadlines.** A paused request, or one that arrived while the cluster was not whole, fails past
   `recovery_s` (told which stage is missing); one queued before the loss keeps its place, under its own
   `Job.deadline_s` (None: until its asker cancels it); a running one silent for `stall_s` is replayed.
@@ -19,11 +18,11 @@ Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
+from flowedge.engine.fair_queue import FairQueue
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
                                   Limits, Request, ResetStages, State, not_whole, replay_params)
 from flowedge.errors import ConfigError, FlowedgeError
@@ -56,11 +55,10 @@ class Scheduler:
         """`keep_ended_engines`: the simulator inspects the engines of ended requests (its reports and
         tests); a daemon drops them (`_release_ended`)."""
         self.make_engine, self.limits, self.kv_budget, self.accept = make_engine, limits, kv_budget, accept
-        self.keep_ended_engines = keep_ended_engines
-        self.batcher = batcher
+        self.keep_ended_engines, self.batcher = keep_ended_engines, batcher
         self.run_handlers = run_handlers or (batcher.run_step if batcher is not None else run_in_turn)
         self.contain_errors = contain_errors
-        self.queue: deque[Request] = deque()
+        self.queue = FairQueue(lambda: self.running.values())   # the running and paused hold slots
         self.running: dict[int, Request] = {}     # key -> running or paused request
         self.by_engine: dict[int, Request] = {}   # engine id -> running request
         self.ended: dict[int, Request] = {}       # recently ended (bounded)
@@ -79,10 +77,14 @@ class Scheduler:
         """Queue a job under `key` (unique among live requests); it starts at a `tick` (`ready` False: at
         most `recovery_s` from now, unless the cluster is whole by then)."""
         self.now_s = now
-        if key in self.running or any(r.key == key for r in self.queue):
+        if key in self.running or self.queue.get(key) is not None:
             raise ConfigError(f"request id {key} is already in use")
         req = Request(key, job, now)
         out: list[Action] = []
+        if (busy := self.queue.full(job.client, self.limits.max_queued_per_client)) is not None:
+            self._forget(req)
+            req.state = State.FAILED
+            return [Failed(key, busy)]
         if self._can_ever_fit(req, out):
             req.deadline_s = None if ready else now + self.limits.recovery_s
             self.queue.append(req)
@@ -146,7 +148,7 @@ class Scheduler:
     def stop(self, key: int, state: State, why: str) -> list[Action]:
         """End a live request early: CANCELLED (its client), or FAILED (the driver could not carry out one
         of its actions, a bug met by one request; every other request goes on)."""
-        req = self.running.get(key) or next((r for r in self.queue if r.key == key), None)
+        req = self.running.get(key) or self.queue.get(key)
         return [] if req is None else self._end(req, state, why, prefix="")
 
     def end(self, key: int) -> list[Action]:
@@ -183,11 +185,11 @@ class Scheduler:
             return out
         for req in [r for r in self.running.values() if r.state is State.PAUSED]:
             out += self._replay(req, now)
-        while self.queue and len(self.running) < self.limits.max_running:
-            if not self._can_ever_fit(self.queue[0], out):
+        while (due := self.queue.first()) is not None and len(self.running) < self.limits.max_running:
+            if not self._can_ever_fit(due, out):
                 continue
-            if not self._fits_now(self.queue[0]):
-                self._note_kv_wait(self.queue[0])
+            if not self._fits_now(due):
+                self._note_kv_wait(due)
                 break   # waits for running requests to free KV; nothing behind it overtakes
             out += self._start(self.queue.popleft(), now)
         return out
@@ -209,8 +211,7 @@ class Scheduler:
     # ---- queries ----------------------------------------------------------------------------------
     def get(self, key: int) -> Request | None:
         """A live or recently ended request."""
-        return self.running.get(key) or next((r for r in self.queue if r.key == key), None) \
-            or self.ended.get(key)
+        return self.running.get(key) or self.queue.get(key) or self.ended.get(key)
 
     def has_work(self) -> bool:
         return any(r.work for r in self.running.values() if r.state is State.RUNNING)
@@ -326,8 +327,7 @@ class Scheduler:
             self.releasing.append(req)
         self.running.pop(req.key, None)
         self.by_engine.pop(req.engine_id, None)
-        if req in self.queue:
-            self.queue.remove(req)
+        self.queue.discard(req)
         self.ended[req.key] = req
         while len(self.ended) > ENDED_REMEMBERED:
             self.ended.pop(next(iter(self.ended)))

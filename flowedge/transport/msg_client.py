@@ -28,6 +28,7 @@ MAX_STOPS = 16               # stop strings in one request
 MAX_STOP_CHARS = 256         # characters in one stop string
 MAX_PROMPT_CHARS = MAX_HEADER_BYTES // 2   # characters of prompt text (or of all turns' content)
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_CLIENT_CHARS = 128       # a client's name (PromptRequest.client)
 
 
 @dataclass(**MESSAGE_OPTIONS)
@@ -38,6 +39,9 @@ class PromptRequest(Message):
     1.3: `messages` is a conversation ([{"role": "system"|"user"|"assistant", "content": str}]) put
     through the model's chat template; `raw` sends `text` to the model as is (no template); `stop`
     ends the answer where its text first contains one of these strings (the stop string is cut off).
+    1.7: `client` names whom the request is for, when a gateway (the HTTP API) asks on behalf of many:
+    the head queues each client's requests in a lane of its own and caps each lane (empty: the
+    connection is the client). Any node with the cluster's keys may set it.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -54,10 +58,12 @@ class PromptRequest(Message):
     messages: list[dict[str, str]] | None = None
     stop: list[str] = field(default_factory=list)
     raw: bool = False
+    client: str = ""
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
         _ints(self, "max_new_tokens", lo=1, hi=1 << 20)
+        _str(self, "client", max_len=MAX_CLIENT_CHARS)
         if sum(x is not None for x in (self.text, self.token_ids, self.messages)) != 1:
             raise ProtocolError("prompt carries exactly one of text, token_ids or messages")
         if self.text is not None:

@@ -65,6 +65,7 @@ function update(snap) {
   state.history.push({ t: snap.t, nodes: nodes, tokens: (head.served || {}).tokens || 0 });
   while (state.history.length && state.history[0].t < snap.t - SPAN_S) state.history.shift();
   figures(head);
+  drawClients(head.clients);
   drawNodes(nodes);
   drawTimeline();
   watchTrouble(nodes, state.prev);
@@ -166,6 +167,15 @@ function drawNodes(nodes) {
   const parts = nodes.flatMap((n, i) => (i ? [el("div", "arrow", "→"), card(n, i)] : [card(n, i)]));
   $("pipeline").replaceChildren(...parts);
   document.body.dataset.nodes = nodes.length;
+}
+
+// ---- the head's queue by client (its fair queue: one lane per client) --------------------------------
+function drawClients(rows) {
+  rows = Array.isArray(rows) ? rows : [];
+  $("clients-box").hidden = !rows.length;
+  $("clients").tBodies[0].replaceChildren(...rows.map((r) => el("tr", "", el("td", "", text(r.client)),
+    ...[r.weight, r.queued, r.running, r.refused].map((v) => el("td", "", num(v) == null ? "-" : String(v))))));
+  document.body.dataset.clients = rows.length;
 }
 
 // ---- the timeline: busy fraction per node per status, tokens made per status ---------------------

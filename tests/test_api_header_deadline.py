@@ -1,0 +1,91 @@
+"""A slowloris flood against the HTTP front's connection handling (api/header_deadline.py, api/admission.py):
+one address opens sockets as fast as it can and dribbles header bytes into them, and another address's
+/health is still answered every time. The front runs under uvicorn on a real port, its head played by the
+test (always ready), the flood from a thread, bounded in sockets and time. The finer rules (deadlines,
+which connection is closed) are tested in test_api_units.py."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from flowedge.api.server import build_server
+from flowedge.api.settings import ApiSettings
+
+FLOOD_S = 4.0
+OPEN_AT_ONCE = 200   # the flood's sockets open at a time (each reopened once the server closes it)
+
+
+@pytest.fixture()
+def small_api():
+    """Room for 16 connections, 4 per address without a complete head; /health answers ready."""
+    settings = ApiSettings(head="127.0.0.1:9", insecure=True, max_connections=16, max_connections_per_address=4,
+                           header_timeout_s=5.0)
+    server = build_server(settings, "127.0.0.1", 0, log_level="critical")
+
+    async def ready():
+        return [{"node_id": "head", "role": "head", "ready": True}]
+
+    server.config.app.state.routes.head_status = ready
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield server.servers[0].sockets[0].getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def flood(port: int, stop: threading.Event, opened: list[int]) -> None:
+    """Open sockets from 127.0.0.2 as fast as the server takes them, each with a request line and one more
+    header byte at every pass; reopen the ones the server closes."""
+    socks: list[socket.socket | None] = [None] * OPEN_AT_ONCE
+    while not stop.is_set():
+        for i, s in enumerate(socks):
+            try:
+                if s is None:
+                    s = socks[i] = socket.socket()
+                    s.settimeout(1.0)
+                    s.bind(("127.0.0.2", 0))
+                    s.connect(("127.0.0.1", port))
+                    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+                    opened[0] += 1
+                s.sendall(b"X")
+            except OSError:
+                if s is not None:
+                    s.close()
+                socks[i] = None
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def test_health_is_answered_every_time_under_a_flood_of_slow_connections(small_api):
+    """Connections the admission closed were still counted against uvicorn's `limit_concurrency` until
+    asyncio got round to `connection_lost`; a flood of new connections kept enough of them in that state
+    to fill the cap, and another address's /health got 503 (45 answers of 46 on the default caps)."""
+    stop, opened = threading.Event(), [0]
+    attacker = threading.Thread(target=flood, args=(small_api, stop, opened), daemon=True)
+    attacker.start()
+    answers: list[int | str] = []
+    try:
+        time.sleep(0.5)
+        url = f"http://127.0.0.1:{small_api}/health"
+        with httpx.Client(timeout=5) as kept:   # a client keeping its connection, then one connecting anew each time
+            deadline = time.monotonic() + FLOOD_S
+            while time.monotonic() < deadline:
+                for ask in (kept.get, lambda u: httpx.get(u, timeout=5)):
+                    try:
+                        answers.append(ask(url).status_code)
+                    except httpx.HTTPError as err:
+                        answers.append(type(err).__name__)
+    finally:
+        stop.set()
+        attacker.join(10)
+    assert opened[0] > 5 * OPEN_AT_ONCE   # the flood was one: its sockets were closed and reopened many times
+    assert len(answers) >= 20 and answers.count(200) == len(answers), answers
