@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 
 from flowedge.api import dashboard
 from flowedge.api.body_errors import readable
-from flowedge.api.clients import RETRY_AFTER_S, busy, client_name
+from flowedge.api.clients import RETRY_AFTER_S as BUSY_RETRY_AFTER_S, busy, client_name
 from flowedge.api.guard import RequestGuard, error_body
 from flowedge.api.headers import SecurityHeaders
 from flowedge.api.metrics import ApiMetrics
@@ -179,7 +179,7 @@ class Routes:
         # (they honour x-should-retry) to fail at once rather than retry for seconds
         headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else {}
         if err.status == 429:   # the client's queue at the head is full
-            headers = {"retry-after": str(RETRY_AFTER_S)}
+            headers = {"retry-after": str(BUSY_RETRY_AFTER_S)}
         return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status,
                             headers={**headers, **err.headers})
 

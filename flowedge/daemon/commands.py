@@ -132,7 +132,12 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
     daemon_logging()
     search = None
     if not head_addr:   # found by mDNS: looked for again if it does not answer (an address given is kept)
-        search = search_lan(cluster, discover_timeout, lambda text: click.echo(text, err=True))
+        try:
+            from flowedge.daemon.discovery import browse
+        except ImportError:
+            raise click.UsageError("finding the head on the LAN needs the zeroconf package "
+                                   "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
+        search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
     cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,

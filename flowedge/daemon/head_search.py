@@ -104,14 +104,9 @@ class HeadSearch:
         return pick
 
 
-def search_lan(cluster: str | None, timeout_s: float, say: Callable[[str], None]) -> HeadSearch:
-    """The head on the LAN (mDNS) to join first, in a `HeadSearch` that looks again when it does not
-    answer; `say` tells the operator what it is doing."""
-    try:
-        from flowedge.daemon.discovery import browse
-    except ImportError:
-        raise ConfigError("finding the head on the LAN needs the zeroconf package (pip install zeroconf), "
-                          "or give its address: `flowedge join HOST:PORT`") from None
+def search_lan(browse: Browse, cluster: str | None, timeout_s: float, say: Callable[[str], None]) -> HeadSearch:
+    """The head on the LAN (mDNS, `browse`) to join first, in a `HeadSearch` that looks again when it does
+    not answer; `say` tells the operator what it is doing."""
     say(f"looking for a flowedge head{f' of cluster {cluster!r}' if cluster else ''} on the LAN "
         f"(mDNS, up to {timeout_s:g} s)...")
     search = HeadSearch(browse, cluster)
