@@ -122,3 +122,13 @@ def test_make_generator() -> None:
     assert isinstance(unseeded, torch.Generator)
     seeded = make_generator(SamplingParams(temperature=1.0, seed=5))
     assert seeded.initial_seed() == 5
+
+
+def test_a_vanishing_temperature_draws_the_argmax_without_overflow() -> None:
+    """logits / 1e-40 overflow float32 (inf - inf is NaN in the softmax); the same distribution from the
+    logits shifted to their maximum is the one-hot on the argmax (ties share it)."""
+    logits = torch.tensor([0.5, 3.0, -2.0, 3.0 - 1e-3])
+    probs = warp_probs(logits, SamplingParams(temperature=1e-40, seed=1))
+    assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    tied = warp_probs(torch.tensor([1.0, 1.0, 0.0]), SamplingParams(temperature=1e-40, seed=1))
+    assert torch.equal(tied, torch.tensor([0.5, 0.5, 0.0]))

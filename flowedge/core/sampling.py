@@ -44,7 +44,11 @@ def warp_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.greedy:
         first_max = scores.argmax(dim=-1, keepdim=True)
         return torch.zeros_like(scores).scatter_(-1, first_max, 1.0)
-    scores = scores / params.temperature
+    scaled = scores / params.temperature
+    if not bool(torch.isfinite(scaled[torch.isfinite(scores)]).all()):   # a temperature so small it overflows:
+        # the same distribution from logits shifted to their maximum (0 stays 0, the rest go to -inf)
+        scaled = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
+    scores = scaled
     if params.top_k > 0:
         k = min(params.top_k, scores.shape[-1])
         kth = torch.topk(scores, k, dim=-1).values[..., -1:]

@@ -240,7 +240,10 @@ class StageNode(NodeBase):
         except ProtocolError as err:
             self.drops.drop("malformed", f"data port: {err}")
             return []
-        if not isinstance(msg, (proto.Segment, proto.Prune, proto.Reset)):
+        # Only segments travel hop to hop; prune sets and resets come from the head on the control
+        # connection. The data port takes anyone with the cluster's keys (a client app too), so a reset
+        # or prune set there would let one end, or poison the id of, another's request.
+        if not isinstance(msg, proto.Segment):
             self.drops.drop("unexpected_type", f"{msg.TYPE} on the data port")
             return []
         return self._admit(msg)
