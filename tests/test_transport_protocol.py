@@ -97,7 +97,7 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 6]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 7]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
@@ -223,7 +223,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.6"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.7"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

@@ -7,6 +7,7 @@
     POST /v1/completions        OpenAI text completions (the prompt as is, no template), stream or not
     GET  /v1/status             the head's status (`flowedge status --json`)
     GET  /v1/status/stream      the same every half second, as server-sent events (the dashboard's feed)
+    GET  /v1/timeline           the head's last ten minutes, a sample a second (what a page opened late draws)
     GET  /                      the live dashboard (flowedge/api/dashboard.py, static files in api/static/)
 
 Each generation request opens its own AsyncClient on one shared link to the head, so nothing
@@ -107,6 +108,11 @@ def answers_to(model_id: str, asked: str) -> bool:
     return asked in served_names(model_id)
 
 
+def client_name(request: Request) -> str:
+    """What the head's status calls a request's connection: this front and the address that asked."""
+    return f"http {request.client.host}" if request.client is not None else "http"
+
+
 def unavailable(head: str) -> ApiError:
     return ApiError(503, f"the head at {head} does not answer", "service_unavailable", "unavailable")
 
@@ -120,20 +126,21 @@ class Routes:
         self._link: AsyncLink | None = None   # made at the first call (missing keys fail that call, as before)
         self._model: str | None = None
 
-    def client(self, timeout_s: float | None = None) -> AsyncClient:
+    def client(self, timeout_s: float | None = None, name: str | None = None) -> AsyncClient:
+        """A connection to the head; `name`: what the head's status calls it (its requests' `client`)."""
         s = self.settings
         if self._link is None:
             self._link = client_link(s.keys_dir, s.insecure)
-        return AsyncClient(s.head, timeout_s=timeout_s or s.request_timeout_s, link=self._link)
+        return AsyncClient(s.head, timeout_s=timeout_s or s.request_timeout_s, link=self._link, node_id=name)
 
     def close_link(self) -> None:
         if self._link is not None:
             self._link.close()
 
-    async def head_status(self) -> list[dict] | None:
+    async def head_status(self, timeline: bool = False) -> list[dict] | None:
         c = self.client(self.settings.status_timeout_s)
         try:
-            return await c.status()
+            return await c.status(timeline)
         except (FlowedgeError, ProtocolError):
             return None
         finally:
@@ -192,6 +199,12 @@ class Routes:
             raise unavailable(self.settings.head)
         return JSONResponse({"nodes": nodes})
 
+    async def timeline(self) -> JSONResponse:
+        nodes = await self.head_status(timeline=True)
+        if not nodes:
+            raise unavailable(self.settings.head)
+        return JSONResponse(dashboard.timeline_of(nodes[0]))
+
     async def status_stream(self) -> Response:
         return EventStream(dashboard.status_events(self.head_status), headers={"cache-control": "no-cache"})
 
@@ -239,7 +252,7 @@ class Routes:
             raise classify(err) from None
         body.model = await self.served_model(body.model)
         reply = Reply(chat, body.model)
-        c = self.client()
+        c = self.client(name=client_name(request))
         self.metrics.in_flight.inc()
         pieces = c.stream(**kwargs)
         if not body.stream:
@@ -333,6 +346,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_exception_handler(HTTPException, routes.http_error)
     for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
                           ("/v1/status", routes.status), (dashboard.STREAM_PATH, routes.status_stream),
+                          (dashboard.TIMELINE_PATH, routes.timeline),
                           ("/v1/models", routes.models)):
         app.add_api_route(path, handler, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])

@@ -73,10 +73,10 @@ class AsyncClient:
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 link: AsyncLink | None = None) -> None:
+                 link: AsyncLink | None = None, node_id: str | None = None) -> None:
         self.addr = addr
         split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
-        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s)
+        self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, node_id=node_id)
         own = link is None
         self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
         self._control_lock: asyncio.Lock | None = None   # one HELLO or status exchange at a time
@@ -214,11 +214,11 @@ class AsyncClient:
             if cancel is not None:
                 self._socket.send_nowait(cancel)
 
-    async def status(self) -> list[dict[str, Any]]:
-        """One map per node, as `flowedge status --json`."""
+    async def status(self, timeline: bool = False) -> list[dict[str, Any]]:
+        """One map per node, as `flowedge status --json`; `timeline`: with the head's recent past."""
         await self._hello()
         async with self._control_lock:
-            return (await self._control(self.core.status(time.monotonic()))).nodes
+            return (await self._control(self.core.status(time.monotonic(), timeline))).nodes
 
 
 async def _texts(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[str, None]:
