@@ -89,7 +89,7 @@ function showLive() {
   state.shown = true;
   $("waiting").hidden = true;
   $("live").hidden = false;
-  if (query.has("ask")) $("send").focus();
+  if (query.has("ask")) $("send").focus({ preventScroll: true });   // the question is in view; the cluster stays on top
 }
 
 // ---- one status ------------------------------------------------------------------------------------
