@@ -51,7 +51,6 @@ async function connect() {
     if (!r.ok) throw new Error("HTTP " + r.status);
     $("keyform").hidden = true;
     if (!state.shown) waiting("Connecting to the head…", "The page draws the cluster once its first status arrives.");
-    loadPast();
     await readEvents(r, (data) => update(JSON.parse(data)));
     throw new Error("stream ended");
   } catch (err) {
@@ -61,16 +60,18 @@ async function connect() {
   }
 }
 
-// the head's last minutes, once: a page opened late draws what came before it
+// the head's last minutes, once the head answers (asked again after a failure, with the next status): a page
+// opened late draws what came before it
 async function loadPast() {
-  if (state.pastLoaded) return;
+  if (state.pastLoaded || state.pastLoading) return;
+  state.pastLoading = true;
   try {
     const r = await fetch("/v1/timeline", { headers: headers() });
-    if (!r.ok) return;
-    addPast(await r.json());
-    state.pastLoaded = true;
+    if (r.ok) { addPast(await r.json()); state.pastLoaded = true; }
   } catch (err) {
     note("timeline: " + err.message);
+  } finally {
+    state.pastLoading = false;
   }
 }
 
@@ -105,6 +106,7 @@ function update(snap) {
   }
   const head = nodes[0];
   showLive();
+  loadPast();
   setConn(head.ready ? "serving" : "waiting for stages", head.ready ? "ok" : "warn");
   $("model").textContent = text(head.model).split("/").pop() + " · " + text(head.strategy);
   about(head, snap.t);
