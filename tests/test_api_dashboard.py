@@ -30,6 +30,7 @@ from flowedge.api.settings import ApiSettings
 from flowedge.daemon import local_cluster
 from flowedge.daemon.client import wait_ready
 from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.daemon.timeline import Timeline, sample
 from flowedge.errors import FlowedgeError
 
 KEY = "test-key-0123456789abcdef"
@@ -58,6 +59,13 @@ def test_page_and_files_are_served_without_a_key(keyed):
 def test_the_data_needs_the_key(keyed):
     assert keyed.get(dashboard.STREAM_PATH).status_code == 401
     assert keyed.get("/v1/status").status_code == 401
+    assert keyed.get(dashboard.TIMELINE_PATH).status_code == 401
+
+
+def test_an_older_head_has_no_past_and_the_endpoint_says_so():
+    assert dashboard.timeline_of({"role": "head"})["samples"] == []
+    past = {"every_s": 1.0, "fields": ["t"], "samples": [[1.0]]}
+    assert dashboard.timeline_of({"role": "head", "timeline": past}) == past
 
 
 def test_open_paths_are_only_the_page_and_its_files():
@@ -98,14 +106,16 @@ def test_every_response_carries_the_security_headers(keyed):
 def test_the_page_holds_no_inline_script_and_turns_no_data_into_html():
     page = (dashboard.STATIC_DIR / "index.html").read_text()
     assert not re.search(r"<script(?![^>]*\bsrc=)", page) and not re.search(r"\son[a-z]+=", page)
-    script = (dashboard.STATIC_DIR / "dashboard.js").read_text()
-    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|localStorage\.setItem", script)
+    for name in ("dashboard.js", "timeline.js"):
+        script = (dashboard.STATIC_DIR / name).read_text()
+        assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|localStorage\.setItem", script)
 
 
 def test_static_files_ship_in_the_package():
     setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
     assert "api/static/*" in setup
-    assert {p.name for p in dashboard.STATIC_DIR.iterdir()} >= {"index.html", "dashboard.js", "dashboard.css"}
+    assert {p.name for p in dashboard.STATIC_DIR.iterdir()} >= {"index.html", "dashboard.js", "timeline.js",
+                                                                 "dashboard.css"}
 
 
 # ---- the page in a real headless Chromium, fed a status the test writes ------------------------------
@@ -134,8 +144,11 @@ def fed():
     feed: dict = {"nodes": [head_row(), stage_row(1), stage_row(2)]}
     asked: list[str] = []
 
-    async def status():
-        return copy.deepcopy(feed["nodes"])
+    async def status(timeline: bool = False):
+        nodes = copy.deepcopy(feed["nodes"])
+        if nodes and timeline and "timeline" in feed:
+            nodes[0]["timeline"] = feed["timeline"]
+        return nodes
 
     server = build_server(ApiSettings(head="127.0.0.1:1", api_keys=(KEY,), insecure=True, request_timeout_s=2.0,
                                       status_timeout_s=0.5), "127.0.0.1", 0, log_level="warning")
@@ -253,6 +266,74 @@ def test_ask_fills_the_box_and_sends_only_on_a_click_with_the_key_kept_for_the_t
     assert chats() == before + 1
 
 
+def shown(page: Browser, element: str) -> bool:
+    return page.eval(f"document.getElementById('{element}').offsetParent !== null")
+
+
+def test_before_the_first_status_the_page_says_what_it_waits_for(fed, page):
+    """Before the first status the page drew an empty cluster and a blank canvas as wide as the screen."""
+    feed = fed["feed"]
+    try:
+        page.open(fed["url"] + "/")
+        assert page.wait_for("!document.getElementById('keyform').hidden", 20)
+        assert "API key" in page.eval("document.getElementById('waittitle').textContent")
+        assert shown(page, "waiting") and not shown(page, "live") and not shown(page, "timeline")
+        feed["nodes"] = None   # `flowedge http` answers, its head does not
+        page.eval(f"document.getElementById('key').value = {json.dumps(KEY)}; "
+                  "document.getElementById('keyform').requestSubmit()")
+        assert page.wait_for("Number(document.body.dataset.updates || 0) >= 2", 20), page.eval(BODY)
+        assert page.eval("document.getElementById('waittitle').textContent") == "The head does not answer"
+        assert shown(page, "waiting") and not shown(page, "live")
+        feed["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+        assert page.wait_for("document.getElementById('waiting').hidden", 20)
+        assert shown(page, "live") and shown(page, "timeline")
+        assert page.eval("document.getElementById('timeline').height") < 300   # sized to its rows
+    finally:
+        feed["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
+def late_past(now: float, seconds: int) -> dict:
+    """What a head that has been up `seconds` keeps: stage 2's slot empty throughout."""
+    t = Timeline()
+    for i in range(seconds):
+        live = {"queued": i % 3, "running": 1, "tokens_per_s": 5.0 + i % 7}
+        rows = [stage_row(1, kv_tokens=100 + i, stage=1), {"role": "stage", "stage": 2, "missing": True}]
+        t.add(sample(now - seconds + i, live, 0.2, rows), float(i))
+    return t.snapshot()
+
+
+def test_a_page_opened_late_draws_the_head_s_past_and_what_runs_now(fed, page):
+    """The timeline lived in the browser: a page opened late drew nothing of what came before it."""
+    feed, now = fed["feed"], time.time()
+    requests = {"queued": 2, "running": 1, "tokens_per_s": 4.5, "active": [
+        {"id": 3, "state": "running", "tokens": 40, "elapsed_s": 8.0, "tokens_per_s": 5.0, "client": XSS,
+         "mean_accept_len": 2.5}]}
+    feed["nodes"] = [head_row(version="0.1.0", uptime_s=7300, kv_reserved_tokens=640, requests=requests),
+                     stage_row(1, kv_tokens=250, kv_budget_tokens=1000), stage_row(2)]
+    feed["timeline"] = late_past(now, 300)
+    try:
+        open_with_key(page, fed["url"] + "/")
+        assert page.wait_for("document.body.dataset.past", 20) == "300"
+        assert float(page.eval("document.body.dataset.pastFrom")) < now - 290
+        page.eval("const s = document.getElementById('spansel'); s.value = '600'; s.dispatchEvent(new Event('change'))")
+        # the head's row, 4 min ago (in its past) is drawn; 7.5 min ago (before the head was up) is not
+        painted = ("(() => { const c = document.getElementById('timeline'), x = 70 + (c.width - 70) * %s; "
+                   "return c.getContext('2d').getImageData(x, 12, 1, 1).data[3]; })()")
+        assert page.eval(painted % 0.6) > 0 and page.eval(painted % 0.25) == 0
+        table = page.eval("document.getElementById('requests').textContent")
+        assert "<img src=x" in table and "running" in table and "5.0" in table and "2.50" in table
+        assert page.eval("document.querySelectorAll('#requests img').length") == 0 and page.eval(PWNED) is None
+        assert page.eval("document.getElementById('reqnote').textContent") == "2 more queued"
+        cards = page.eval("document.getElementById('pipeline').innerText")
+        assert "250 / 1000 tokens" in cards and "640 tokens" in cards
+        assert page.eval("document.querySelectorAll('.node .bar.kv').length") == 1
+        assert page.eval("document.getElementById('about').textContent") == "flowedge 0.1.0 · up 2 h 1 min"
+        assert "busy fraction" in page.eval("document.getElementById('legend').innerText")
+    finally:
+        feed.pop("timeline", None)
+        feed["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
 # ---- the page in a real headless Chromium against a real cluster ----------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_pair, tmp_path_factory):
@@ -315,10 +396,35 @@ def test_page_moves_while_an_answer_streams(stack, browser, shots):
     assert browser.eval("document.body.dataset.answered") is None   # it moved before the answer ended
     assert browser.eval("Number(document.body.dataset.maxRunning)") >= 1
     assert browser.eval("document.getElementById('running').textContent") == "1"
-    time.sleep(3)   # a few seconds of timeline for the picture
+    assert browser.wait_for("document.getElementById('requests').textContent.includes('http:addr-127.0.0.1')", 10)
+    browser.eval("window.scrollTo(0, 0)")   # the picture while it runs (the tiny model's answers are short)
     browser.screenshot(shots / "dashboard-answering.png")
     assert browser.wait_for("document.body.dataset.answered", 120), browser.eval(BODY)
     answer = browser.eval("document.getElementById('answer').textContent")
     assert answer.strip() and "[error" not in answer, answer
     with httpx.Client(timeout=30) as http:
         assert http.get(stack["url"] + "/v1/status").json()["nodes"][0]["served"]["tokens"] > 0
+
+
+def test_a_page_opened_late_sees_the_head_s_past(stack, browser, shots):
+    """The head keeps its last minutes (one sample a second) and the page draws them when it opens, along
+    with each stage's KV use against its budget and the head's version and uptime."""
+    with httpx.Client(timeout=30) as http:
+        deadline = time.monotonic() + 30
+        while len(http.get(stack["url"] + dashboard.TIMELINE_PATH).json()["samples"]) < 5:
+            assert time.monotonic() < deadline, "the head keeps no timeline"
+            time.sleep(0.5)
+        opened = time.time()
+        past = http.get(stack["url"] + dashboard.TIMELINE_PATH).json()
+        nodes = http.get(stack["url"] + "/v1/status").json()["nodes"]
+    first = past["samples"][0]
+    assert first[past["fields"].index("t")] < opened - 3
+    assert [s[0] for s in first[past["fields"].index("stages")]] == [1, 2]
+    assert nodes[0]["version"] and nodes[0]["uptime_s"] > 0 and "timeline" not in nodes[0]
+    assert all(n["kv_budget_tokens"] > 0 and n["kv_tokens"] >= 0 for n in nodes[1:3])
+    browser.open(stack["url"] + "/")
+    assert browser.wait_for("Number(document.body.dataset.past || 0) >= 5", 30), browser.eval(BODY)
+    assert float(browser.eval("document.body.dataset.pastFrom")) < opened - 3
+    assert "KV cache" in browser.eval("document.getElementById('pipeline').innerText")
+    assert browser.eval("document.getElementById('about').textContent").startswith("flowedge ")
+    browser.screenshot(shots / "dashboard-late.png")

@@ -141,10 +141,10 @@ def test_status_counts_tokens_while_the_answer_streams():
     b.on_segment(engine_id, 21, 1.5)
     b.on_segment(engine_id, 22, 1.5)
     assert b.served["tokens"] == 2 and b.served["requests"] == 0
-    live = b.live(3.0)
+    live = b.live(3.0, lambda owner: owner.decode())
     assert (live["queued"], live["running"], live["paused"]) == (1, 1, 0)
     assert live["active"] == [{"id": live["active"][0]["id"], "state": "running", "tokens": 2, "elapsed_s": 2.0,
-                               "mean_accept_len": None}]
+                               "tokens_per_s": 1.0, "client": "c", "mean_accept_len": None}]
     b.stage_lost("stage 2 (s2) disconnected", 3.5)
     assert (b.live(4.0)["running"], b.live(4.0)["paused"]) == (0, 1)
     b.tick(5.0, True)   # resumed: the replay's tokens are counted once, as they are sent

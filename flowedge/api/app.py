@@ -7,6 +7,7 @@
     POST /v1/completions        OpenAI text completions (the prompt as is, no template), stream or not
     GET  /v1/status             the head's status (`flowedge status --json`)
     GET  /v1/status/stream      the same every half second, as server-sent events (the dashboard's feed)
+    GET  /v1/timeline           the head's last ten minutes, a sample a second (what a page opened late draws)
     GET  /                      the live dashboard (flowedge/api/dashboard.py, static files in api/static/)
 
 Each generation request opens its own AsyncClient on one shared link to the head, so nothing
@@ -136,10 +137,10 @@ class Routes:
         if self._link is not None:
             self._link.close()
 
-    async def head_status(self) -> list[dict] | None:
+    async def head_status(self, timeline: bool = False) -> list[dict] | None:
         c = self.client(self.settings.status_timeout_s)
         try:
-            return await c.status()
+            return await c.status(timeline)
         except (FlowedgeError, ProtocolError):
             return None
         finally:
@@ -199,6 +200,12 @@ class Routes:
         if nodes is None:
             raise unavailable(self.settings.head)
         return JSONResponse({"nodes": nodes})
+
+    async def timeline(self) -> JSONResponse:
+        nodes = await self.head_status(timeline=True)
+        if not nodes:
+            raise unavailable(self.settings.head)
+        return JSONResponse(dashboard.timeline_of(nodes[0]))
 
     async def status_stream(self) -> Response:
         return EventStream(dashboard.status_events(self.head_status), headers={"cache-control": "no-cache"})
@@ -342,6 +349,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_exception_handler(HTTPException, routes.http_error)
     for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
                           ("/v1/status", routes.status), (dashboard.STREAM_PATH, routes.status_stream),
+                          (dashboard.TIMELINE_PATH, routes.timeline),
                           ("/v1/models", routes.models)):
         app.add_api_route(path, handler, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])

@@ -1,5 +1,6 @@
 """The live dashboard of `flowedge http`: the page at `/`, its static files under `/dashboard/`, and
-`/v1/status/stream`, the head's status as server-sent events.
+`/v1/status/stream`, the head's status as server-sent events, and `/v1/timeline`, the head's last minutes
+(daemon/timeline.py), which the page fetches once when it opens so that it draws what came before.
 
 The page and its files hold no cluster data, so they are served without an API key (a browser cannot
 send one on navigation); the data comes only from `/v1/status/stream` and `/v1/chat/completions`, which
@@ -23,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 STATIC_DIR = Path(__file__).with_name("static")
 OPEN_PREFIX = "/dashboard/"
 STREAM_PATH = "/v1/status/stream"
+TIMELINE_PATH = "/v1/timeline"
 INTERVAL_S = 0.5          # one status a half second: cheap for the head, smooth enough for a timeline
 
 
@@ -40,6 +42,14 @@ async def status_events(fetch: Callable[[], Awaitable[list[dict] | None]],
         nodes = await fetch()
         yield b"data: " + json.dumps({"t": round(time.time(), 3), "nodes": nodes}).encode() + b"\n\n"
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def timeline_of(head: dict) -> dict:
+    """The head's recent past from its status row; an older head, which keeps none, has no samples."""
+    past = head.get("timeline")
+    if not isinstance(past, dict):
+        return {"every_s": None, "span_s": 0, "fields": [], "stage_fields": [], "samples": []}
+    return past
 
 
 def mount(app: FastAPI) -> None:

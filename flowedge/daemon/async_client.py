@@ -215,11 +215,11 @@ class AsyncClient:
             if cancel is not None:
                 self._socket.send_nowait(cancel)
 
-    async def status(self) -> list[dict[str, Any]]:
-        """One map per node, as `flowedge status --json`."""
+    async def status(self, timeline: bool = False) -> list[dict[str, Any]]:
+        """One map per node, as `flowedge status --json`; `timeline`: with the head's recent past."""
         await self._hello()
         async with self._control_lock:
-            return (await self._control(self.core.status(time.monotonic()))).nodes
+            return (await self._control(self.core.status(time.monotonic(), timeline))).nodes
 
 
 async def _texts(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[str, None]:

@@ -210,10 +210,11 @@ class Client:
             if cancel is not None:
                 self._socket.send_nowait(cancel)
 
-    def status(self) -> list[dict[str, Any]]:
-        """One map per node, as `flowedge status --json`."""
+    def status(self, timeline: bool = False) -> list[dict[str, Any]]:
+        """One map per node, as `flowedge status --json`; `timeline`: the head's row carries its recent
+        past too (`timeline`, daemon/timeline.py)."""
         self._hello()
-        return self._control(self.core.status(time.monotonic())).nodes
+        return self._control(self.core.status(time.monotonic(), timeline)).nodes
 
     def shutdown(self, reason: str = "") -> None:
         """Ask the head to stop itself and every stage."""

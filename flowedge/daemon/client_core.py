@@ -182,10 +182,11 @@ class ClientCore:
         return proto.Hello(node_id=self.node_id, role="client", device="client", free_memory_bytes=0,
                            capabilities={"heartbeat": True})
 
-    def status(self, now: float) -> proto.StatusRequest:
-        """The status request to send; Status or Failed(CONTROL) follows."""
+    def status(self, now: float, timeline: bool = False) -> proto.StatusRequest:
+        """The status request to send (`timeline`: with the head's recent past); Status or Failed(CONTROL)
+        follows."""
         self.control = _Control("status", now, self.timeout_s)
-        return proto.StatusRequest()
+        return proto.StatusRequest(timeline=timeline)
 
     def start(self, request: proto.PromptRequest, now: float) -> proto.PromptRequest:
         """Open `request` (built by `prompt_request`); returns it to send."""

@@ -70,11 +70,22 @@ class HeadEngines:
 
     def kv_budget(self) -> kv_budget.KvBudget | None:
         """The tightest stage's KV budget, from the stages that joined (daemon/kv_budget.py)."""
-        plan, m = self.plan, self.members
-        stages = [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
-                  for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
-        return kv_budget.tightest(plan.base_config, stages, plan.head_model.dtype.itemsize,
+        return kv_budget.tightest(self.plan.base_config, self._stage_memory(), self.plan.head_model.dtype.itemsize,
                                   self.config.kv_budget_tokens)
+
+    def kv_budgets(self) -> dict[int, int]:
+        """Each joined stage's own KV budget in tokens, by stage (status: each stage's KV use against it)."""
+        if self.plan is None:
+            return {}
+        plan, cap = self.plan, self.config.kv_budget_tokens
+        budgets = {s.stage: kv_budget.stage_budget(plan.base_config, s, plan.head_model.dtype.itemsize, cap)
+                   for s in self._stage_memory()}
+        return {k: b.tokens for k, b in budgets.items() if b is not None}
+
+    def _stage_memory(self) -> list[kv_budget.StageMemory]:
+        plan, m = self.plan, self.members
+        return [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
+                for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
 
     def _spec(self) -> SpecConfig:
         cfg = self.config

@@ -33,11 +33,13 @@ from flowedge.daemon.draft_dispatch import DraftDispatch
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
-from flowedge.daemon.live_figures import CpuLoad
+from flowedge.daemon.kv_budget import with_budgets
+from flowedge.daemon.live_figures import CpuLoad, flowedge_version
 from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
+from flowedge.daemon.timeline import Timeline, sample
 from flowedge.errors import PeerUnreachable, ProtocolError, StageLost
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import answer_hello
@@ -81,6 +83,7 @@ class HeadNode:
         self.announcer = None   # mDNS, once the plan is ready (run)
         self.cpu = CpuLoad()   # this process's load, from one psutil.Process for the head's life
         self.started_unix = time.time()
+        self.timeline = Timeline()   # the last minutes of status, a sample a second (the dashboard's past)
         self.model_created = model_created(config.model, self.started_unix)   # for /v1/models
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ class HeadNode:
         self._send(peer.identity, self.members.welcome())
 
     def _on_status(self, peer: Peer, msg: proto.StatusRequest) -> None:
-        self._send(peer.identity, proto.StatusReply(nodes=self.status()))
+        self._send(peer.identity, proto.StatusReply(nodes=self.status(timeline=msg.timeline)))
 
     def _on_shutdown(self, peer: Peer, msg: proto.Shutdown) -> None:
         log.info("shutdown requested by %s%s", peer.name, f": {msg.reason}" if msg.reason else "")
@@ -296,8 +299,9 @@ class HeadNode:
         return (f"{'serving' if m.cluster_ready() else 'waiting for stages'}, {ready}/{self.config.stages} "
                 f"stages ready, {self.requests.pending() - running} queued, {running} running")
 
-    def status(self) -> list[dict]:
-        return [{
+    def status(self, timeline: bool = False) -> list[dict]:
+        """One row per node, the head's first; `timeline`: the head's row carries its recent past too."""
+        head = {
             "node_id": self.node_id, "role": "head", "address": self.config.head, "stage": 0,
             "layers": "embed+head", "model": self.config.model, "model_created": self.model_created,
             "started_unix": round(self.started_unix, 3), "draft": self.config.draft,
@@ -308,14 +312,28 @@ class HeadNode:
             "ready": self.members.cluster_ready(), "plan_ready": self.engines.plan is not None,
             "queue": self.requests.pending(), "strategy": self.config.strategy, "wire": self.wire.snapshot(),
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
-            "requests": self.requests.live(time.monotonic()),
+            "requests": self.requests.live(time.monotonic(), self._peer_name),
             "clients": self.requests.client_queues(),
+            "version": flowedge_version(), "uptime_s": round(time.time() - self.started_unix, 1),
+            "kv_reserved_tokens": self.requests.kv_reserved(),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
             "predraft": self.requests.last_predraft,
             "drafter_jobs": self.drafts.status() if self.drafts is not None else None,
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
-        }] + self.members.status_rows()
+        }
+        if timeline:
+            head["timeline"] = self.timeline.snapshot()
+        return [head] + with_budgets(self.members.status_rows(), self.engines.kv_budgets())
+
+    def _peer_name(self, identity: bytes) -> str:
+        peer = self.members.peers.get(identity)
+        return peer.name if peer is not None else ""
+
+    def _sample(self) -> None:
+        """A timeline sample a second, taken on the loop thread between engine turns."""
+        self.timeline.tick(time.monotonic(), lambda: sample(time.time(), self.requests.live(time.monotonic()),
+                                                            self.cpu.read(), self.members.status_rows()))
 
     # ---- data plane and liveness ----------------------------------------------------------------
     def _on_return(self, got: Inbound) -> None:
@@ -354,6 +372,7 @@ class HeadNode:
         self.members.retry_refused()
         if self.drafts is not None:
             self.drafts.expire()
+        self._sample()
         ready = self.members.cluster_ready()
         if ready != self.was_ready:
             log.info("cluster %s", "ready: accepting prompts" if ready else "not ready")
@@ -375,3 +394,4 @@ def model_created(model: str, started_unix: float) -> int:
         return int(Path(model).stat().st_mtime)
     except (OSError, ValueError):
         return int(started_unix)
+

@@ -47,3 +47,11 @@ def tightest(base_config: Any, stages: list[StageMemory], dtype_bytes: int, cap_
     """The smallest stage budget (every request holds KV on every stage); None: no limit known."""
     budgets = [b for s in stages if (b := stage_budget(base_config, s, dtype_bytes, cap_tokens)) is not None]
     return min(budgets, key=lambda b: b.tokens) if budgets else None
+
+
+def with_budgets(rows: list[dict], budgets: dict[int, int]) -> list[dict]:
+    """Status rows with each stage's KV budget in tokens (`kv_budget_tokens`) where the head knows it."""
+    for row in rows:
+        if row.get("role") == "stage" and row.get("stage") in budgets:
+            row["kv_budget_tokens"] = budgets[row["stage"]]
+    return rows

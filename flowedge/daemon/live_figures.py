@@ -1,9 +1,12 @@
 """The head's live figures for `flowedge status`, `/metrics` and the dashboard: tokens a second as they
 stream, and the head process's own CPU load. Each is read from one object that lives as long as the
-head, so two readers at any moment see the same number.
+head, so two readers at any moment see the same number. And the one fixed figure beside them: the
+version of flowedge the head runs.
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import time
 from collections import deque
 from collections.abc import Callable
@@ -57,3 +60,12 @@ class CpuLoad:
 
     def rss_bytes(self) -> int:
         return self.process.memory_info().rss
+
+
+@functools.cache
+def flowedge_version() -> str:
+    """This flowedge's version as installed (the head's status; the dashboard shows it)."""
+    try:
+        return importlib.metadata.version("flowedge")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -20,7 +20,7 @@ internal error), `cancelled` by their clients.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -246,14 +246,19 @@ class HeadRequests:
     def pending(self) -> int:
         return self.scheduler.pending()
 
-    def live(self, now: float) -> dict:
+    def live(self, now: float, name: Callable[[bytes], str] = lambda owner: "") -> dict:
         """The requests as they are now, for status: counts by state, and per running request its tokens
-        so far and its mean accepted length so far (acceptance that moves while the answer streams)."""
+        so far, its tokens a second since it started, its mean accepted length so far (acceptance that moves
+        while the answer streams) and the client that asked (`name` of its connection)."""
         rows = []
         for req in self.scheduler.running.values():
             accepts = getattr(getattr(req.engine, "stats", None), "accept_lens", None) or []
+            elapsed = now - req.started_s if req.started_s else 0.0
+            client = self.clients.get(req.key)
             rows.append({"id": req.key, "state": req.state.value, "tokens": len(req.emitted),
-                         "elapsed_s": round(now - req.started_s, 3) if req.started_s else 0.0,
+                         "elapsed_s": round(elapsed, 3),
+                         "tokens_per_s": round(len(req.emitted) / elapsed, 3) if elapsed > 0 else None,
+                         "client": (client.msg.client or name(client.owner)) if client is not None else "",
                          "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None})
         running = self.scheduler.running.values()
         return {"queued": len(self.scheduler.queue), "running": self.scheduler.running_count(),

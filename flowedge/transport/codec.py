@@ -33,9 +33,10 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 7)   # 1.2: token segments from the last
 #                                               1.4: segment ids unshifted, root_rows (no -1 / +1);
 #                                               1.5: the drafter role (msg_draft.py);
 #                                               1.6: RequestDropped (a stage tells the head it freed a
-#                                                    run), Assign.model_sha256 (the model's content key)
+#                                                    run), Assign.model_sha256 (the model's content key);
 #                                               1.7: PromptRequest.client (whom a gateway asks for:
-#                                                    the head's fair queue has one lane per client)
+#                                                    the head's fair queue has one lane per client),
+#                                                    StatusRequest.timeline (the head's recent past)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20

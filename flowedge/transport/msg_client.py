@@ -145,9 +145,15 @@ class ErrorReply(Message):
 
 @dataclass(**MESSAGE_OPTIONS)
 class StatusRequest(Message):
-    """Client -> head: describe the cluster."""
+    """Client -> head: describe the cluster. 1.7: `timeline` asks for the head's recent past too (its
+    row's `timeline`: a sample a second of the last minutes, daemon/timeline.py); an older head ignores it."""
 
     TYPE: ClassVar[str] = "status_request"
+    timeline: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.timeline) is not bool:
+            raise _fail(self, "timeline", "a bool")
 
 
 @dataclass(**MESSAGE_OPTIONS)

@@ -1,11 +1,13 @@
 // flowedge dashboard: one fetch-based SSE reader on /v1/status/stream (fetch, not EventSource, so the
-// API key can go in the Authorization header), the cluster drawn from each status, a timeline kept in
-// the browser (the head sends only its current state), and a chat box on /v1/chat/completions. The page
-// holds no inline script (its Content-Security-Policy allows none) and never turns data into HTML.
+// API key can go in the Authorization header), the cluster and its requests drawn from each status, a
+// timeline (timeline.js) whose past the head keeps (/v1/timeline, fetched once), and a chat box on
+// /v1/chat/completions. Until the first status arrives the page says what it waits for instead of drawing
+// an empty cluster. It holds no inline script (its Content-Security-Policy allows none) and never turns
+// data into HTML.
 "use strict";
-const SPAN_S = 30;
 const $ = (id) => document.getElementById(id);
-const state = { history: [], prev: null, updates: 0, maxTps: 0, maxRunning: 0, events: [] };
+// `history`: the last few statuses (link rates, and tokens/s from an older head that does not measure it)
+const state = { history: [], prev: null, updates: 0, maxTps: 0, maxRunning: 0, events: [], shown: false };
 
 // The API key lives in sessionStorage: this tab only, gone when it closes, never written to disk for good
 // (older pages kept it in localStorage, which every later visit and every tab of the origin could read).
@@ -40,36 +42,96 @@ async function readEvents(response, onData) {
 async function connect() {
   try {
     const r = await fetch("/v1/status/stream", { headers: headers() });
-    if (r.status === 401) { setConn("API key needed", "bad"); $("keyform").hidden = false; return; }
+    if (r.status === 401) {
+      setConn("API key needed", "bad");
+      waiting("This dashboard needs an API key", "Type one of the keys `flowedge http` was started with.");
+      $("keyform").hidden = false;
+      return;
+    }
     if (!r.ok) throw new Error("HTTP " + r.status);
     $("keyform").hidden = true;
+    if (!state.shown) waiting("Connecting to the head…", "The page draws the cluster once its first status arrives.");
     await readEvents(r, (data) => update(JSON.parse(data)));
     throw new Error("stream ended");
   } catch (err) {
     setConn("reconnecting", "bad");
+    if (!state.shown) waiting("Cannot reach this server", "Trying again every 2 s (" + err.message + ").");
     setTimeout(connect, 2000);
   }
 }
 
+// the head's last minutes, once the head answers (asked again after a failure, with the next status): a page
+// opened late draws what came before it
+async function loadPast() {
+  if (state.pastLoaded || state.pastLoading) return;
+  state.pastLoading = true;
+  try {
+    const r = await fetch("/v1/timeline", { headers: headers() });
+    if (r.ok) { addPast(await r.json()); state.pastLoaded = true; }
+  } catch (err) {
+    note("timeline: " + err.message);
+  } finally {
+    state.pastLoading = false;
+  }
+}
+
 function setConn(text, cls) { const c = $("conn"); c.textContent = text; c.className = "pill " + cls; }
+
+// before the first status: a message in place of the (empty) cluster, timeline and figures
+function waiting(title, why) {
+  state.shown = false;
+  $("waiting").hidden = false;
+  $("live").hidden = true;
+  $("waittitle").textContent = title;
+  $("waitwhy").textContent = why;
+}
+function showLive() {
+  if (state.shown) return;
+  state.shown = true;
+  $("waiting").hidden = true;
+  $("live").hidden = false;
+  if (query.has("ask")) $("send").focus({ preventScroll: true });   // the question is in view; the cluster stays on top
+}
 
 // ---- one status ------------------------------------------------------------------------------------
 function update(snap) {
   state.updates += 1;
   document.body.dataset.updates = state.updates;
   const nodes = snap.nodes;
-  if (!nodes || !nodes.length) { setConn("head unreachable", "bad"); note("the head does not answer"); return; }
+  if (!nodes || !nodes.length) {
+    setConn("head unreachable", "bad");
+    note("the head does not answer");
+    if (!state.shown) waiting("The head does not answer", "`flowedge http` is up; its head is not. Asking again every half second.");
+    return;
+  }
   const head = nodes[0];
+  showLive();
+  loadPast();
   setConn(head.ready ? "serving" : "waiting for stages", head.ready ? "ok" : "warn");
   $("model").textContent = text(head.model).split("/").pop() + " · " + text(head.strategy);
-  state.history.push({ t: snap.t, nodes: nodes, tokens: (head.served || {}).tokens || 0 });
-  while (state.history.length && state.history[0].t < snap.t - SPAN_S) state.history.shift();
-  figures(head);
+  about(head, snap.t);
+  state.history.push({ t: snap.t, nodes: nodes, tokens: num((head.served || {}).tokens) || 0 });
+  while (state.history.length > 10) state.history.shift();
+  const tps = figures(head);
   drawClients(head.clients);
   drawNodes(nodes);
+  drawRequests(head);
+  addSample(liveSample(snap.t, nodes, tps));
   drawTimeline();
   watchTrouble(nodes, state.prev);
   state.prev = nodes;
+}
+
+// the version the head runs and how long it has been up
+function about(head, t) {
+  const up = num(head.uptime_s) != null ? head.uptime_s : (num(head.started_unix) != null ? t - head.started_unix : null);
+  $("about").textContent = (head.version ? "flowedge " + text(head.version) : "") + (up != null ? " · up " + duration(up) : "");
+}
+function duration(s) {
+  if (s < 60) return Math.floor(s) + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min";
+  if (s < 86400) return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
 }
 
 function rate() {
@@ -84,7 +146,7 @@ function rate() {
 
 function figures(head) {
   const live = (head.requests || {});
-  const tps = rate();
+  const tps = num(live.tokens_per_s) != null ? live.tokens_per_s : rate();   // the head's own figure when it has one
   state.maxTps = Math.max(state.maxTps, tps);
   state.maxRunning = Math.max(state.maxRunning, live.running || 0);
   document.body.dataset.maxTps = state.maxTps.toFixed(2);
@@ -99,6 +161,7 @@ function figures(head) {
   $("paused").textContent = live.paused || 0;
   const s = head.served || {};
   $("served").textContent = (s.requests || 0) + (s.failed ? " / " + s.failed + " failed" : "");
+  return tps;
 }
 
 // ---- the cluster as a picture ----------------------------------------------------------------------
@@ -143,6 +206,18 @@ function facts(pairs) {
   return el("dl", "", ...pairs.flatMap(([term, value]) => [el("dt", "", term), el("dd", "", value)]));
 }
 
+// a stage's KV entries against the budget the head admits requests by; the head: what running requests reserve
+function kvFacts(n) {
+  if (n.role === "head") return num(n.kv_reserved_tokens) != null ? [["KV reserved", n.kv_reserved_tokens + " tokens"]] : [];
+  const used = num(n.kv_tokens), budget = num(n.kv_budget_tokens);
+  if (used == null && budget == null) return [];
+  return [["KV cache", (used == null ? "-" : used) + (budget != null ? " / " + budget : "") + " tokens"]];
+}
+function kvFrac(n) {
+  const used = num(n.kv_tokens), budget = num(n.kv_budget_tokens);
+  return used != null && budget ? Math.min(1, used / budget) : null;
+}
+
 function card(n, i) {
   const load = Math.min(1, Math.max(0, num(n.load) || 0));
   const rss = num(n.rss_bytes), free = num(n.free_memory_bytes);
@@ -156,9 +231,10 @@ function card(n, i) {
     bar("bar", load, "busy"),
     facts([["busy", (100 * load).toFixed(0) + " %"], ["step", step],
            ["memory", MB(rss) + " used" + (free != null ? ", " + MB(free) + " free" : "")],
-           ["link", (text(n.address) || "-") + ", " + linkRate(n, i)], ["heartbeat", seen]]));
+           ["link", (text(n.address) || "-") + ", " + linkRate(n, i)], ["heartbeat", seen], ...kvFacts(n)]));
   node.dataset.node = i;
   if (memFrac) node.append(bar("bar mem", memFrac, "memory used"));
+  if (kvFrac(n) != null) node.append(bar("bar kv", kvFrac(n), "KV cache used of its budget"));
   if (n.error) node.append(el("div", "pill bad", text(n.error)));
   return node;
 }
@@ -178,36 +254,19 @@ function drawClients(rows) {
   document.body.dataset.clients = rows.length;
 }
 
-// ---- the timeline: busy fraction per node per status, tokens made per status ---------------------
-function drawTimeline() {
-  const c = $("timeline"), h = state.history;
-  const w = c.clientWidth || 600;
-  if (c.width !== w) c.width = w;
-  const g = c.getContext("2d");
-  g.clearRect(0, 0, c.width, c.height);
-  if (!h.length) return;
-  const now = h[h.length - 1].t, rows = h[h.length - 1].nodes.length + 1;
-  const label = 70, rowH = c.height / rows, x = (t) => label + (c.width - label) * (1 - (now - t) / SPAN_S);
-  g.font = "12px system-ui";
-  h[h.length - 1].nodes.forEach((n, r) => {
-    g.fillStyle = "#8a96a3";
-    g.fillText(who(n, r), 4, r * rowH + rowH / 2 + 4);
-  });
-  g.fillText("tokens", 4, (rows - 1) * rowH + rowH / 2 + 4);
-  let maxTok = 1;
-  for (let i = 1; i < h.length; i++) maxTok = Math.max(maxTok, h[i].tokens - h[i - 1].tokens);
-  for (let i = 1; i < h.length; i++) {
-    const x0 = x(h[i - 1].t), x1 = x(h[i].t);
-    h[i].nodes.forEach((n, r) => {
-      const load = Math.min(1, Math.max(0, num(n.load) || 0));
-      g.fillStyle = n.missing ? "rgba(248,81,73,0.5)" : `rgba(88,166,255,${0.08 + 0.92 * load})`;
-      g.fillRect(x0, r * rowH + 3, Math.max(1, x1 - x0 - 1), rowH - 6);
-    });
-    const made = Math.max(0, h[i].tokens - h[i - 1].tokens);
-    const bh = (rowH - 6) * made / maxTok;
-    g.fillStyle = "#3fb950";
-    g.fillRect(x0, rows * rowH - 3 - bh, Math.max(1, x1 - x0 - 1), bh);
-  }
+// ---- the requests running now ------------------------------------------------------------------------
+function cell(v) { return el("td", "", v); }
+function drawRequests(head) {
+  const live = head.requests || {};
+  const active = Array.isArray(live.active) ? live.active : [];
+  const rows = active.map((r) => el("tr", "", cell(text(r && r.id)), cell(text(r && r.client) || "-"),
+    cell(text(r && r.state)), cell(num(r && r.tokens) != null ? r.tokens : "-"), cell(fixed(r && r.tokens_per_s, 1)),
+    cell(fixed(r && r.elapsed_s, 1) + " s"), cell(fixed(r && r.mean_accept_len, 2))));
+  if (!rows.length) rows.push(el("tr", "muted", el("td", "", "no request running")));
+  $("requests").replaceChildren(...rows);
+  const queued = num(live.queued) || 0;
+  $("reqnote").textContent = queued ? queued + " more queued" : "";
+  document.body.dataset.requests = active.length;
 }
 
 // ---- errors and drops ------------------------------------------------------------------------------
@@ -270,10 +329,11 @@ $("keyform").addEventListener("submit", (ev) => {
   sessionStorage.setItem(KEY, $("key").value.trim());
   connect();
 });
+$("spansel").addEventListener("change", () => drawTimeline());
+window.addEventListener("resize", () => drawTimeline());
 const query = new URLSearchParams(location.search);
 if (query.has("ask")) {   // ?ask=TEXT[&max=N]: that question in the box, sent only when the user presses send
   $("prompt").value = query.get("ask");   // (a link must not spend the user's key on a question they never saw)
   if (query.has("max")) $("maxtok").value = query.get("max");
-  $("send").focus();
 }
-connect();
+document.addEventListener("DOMContentLoaded", connect);   // after timeline.js, which the page loads next
