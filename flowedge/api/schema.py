@@ -1,7 +1,7 @@
 """OpenAI request bodies (validated by pydantic) and the answers built from a flowedge result.
 
 Only what flowedge can honour is accepted: one choice (`n` = 1), text content (a list of text parts
-is joined), sampling by temperature/top_p/seed, stop strings. A field that would change the answer
+is joined), sampling by temperature/top_p/seed (and top_k, an extension), stop strings. A field that would change the answer
 and that flowedge cannot honour (`tools`, `response_format`, `logprobs`, non-zero penalties, ...) is
 refused, naming it, rather than silently ignored; fields that do not change the answer (`user`,
 `stream_options` without usage, ...) are ignored. `strategy` (an
@@ -25,7 +25,11 @@ STRICT = ConfigDict(strict=True)
 # (a value other than its "off" one: None, False, 0, an empty list or map).
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
                "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
-               "suffix", "audio", "modalities", "prediction")
+               "suffix", "audio", "modalities", "prediction",
+               # other servers' sampling extensions (vLLM, llama.cpp) that flowedge's sampler does not have
+               "min_p", "repetition_penalty", "typical_p", "tfs_z", "mirostat", "top_a")
+# their "off" value where it is not 0 (a penalty or a mass of 1 changes nothing)
+OFF_AT_ONE = ("repetition_penalty", "typical_p", "tfs_z", "best_of")
 
 
 def unsupported(field: str) -> PydanticCustomError:
@@ -79,6 +83,7 @@ class Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1 << 20)   # an extension (as vLLM and llama.cpp have it); 0: off
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -100,7 +105,7 @@ class Sampling(BaseModel):
         if isinstance(data, dict):
             for field in UNSUPPORTED:
                 value = data.get(field)
-                if value not in (None, False, 0, [], {}) and not (field == "best_of" and value == 1):
+                if value not in (None, False, 0, [], {}) and not (field in OFF_AT_ONE and value == 1):
                     raise ValidationError.from_exception_data(cls.__name__, [
                         {"type": unsupported(field), "loc": (field,), "input": value}])
         return data
@@ -115,7 +120,8 @@ class Sampling(BaseModel):
 
     def client_kwargs(self, default_max_tokens: int) -> dict:
         return dict(max_new_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                    top_p=self.top_p, seed=self.seed, stop=self.stop or [], strategy=self.strategy)
+                    top_k=self.top_k or None, top_p=self.top_p, seed=self.seed, stop=self.stop or [],
+                    strategy=self.strategy)
 
     @property
     def include_usage(self) -> bool:
