@@ -70,3 +70,17 @@ def test_a_stage_that_gives_up_on_a_run_fails_its_request_at_once(cluster, refer
 def test_request_dropped_is_a_wire_message():
     msg = p.RequestDropped(request_id=7, reason="stage-1: its KV cache would pass the context of 16")
     assert p.decode(msg.to_frames()) == msg
+
+
+def test_a_stop_string_ends_every_strategy_at_the_same_token(cluster):
+    """With a stop string, strategies that accept several tokens at once once handed out (and counted)
+    tokens past the stop that `ar-pp` never made: the text agreed, the token ids and usage did not."""
+    with Client(HEAD, link=cluster.net.link(), timeout_s=60) as client:
+        plain = client.generate("The quick brown fox", raw=True, max_new_tokens=40, strategy="ar-pp")
+        stop = next(ch for ch in plain.text[2:] if ch.isascii() and ch.isprintable())   # a byte-level model's text
+        answers = {s: client.generate("The quick brown fox", raw=True, max_new_tokens=40, strategy=s, stop=[stop])
+                   for s in STRATEGY_NAMES}
+    first = answers["ar-pp"]
+    assert first.text == plain.text[:plain.text.find(stop)] and len(first.token_ids) < len(plain.token_ids)
+    for strategy, answer in answers.items():
+        assert (answer.text, list(answer.token_ids)) == (first.text, list(first.token_ids)), strategy

@@ -309,17 +309,33 @@ class HeadRequests:
             self.served["cancelled"] += 1
 
     def _stream(self, client: ClientRequest, tokens: list[int]) -> None:
+        tokens, text = self._up_to_stop(client, tokens)
         self.served["tokens"] += len(tokens)   # as they stream, so status shows live tokens/s
         self.rate.add(len(tokens), self.scheduler.now_s)
-        client.text(tokens)
         self.out.to_client(client.owner, proto.TokenChunk(
-            request_id=client.request_id, token_ids=list(tokens), text=client.stop.feed(client.take_pieces()),
-            done=False))
+            request_id=client.request_id, token_ids=list(tokens), text=text, done=False))
         if client.stop.hit:   # a stop string: the answer ends here, the stages drop its KV
             stats = getattr(client.engine, "stats", None)
             resets = self.scheduler.end(client.key)
             self._finish(client, Done(list(client.emitted), stats, client.key))
             self._carry_out(resets)
+
+    @staticmethod
+    def _up_to_stop(client: ClientRequest, tokens: list[int]) -> tuple[list[int], str]:
+        """The tokens to hand out and their text: with stop strings, a token at a time up to the one that
+        completes a stop string (a strategy that accepts several tokens at once would otherwise hand out,
+        and count, tokens past the stop that another strategy never made). The answer's tokens end there."""
+        if not client.stop.stops:
+            client.text(tokens)
+            return tokens, client.take_pieces()
+        text = ""
+        for i, token in enumerate(tokens):
+            client.text([token])
+            text += client.stop.feed(client.take_pieces())
+            if client.stop.hit:
+                del client.emitted[len(client.emitted) - len(tokens) + i + 1:]
+                return tokens[:i + 1], text
+        return tokens, text
 
     def _finish(self, client: ClientRequest, done: Done) -> None:
         self.clients.pop(client.key, None)
