@@ -601,3 +601,11 @@ def test_top_k_reaches_the_head_as_the_python_client_sends_it():
     body = {"messages": [{"role": "user", "content": "x"}], "temperature": 1.0, "seed": 5}
     assert ChatRequest.model_validate({**body, "top_k": 1}).client_kwargs(16)["top_k"] == 1
     assert ChatRequest.model_validate(body).client_kwargs(16)["top_k"] is None
+
+
+def test_a_completion_s_max_tokens_null_is_openai_s_default():
+    from flowedge.api.schema import CompletionRequest
+
+    for body in ({"prompt": "x"}, {"prompt": "x", "max_tokens": None}):
+        assert CompletionRequest.model_validate(body).client_kwargs(256)["max_new_tokens"] == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": 3}).client_kwargs(256)["max_new_tokens"] == 3

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 MAX_STOPS = 16
+COMPLETION_MAX_TOKENS = 16   # OpenAI's default for a text completion's max_tokens
 STRICT = ConfigDict(strict=True)
 # Fields an OpenAI client may send that flowedge cannot honour, each refused when it asks for something
 # (a value other than its "off" one: None, False, 0, an empty list or map).
@@ -141,7 +142,7 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1, le=1 << 20)   # OpenAI's default for completions
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1, le=1 << 20)
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -159,7 +160,7 @@ class CompletionRequest(Sampling):
         return v
 
     def client_kwargs(self, default_max_tokens: int) -> dict:
-        kwargs = super().client_kwargs(default_max_tokens)
+        kwargs = super().client_kwargs(COMPLETION_MAX_TOKENS)   # an explicit null means OpenAI's default too
         if isinstance(self.prompt, str):
             return {**kwargs, "prompt": self.prompt, "raw": True}
         return {**kwargs, "prompt": list(self.prompt)}
