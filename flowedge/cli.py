@@ -71,7 +71,8 @@ def with_sampling(f):
 @main.command()
 @click.argument("prompt")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Registry name, HF model dir or .gguf file.")
-@click.option("--draft", default=DEFAULT_DRAFT, show_default=True, help="Draft model (same tokenizer).")
+@click.option("--draft", default=DEFAULT_DRAFT, show_default=True,
+              help="Draft model (same tokenizer), or a draft head: head:NAME or a head file (`flowedge draft-head`).")
 @click.option("--strategy", default="ar", show_default=True,
               help="ar | tree (one process), or any pipeline strategy (simulated cluster).")
 @with_sampling
@@ -111,7 +112,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--draft", default=DEFAULT_DRAFT, show_default=True,
-              help="Draft model; 'oracle': each drafting strategy also runs as <name>@oracle with perfect "
+              help="Draft model or draft head (head:NAME); 'oracle': each drafting strategy also runs as <name>@oracle with perfect "
                    "proposals (the reference answer) at this default draft's cost (sim driver, T=0).")
 @click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec,auto", show_default=True)
 @click.option("--prompts", "prompt_file", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -251,12 +252,13 @@ def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
     from flowedge.api.commands import http
     from flowedge.daemon.commands import COMMANDS
+    from flowedge.distill.commands import draft_head
     from flowedge.models.commands import models, split
     from flowedge.plan.commands import plan
     from flowedge.systemd.commands import systemd_group
     from flowedge.transport.commands import keys
 
-    for command in (models, split, keys, plan, *COMMANDS, http, systemd_group):
+    for command in (models, split, keys, plan, *COMMANDS, http, systemd_group, draft_head):
         main.add_command(command)
 
 

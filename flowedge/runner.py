@@ -146,16 +146,15 @@ def tree_settings(req: GenerateRequest, topk: int, depth: int, nodes: int):
 
 
 def _run_tree(req: GenerateRequest, base_dir, prompt_ids, stream):
-    from flowedge.engine.drafter import Drafter, load_draft_model, resolve_draft_quant
+    from flowedge.engine.drafter import resolve_draft_quant
+    from flowedge.engine.head_drafter import load_draft, make_drafter
     from flowedge.engine.local import generate_tree
-    from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
 
     # One-node defaults sized for a CPU: a small tree verifies in about the time of 2-3 tokens.
     shape, total = tree_settings(req, topk=4, depth=5, nodes=16)
     base = StageModel.load(base_dir, quant=req.quant)
-    draft_quant = resolve_draft_quant("auto")
-    drafter = Drafter(load_draft_model(resolve_model(req.draft, quant=draft_quant), draft_quant))
+    drafter = make_drafter(load_draft(req.draft, base_dir, resolve_draft_quant("auto")), base)
     res = generate_tree(base, drafter, prompt_ids, req.max_new_tokens, req.params, shape, total,
                         on_tokens=stream)
     return res, {"rounds": res.rounds, "draft_forwards": res.draft_forwards,

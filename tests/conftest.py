@@ -15,3 +15,11 @@ def tiny_pair(tmp_path_factory):
     from flowedge.models.tiny import make_tiny_pair
 
     return make_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tiny_pair, tmp_path_factory):
+    """A draft head self-distilled from the tiny base (tests/head_helpers.py): its file."""
+    from head_helpers import train_tiny_head
+
+    return train_tiny_head(tiny_pair[0], tmp_path_factory.mktemp("tiny-head"))

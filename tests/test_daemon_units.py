@@ -114,3 +114,17 @@ def test_bad_sampling_fields_are_protocol_errors():
                       node_ids=torch.zeros(0, dtype=torch.long), parent_ids=torch.zeros(0, dtype=torch.long),
                       positions=torch.zeros(1, dtype=torch.long), hidden=torch.zeros(1, 2), temperature=1.0,
                       top_p=0.0)
+
+
+def test_a_head_config_may_name_a_draft_head(tmp_path, monkeypatch):
+    from flowedge.models.draft_head_spec import trained_path
+
+    monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="no draft head named 'mine'"):
+        NodeConfig(draft="head:mine")
+    path = trained_path("mine")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")   # the config check only resolves the name; loading checks the file
+    assert NodeConfig(draft="head:mine").draft == "head:mine"
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        NodeConfig(draft="head:mine", predraft="drafter")

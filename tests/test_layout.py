@@ -50,9 +50,11 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "daemon": ("allocator", "core", "costs", "engine", "errors", "filenames", "home", "models", "plan", "progress",
                "runner", "threads", "transport"),
     "bench": ("core", "costs", "daemon", "datasets", "engine", "errors", "models", "runner", "sim"),
+    # self-distillation of a draft head from its base model (`flowedge draft-head train`)
+    "distill": ("datasets", "engine", "errors", "models", "progress", "runner", "threads"),
     "api": ("allocator", "daemon", "errors"),
     # the composition root and the public faces
-    "cli": ("api", "bench", "core", "daemon", "datasets", "engine", "errors", "models", "plan", "runner", "systemd",
+    "cli": ("api", "bench", "core", "daemon", "datasets", "distill", "engine", "errors", "models", "plan", "runner", "systemd",
             "threads", "transport"),
     "flowedge": ("daemon", "errors"),
     "__main__": ("cli",),

@@ -59,13 +59,14 @@ def write_table(results: dict, out: Path) -> None:
 
 def sim_cluster(cfg: BenchConfig):
     """The simulated cluster a bench runs on, built once: (cluster, tokenizer, base model dir, draft quant)."""
+    from flowedge.engine.head_drafter import draft_source
     from flowedge.models.resolve import resolve_model
     from flowedge.runner import load_tokenizer
     from flowedge.costs.pipeline import draft_quant_for
     from flowedge.sim.run import Cluster
 
     draft_quant = draft_quant_for(cfg.profile, cfg.path)
-    base_dir, draft_dir = resolve_model(cfg.model), resolve_model(cfg.draft, quant=draft_quant)
+    base_dir, draft_dir = resolve_model(cfg.model), draft_source(cfg.draft, draft_quant)   # a model or a head
     cluster = Cluster(base_dir, draft_dir, cfg.nodes, cfg.spec, verify=cfg.verify,
                       size_from_costs=cfg.tree_size == "profile", draft_quant=draft_quant)
     return cluster, load_tokenizer(base_dir), base_dir, draft_quant
@@ -146,12 +147,15 @@ def _sim_run(prompt: Prompt, name: str, res, ref: list[int] | None, wall_s: floa
 
 def _generate(cluster, name: str, ids: list[int], ref: list[int] | None, cfg: BenchConfig, params):
     """One run; "<name>@oracle" swaps the cluster's draft for an `OracleDraft` following `ref`."""
+    from flowedge.engine.head_drafter import is_head
     from flowedge.sim.oracle_draft import OracleDraft
 
     if not name.endswith(ORACLE_SUFFIX):
         return cluster.generate(name, ids, cfg.max_new_tokens, params, cfg.profile, cfg.link, path=cfg.path)
     if ref is None:
         raise ConfigError("the oracle draft needs the reference answer: temperature 0 only")
+    if is_head(cluster.draft_model):
+        raise ConfigError("the oracle draft stands in for a draft model; with a draft head run the plain strategies")
     real = cluster.draft_model
     cluster.draft_model = OracleDraft(real)
     cluster.draft_model.set_reference(ids, ref)

@@ -82,10 +82,32 @@ def shape_of_head(config: Any) -> ModelShape:
     )
 
 
+def is_draft_head(config: Any) -> bool:
+    """A draft head's config (models/draft_head.DraftHeadConfig) rather than a draft model's."""
+    return bool(getattr(config, "is_draft_head", False))
+
+
+def shape_of_draft_head(config: Any) -> tuple[ModelShape, ModelShape]:
+    """A draft head's body (the Linear fusing embedding and feature, one decoder layer) and its lm_head
+    over the reduced draft vocabulary."""
+    hidden = _attr(config, "hidden_size")
+    params = 2 * hidden * hidden + _layer_params(config)
+    kv_dim = _attr(config, "num_key_value_heads") * _head_dim(config)
+    body = ModelShape(params=params, layers=1, hidden=hidden, flops_per_token=2.0 * params,
+                      kv_bytes_per_token=float(2 * kv_dim * 2))
+    head_params = _attr(config, "draft_vocab") * hidden
+    head = ModelShape(params=head_params, layers=0, hidden=hidden, flops_per_token=2.0 * head_params,
+                      kv_bytes_per_token=0.0)
+    return body, head
+
+
 def shape_of_model(config: Any) -> ModelShape:
-    """The whole model, as the draft model on node 0 runs it."""
-    body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
-    head = shape_of_head(config)
+    """The whole model, as the draft model (or draft head) on node 0 runs it."""
+    if is_draft_head(config):
+        body, head = shape_of_draft_head(config)
+    else:
+        body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
+        head = shape_of_head(config)
     return ModelShape(
         params=body.params + head.params,
         layers=body.layers,
@@ -177,11 +199,22 @@ def draft_time_s(device: DeviceProfile, config: Any, tokens: int, context: int,
     head path. Top-k stays on the device."""
     if tokens <= 0:
         return 0.0
+    if is_draft_head(config):
+        return draft_head_time_s(device, config, tokens, context)
     body = shape_of_layers(config, 0, _attr(config, "num_hidden_layers"))
     chosen = resolve_path(device, path, tokens)
     head = chosen if head_quantized else device.paths[chosen.head_path or chosen.name]
     return forward_time_s(device, body, tokens, context, path) + _roofline_s(
         device, head, shape_of_head(config), tokens, 0)
+
+
+def draft_head_time_s(device: DeviceProfile, config: Any, tokens: int, context: int) -> float:
+    """One draft-head call on node 0: its layer and its lm_head over the draft vocabulary, both on the
+    profile's `draft_head_path` (its weights' kernels: W8A16 on a CPU), one call's overheads."""
+    body, head = shape_of_draft_head(config)
+    path = device.draft_head_path or device.draft_path or device.default_path
+    return forward_time_s(device, body, tokens, context, path) + _roofline_s(
+        device, resolve_path(device, path, tokens), head, tokens, 0)
 
 
 def decode_time_s(device: DeviceProfile, config: Any, context: int, path: str | None = None) -> float:

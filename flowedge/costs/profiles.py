@@ -79,6 +79,7 @@ class DeviceProfile:
     default_link: str
     sources: tuple[str, ...] = ()
     draft_path: str | None = None  # node 0's draft model (default: default_path)
+    draft_head_path: str | None = None  # node 0's draft head, one layer (default: draft_path)
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.bandwidth_Bps <= 0 or self.flops <= 0:
@@ -90,8 +91,10 @@ class DeviceProfile:
                 f"device {self.name}: default_path {self.default_path!r} is not one of "
                 f"{sorted(self.paths)}"
             )
-        if self.draft_path is not None and not self.has_path(self.draft_path):
-            raise ConfigError(f"device {self.name}: draft_path {self.draft_path!r} is not a path")
+        for key in ("draft_path", "draft_head_path"):
+            value = getattr(self, key)
+            if value is not None and not self.has_path(value):
+                raise ConfigError(f"device {self.name}: {key} {value!r} is not a path")
         for path in self.paths.values():
             if path.head_path is not None and path.head_path not in self.paths:
                 raise ConfigError(f"device {self.name}: path {path.name} head_path unknown")
@@ -177,6 +180,7 @@ def _device_from_dict(data: dict[str, Any], stem: str) -> DeviceProfile:
         default_link=str(data["default_link"]),
         sources=tuple(str(s) for s in data.get("sources", ())),
         draft_path=data.get("draft_path"),
+        draft_head_path=data.get("draft_head_path"),
     )
 
 

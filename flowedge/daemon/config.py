@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flowedge.core.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
 from flowedge.costs.profiles import list_devices
-from flowedge.errors import ConfigError
+from flowedge.errors import ConfigError, ModelError
 from flowedge.home import flowedge_home   # (the one $FLOWEDGE_HOME resolver)
 from flowedge.models.registry import MODELS
 
@@ -132,7 +132,7 @@ class NodeConfig:
                               f"got {self.device!r}")
         if self.role == "head":
             check_model("model", self.model)
-            check_model("draft", self.draft)
+            check_draft(self.draft, self.predraft)
         split_addr(self.head)
         self.data_ports()
 
@@ -176,6 +176,23 @@ def check_model(key: str, spec: str) -> None:
         return
     raise ConfigError(f"{key} {spec!r} is not a known model ({', '.join(sorted(MODELS))}), a Hugging Face "
                       f"directory with config.json, or a .gguf file")
+
+
+def check_draft(spec: str, predraft: str) -> None:
+    """Node 0's draft: a draft model (`check_model`) or a draft head (`head:NAME` or a head file) that
+    exists; a head drafts from features only node 0 holds, so no drafter node can pre-draft for it."""
+    from flowedge.models.draft_head_spec import is_head_spec, resolve_head
+
+    if not is_head_spec(spec):
+        check_model("draft", spec)
+        return
+    try:
+        resolve_head(spec)
+    except ModelError as e:
+        raise ConfigError(f"draft {spec!r}: {e}") from None
+    if predraft == "drafter":
+        raise ConfigError("predraft = \"drafter\" needs a draft model: a draft head drafts from the base's "
+                          "features, which only node 0 has")
 
 
 def split_addr(addr: str) -> tuple[str, int]:

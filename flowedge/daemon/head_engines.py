@@ -23,6 +23,7 @@ from flowedge.daemon.requests import ClientRequest, Prepared
 from flowedge.engine import assembly
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done
+from flowedge.engine.head_drafter import is_head
 from flowedge.engine.jobs import kv_need
 from flowedge.engine.scheduler import Handlers, run_in_turn
 from flowedge.errors import ConfigError, ProtocolError
@@ -46,7 +47,9 @@ class HeadEngines:
         """Take a (new) plan; returns how one step's handlers run: side by side through a draft batcher
         (their draft calls share forwards, engine/draft_batch.py), or in turn without a draft model."""
         self.plan, self.builders = plan, {}
-        self.batcher = DraftBatcher(plan.draft_model) if plan.draft_model is not None else None
+        # a draft head's calls run alone (one small layer each: engine/head_drafter.py)
+        batched = plan.draft_model is not None and not is_head(plan.draft_model)
+        self.batcher = DraftBatcher(plan.draft_model) if batched else None
         return self.batcher.run_step if self.batcher is not None else run_in_turn
 
     def prepare(self, m: proto.PromptRequest) -> Prepared:

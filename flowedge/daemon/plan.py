@@ -24,7 +24,8 @@ from typing import Any
 
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.shard_fetch import ShardFile, head_file, stage_files
-from flowedge.engine.drafter import load_draft_model, resolve_draft_quant
+from flowedge.engine.drafter import resolve_draft_quant
+from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.errors import ConfigError, ModelError
 from flowedge.models.content_hash import SHORT, memo_at, model_sha256, short
 from flowedge.models.packing import storage_quant
@@ -42,7 +43,7 @@ class Plan:
     shards: list[ShardFile]
     head_file: ShardFile          # embedding + final norm + lm_head: also sent to a token-choosing last stage
     head_model: StageModel
-    draft_model: StageModel | None
+    draft_model: object | None       # a draft model (StageModel) or a draft head (models/draft_head.py)
     tokenizer: object
     base_config: object
     draft_files: tuple[ShardFile, ShardFile] | None = None   # the draft as a one-stage split: (layers, head
@@ -126,10 +127,10 @@ def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     shards = [stage_files(out, k) for k in range(1, len(ranges) + 1)]
     head_model = StageModel.load(out, StageParts(0, 0, embed=True, head=True))
     draft_quant = resolve_draft_quant(config.draft_quant)
-    draft_dir = resolve_model(config.draft, quant=draft_quant) if config.draft else None
-    draft = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
+    draft_dir = draft_source(config.draft, draft_quant) if config.draft else None
+    draft = load_draft(draft_dir, out, draft_quant) if draft_dir is not None else None   # a head: `out`'s lm_head
     served = draft_split(draft_dir, config.draft, draft_quant, home) \
-        if draft_dir is not None and config.predraft == "drafter" else None
+        if draft_dir is not None and not is_head(draft) and config.predraft == "drafter" else None
     return Plan(out, ranges, shards, head_file(out), head_model, draft, load_tokenizer(out), load_config(out),
                 served, model_sha)
 

@@ -59,7 +59,7 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
     how a segment's lm_head scales on the last stage (None: the strategy's own placement choice holds);
     `batcher`: the draft batcher shared by concurrent requests (engine/draft_batch.py); `predict_costs`:
     the TreeCosts strategy `auto` starts its choice from (engine/auto_policy.predict_from_costs)."""
-    from flowedge.engine.drafter import Drafter
+    from flowedge.engine.head_drafter import make_drafter
     from flowedge.engine.strategies.auto import Auto
 
     strategy = check_strategy(strategy_name, draft_model)
@@ -68,10 +68,25 @@ def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec:
         # simulated with the graft, its answers add no node node 0 does not draft itself (docs/bench/predraft)
         strategy.prediction = predict_from_costs(predict_costs)
     spec = sized_spec(spec, strategy_name, tree_costs)
-    drafter = Drafter(draft_model, batcher) if strategy.needs_draft else None
-    return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle,
-                lm_head_at=spec.lm_head_for(strategy, lm_head_ratio),
+    drafter = make_drafter(draft_model, head_model, batcher) if strategy.needs_draft else None
+    lm_head_at = spec.lm_head_for(strategy, lm_head_ratio)
+    if drafter is not None and drafter.wants_features:
+        spec, lm_head_at = head_draft_spec(spec, lm_head_at)
+    return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle, lm_head_at=lm_head_at,
                 predraft_call_s=predict_costs.draft_call_s if predict_costs is not None else None)
+
+
+def head_draft_spec(spec: SpecConfig, lm_head_at: str) -> tuple[SpecConfig, str]:
+    """What a draft head needs of the round: the base's final hidden states back on node 0 (so node 0
+    chooses the tokens: an explicit `last-stage` is refused) and no pre-drafting (its rows are drafted
+    from the verified tokens' features, which only come with the verification)."""
+    if spec.lm_head_at == "last-stage":
+        raise ConfigError("a draft head reads the base model's hidden states on node 0: lm_head_at must be "
+                          "head or auto, not last-stage")
+    if spec.predraft != "off":
+        log.info("pre-drafting is off with a draft head (it drafts from verified features)")
+        spec = spec.with_(predraft="off")
+    return spec, "head"
 
 
 def profile_tree_costs(base_config, draft_config, ranges, head_device: str, stage_devices: list[str],

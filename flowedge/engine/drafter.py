@@ -70,6 +70,8 @@ class TreeShape:
 
 
 class Drafter:
+    wants_features = False   # a draft model reads tokens only (a draft head also reads the base's features)
+
     def __init__(self, model: StageModel, batcher=None) -> None:
         self.model = model
         self.batcher = batcher   # engine/draft_batch.DraftBatcher: calls shared with other requests' drafters
@@ -100,7 +102,7 @@ class Drafter:
         self.committed = keep + new.numel()
         self.shape = shape
         tree = DraftTree.root_only(context[-1])
-        top = logp.topk(shape.level_width if not shape.keep_all else shape.topk)
+        top = self._top(logp, shape.level_width if not shape.keep_all else shape.topk)
         kids = tree.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self.base = tree
         self._slots = CacheSlots.none_run(len(tree))
@@ -214,7 +216,7 @@ class Drafter:
         self.cache.keep(order)
         self._slots.shift(1)
         self.committed += 1
-        top = logp.topk(self.shape.topk)
+        top = self._top(logp, self.shape.topk)
         self.base.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self._grow_slots()
 
@@ -232,7 +234,7 @@ class Drafter:
         logp = self._run(tokens_in, positions, allowed)
         self._grow_slots()
         self._slots.put(frontier, torch.arange(past, past + k))
-        top = logp[:k].topk(shape.topk, dim=-1)                                # [k, topk]
+        top = self._top(logp[:k], shape.topk)                                  # [k, topk]
         scores = (tree.log_scores[frontier].unsqueeze(1) + top.values).flatten()
         tokens = top.indices.flatten()
         parents = frontier.unsqueeze(1).expand(k, shape.topk).flatten()
@@ -266,7 +268,7 @@ class Drafter:
             node = children[int(hit[0])]
             self._grow_slots()
             self._slots.put(node, first_slot + i)
-            top = logp[i].topk(topk)
+            top = self._top(logp[i], topk)
             children = tree.append(top.indices, node.expand(topk), tree.log_scores[node] + top.values.float())
             added.append(children)
         self._grow_slots()
@@ -294,6 +296,14 @@ class Drafter:
             allowed[k:, : past + 1] = allowed[0, : past + 1]
             allowed[k:, past + k:] = torch.ones(chain, chain, dtype=torch.bool).tril()
         return allowed
+
+    def _top(self, logp: torch.Tensor, k: int):
+        """The k best proposals of each row of `logp` [..., V]: (values, token ids)."""
+        return logp.topk(k, dim=-1)
+
+    def observe(self, start: int, hidden: torch.Tensor) -> None:
+        """The base model's final hidden states [n, H] at context positions start.. (a draft model needs
+        none: engine/head_drafter.py's head does)."""
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """One draft forward; returns log-probs [n, V] and records (tokens, context, seconds)."""

@@ -22,6 +22,7 @@ from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import ROOT, DraftTree
 from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.drafter import Drafter
+from flowedge.engine.head_drafter import FeatureFeed
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
 from flowedge.engine.round_state import Answer, Round, StepTimes
@@ -47,6 +48,8 @@ class Head:
         self.predraft = PreDrafting(drafter, config, predraft_call_s) \
             if drafter is not None and config.predraft != "off" else None
         self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
+        # a draft head's input: the base's final hidden states of verified tokens (engine/head_drafter.py)
+        self.features = FeatureFeed(drafter, oracle) if drafter is not None and drafter.wants_features else None
         if lm_head_at not in ("head", "last-stage"):
             raise ValueError(f"lm_head_at must be 'head' or 'last-stage', got {lm_head_at!r}")
         self.lm_head_at = lm_head_at   # "last-stage": the last stage returns chosen tokens (stage_worker)
@@ -160,6 +163,8 @@ class Head:
         a = self.answer
         a.prefill_left -= 1
         a.prefix_len += len(seg)
+        if self.features is not None:
+            self.features.prefill(seg, a.prompt, done=not a.prefill_left)
         if a.prefill_left:
             return []
         if seg.tokens is not None:   # the last stage chose the token after the prompt
@@ -274,6 +279,8 @@ class Head:
         """Emit the walk's tokens, broadcast the prune set, and either continue or end the round."""
         r = self.round
         self.stats.accept_lens.append(len(res.tokens))
+        if self.features is not None:
+            self.features.walk(r, self.context()[: r.base], self.answer.prefix_len, res)
         actions = self._accept_tokens(res.tokens)
         prune = prune_after_walk(r.tree, r.alive, res)
         end = self.finished or not (continue_round and res.continues)

@@ -152,6 +152,7 @@ def generate_tree(base: StageModel, drafter: Drafter, prompt_ids: list[int], max
     n = len(prompt_ids)
     h = base.forward_layers(base.embed(torch.tensor(prompt_ids)), torch.arange(n),
                             bool_to_float_mask(causal_mask(n, 0)), cache)
+    drafter.observe(0, h)   # a draft head reads the base's features (engine/head_drafter.py)
     out = [choose_token(base.logits(h[-1:])[0], params, gen)]
     result = GenerationResult([], 0.0, first_token_s=time.monotonic() - t0)
     if on_tokens:
@@ -165,6 +166,7 @@ def generate_tree(base: StageModel, drafter: Drafter, prompt_ids: list[int], max
         h = base.forward_layers(base.embed(tree.tokens), (past + tree.depths), bool_to_float_mask(allowed), cache)
         logits = base.logits(h)
         res = walk(tree, 0, lambda i: logits[i], params, gen)
+        drafter.observe(past, h[res.committed])
         cache.keep(torch.cat([torch.arange(past), past + torch.tensor(res.committed)]))
         result.accept_lens.append(len(res.tokens))
         result.rounds += 1

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flowedge.core.config import SpecConfig
+from flowedge.costs.model import is_draft_head
 from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
 from flowedge.plan.memory import GiB, MemoryNeed, drafter_need, head_need, usable_bytes
 from flowedge.plan.partition import (IDLE_GAIN, PartitionPlan, PlanError, PlanInputs, StageDevice,
@@ -115,15 +116,26 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
                         objective=objective_for(strategy), allow_idle=allow_idle)
     inputs, plan = best_order_plan(inputs, reorder)
     idle = {u.index for u in plan.unused}
-    need = head_need(config, load_shape(draft) if draft else None, draft_quant, context, head)
+    draft_config = draft_shape(draft) if draft else None
+    need = head_need(config, draft_config, draft_quant, context, head)
     room = usable_bytes(head, head_free_bytes)
     if need.total_bytes > room:
         raise PlanError(f"node 0 ({head.name}) needs {need.total_bytes / GiB:.2f} GiB (embedding + lm_head + "
                         f"draft + KV + runtime), has {room / GiB:.2f} GiB usable: "
                         f"{(need.total_bytes - room) / GiB:.2f} GiB missing")
     used = tuple(d for k, d in enumerate(inputs.devices) if k not in idle)
-    drafter = spare_drafter(plan, inputs, load_shape(draft), draft_quant, context) if draft else None
+    # a drafter device replicates a draft model; a draft head drafts from features only node 0 has
+    drafter = spare_drafter(plan, inputs, draft_config, draft_quant, context) \
+        if draft_config is not None and not is_draft_head(draft_config) else None
     return ClusterSpec(config, plan, used, head, lnk, need, drafter)
+
+
+def draft_shape(draft: str) -> Any:
+    """Node 0's draft: a model shape (name or directory), or a draft head (`head:NAME` or a head file)."""
+    from flowedge.models.draft_head_io import read_config
+    from flowedge.models.draft_head_spec import is_head_spec, resolve_head
+
+    return read_config(resolve_head(draft)) if is_head_spec(draft) else load_shape(draft)
 
 
 def spare_drafter(plan: PartitionPlan, inputs: PlanInputs, draft_config: Any, draft_quant: str,

@@ -38,10 +38,14 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 @click.option("--samples", default=2, show_default=True, type=int)
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--tokens-from", nargs=2, default=REAL_PAIR, show_default=True, metavar="BASE DRAFT",
-              help="The model pair whose tokens and acceptance the simulated run uses (names or directories).")
+              help="The model pair whose tokens and acceptance the simulated run uses (names or directories; "
+                   "DRAFT may be a draft head).")
+@click.option("--draft", default=REAL_PAIR[1], show_default=True,
+              help="Node 0's draft: a model shape or directory, or a draft head (head:NAME or a head file), "
+                   "priced as one layer and a reduced lm_head; a head also drafts the simulated run.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the table.")
 def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order, use_all,
-         simulate, strategies, datasets, samples, max_new_tokens, tokens_from, as_json) -> None:
+         simulate, strategies, datasets, samples, max_new_tokens, tokens_from, draft, as_json) -> None:
     """Plan a model over named devices: layer ranges, memory per stage, predicted tokens/s."""
     from flowedge.plan.cluster import plan_cluster
     from flowedge.plan.predict import ar_pp_tokens_per_s
@@ -50,7 +54,9 @@ def plan(model, devices, head_device, free_gb, quant, context, strategy, compute
     free = [int(float(x) * 1e9) for x in free_gb.split(",")] if free_gb else None
     cluster = plan_cluster(model, names, head_device=head_device, free_memory_bytes=free, quant=quant,
                            context=context, strategy=strategy, link=link, reorder=not keep_order,
-                           path=compute_path, allow_idle=not use_all)
+                           path=compute_path, allow_idle=not use_all, draft=draft)
+    if draft.startswith("head:") and tuple(tokens_from) == REAL_PAIR:
+        tokens_from = (tokens_from[0], draft)
     report = _report(cluster, model, quant, context)
     report["predicted_tokens_per_s"] = {"ar-pp (analytic)": round(ar_pp_tokens_per_s(cluster), 3)}
     if simulate:
@@ -96,11 +102,12 @@ def _simulated(cluster, strategies: list[str], datasets, samples: int, max_new_t
                    "the analytic ar-pp figure is given", err=True)
         return {}
     from flowedge.datasets import load_prompts
+    from flowedge.engine.head_drafter import draft_source
     from flowedge.models.resolve import resolve_model
     from flowedge.plan.predict import simulate
 
     prompts = [p.text for d in datasets for p in load_prompts(d, samples)]
-    results = simulate(cluster, resolve_model(pair[0]), resolve_model(pair[1]), prompts, strategies,
+    results = simulate(cluster, resolve_model(pair[0]), draft_source(pair[1]), prompts, strategies,
                        max_new_tokens)
     report["identical_to_greedy"] = {name: r["identical_to_greedy"] for name, r in results.items()}
     return {name: round(r["tokens_per_s"], 3) for name, r in results.items()}

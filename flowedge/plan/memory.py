@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flowedge.costs.model import resolve_path, shape_of_head, shape_of_layers, shape_of_model
+from flowedge.costs.model import is_draft_head, resolve_path, shape_of_head, shape_of_layers, shape_of_model
 from flowedge.costs.profiles import DeviceProfile
 from flowedge.errors import ConfigError
 
@@ -16,6 +16,7 @@ GiB = 1 << 30
 # so 0.70 plans what a stage really holds; nf4 (bitsandbytes): 4-bit codes + absmax per 64; none: 16-bit.
 QUANT_BYTES_PER_PARAM = {"none": 2.0, "int4": 0.70, "auto": 0.70, "nf4": 0.5625}
 HEAD_BYTES_PER_PARAM = 2.0          # embedding, norms and lm_head stay 16-bit (W4A16)
+DRAFT_HEAD_BYTES_PER_PARAM = 1.125  # a draft head (engine/head_drafter.py): W8A16, its lm_head rows too
 # Python + torch + allocator slack per process: measured stage RSS minus shard bytes on x86 is ~0.3 GB;
 # a CUDA context on a Jetson adds a few hundred MB more (est), so plan with 0.75 GiB.
 RUNTIME_OVERHEAD_BYTES = int(0.75 * GiB)
@@ -77,8 +78,9 @@ def head_need(config: Any, draft_config: Any | None, draft_quant: str, context: 
     vocab, hidden = int(config.vocab_size), int(config.hidden_size)
     weights = 2 * vocab * hidden * HEAD_BYTES_PER_PARAM
     kv = 0
-    if draft_config is not None:
-        weights += shape_of_model(draft_config).params * quant_bytes(draft_quant)
+    if draft_config is not None:   # a draft head is stored and run W8A16 whatever the draft quant
+        per_param = DRAFT_HEAD_BYTES_PER_PARAM if is_draft_head(draft_config) else quant_bytes(draft_quant)
+        weights += shape_of_model(draft_config).params * per_param
         kv = kv_bytes(draft_config, int(draft_config.num_hidden_layers), context, device)
     return MemoryNeed(int(weights), kv, RUNTIME_OVERHEAD_BYTES)
 

@@ -32,6 +32,7 @@ class PathOracle:
         self.model = model
         self.cache = model.new_cache()
         self.tokens: list[int] = []          # the token path behind the KV cache entries
+        self._rows = torch.zeros(0, model.config.hidden_size)   # their final hidden states
         self._logits: dict[tuple[int, ...], torch.Tensor] = {}
         self.forwards = 0
         self.tokens_run = 0
@@ -41,6 +42,7 @@ class PathOracle:
         self._logits.clear()
         self.cache.truncate(0)
         self.tokens = []
+        self._rows = self._rows[:0]
 
     @torch.inference_mode()
     def logits(self, path: list[int]) -> torch.Tensor:
@@ -49,6 +51,22 @@ class PathOracle:
         hit = self._logits.get(key)
         if hit is not None:
             return hit
+        h = self._run_to(path)
+        out = self.model.logits(h[-1:])[0]
+        if len(self._logits) >= MAX_CACHED_PATHS:
+            self._logits.clear()
+        self._logits[key] = out
+        return out
+
+    @torch.inference_mode()
+    def hidden_along(self, path: list[int]) -> torch.Tensor:
+        """[len(path), H] final hidden states at every position of `path` (what a draft head reads)."""
+        if _common_prefix(self.tokens, path) < len(path):
+            self._run_to(path)
+        return self._rows[: len(path)]
+
+    def _run_to(self, path: list[int]) -> torch.Tensor:
+        """Run the cache up to the end of `path` (re-running at least its last token); the new rows' hidden states."""
         keep = _common_prefix(self.tokens, path)
         if keep == len(path):   # the path is a prefix of what the cache holds: re-run its last token
             keep -= 1
@@ -56,14 +74,11 @@ class PathOracle:
         new = torch.tensor(path[keep:], dtype=torch.long)
         h = self.model.forward_layers(self.model.embed(new), torch.arange(keep, len(path)),
                                       bool_to_float_mask(causal_mask(new.numel(), keep)), self.cache)
-        out = self.model.logits(h[-1:])[0]
+        self._rows = torch.cat([self._rows[:keep], h])
         self.tokens = list(path)
         self.forwards += 1
         self.tokens_run += new.numel()
-        if len(self._logits) >= MAX_CACHED_PATHS:
-            self._logits.clear()
-        self._logits[key] = out
-        return out
+        return h
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int]) -> list[int]:

@@ -10,7 +10,7 @@ from flowedge.costs.pipeline import CostModel, draft_quant_for, profile_costs
 from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.draft_sync import DrafterDevice
-from flowedge.engine.drafter import load_draft_model
+from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.engine.head import Head
 from flowedge.engine.jobs import KvBudget
 from flowedge.engine.local import GenerationResult, check_context, stop_ids
@@ -72,7 +72,7 @@ class Cluster:
                                  for k, (a, b) in enumerate(self.ranges)]
         self.draft_quant = draft_quant
         self.prompt_oracles: dict[tuple[int, ...], PathOracle] = {}
-        self.draft_model = load_draft_model(draft_dir, draft_quant) if draft_dir is not None else None
+        self.draft_model = load_draft(draft_dir, base_dir, draft_quant) if draft_dir is not None else None
         self.spec = spec
         self.size_from_costs = size_from_costs   # flowspec's initial tree from the profile (costs/sizing.py)
 
@@ -112,7 +112,7 @@ class Cluster:
                    ) -> tuple[Scheduler, list[StageWorker], SpecConfig]:
         """Node 0's request scheduler (the daemon's) and fresh stage workers (per-request KV slots, batched
         forwards); the spec the heads run (a job's KV need follows from it)."""
-        drafts = make_strategy(strategy_name).needs_draft and self.draft_model is not None
+        drafts = make_strategy(strategy_name).needs_draft and self.draft_model is not None and not is_head(self.draft_model)
         batcher = DraftBatcher(self.draft_model) if drafts and batch.batch_drafts else None
         make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)
@@ -135,7 +135,8 @@ class Cluster:
 
     def drafter_device(self) -> DrafterDevice | None:
         """A drafter device's engine for `predraft = drafter` (fresh replicas per simulation)."""
-        return DrafterDevice(self.draft_model) if self.draft_model is not None and self.spec.predraft == "drafter" else None
+        drafts = self.draft_model is not None and not is_head(self.draft_model)
+        return DrafterDevice(self.draft_model) if drafts and self.spec.predraft == "drafter" else None
 
     def costs(self, device: str | None, link: str | None, path: str | None = None) -> CostModel:
         if device is None:
@@ -156,11 +157,9 @@ class Cluster:
 
 
 def run_simulated(req, base_dir: Path, prompt_ids: list[int], stream) -> tuple[GenerationResult, dict]:
-    from flowedge.models.resolve import resolve_model
-
     spec = SpecConfig().with_(tree_nodes=req.tree_nodes, tree_depth=req.tree_depth, topk=req.tree_topk)
     draft_quant = draft_quant_for(req.profile)
-    draft_dir = None if req.strategy == "ar-pp" else resolve_model(req.draft, quant=draft_quant)
+    draft_dir = None if req.strategy == "ar-pp" else draft_source(req.draft, draft_quant)
     cluster = Cluster(base_dir, draft_dir, req.nodes, spec,
                       size_from_costs=req.tree_depth is None and req.tree_nodes is None,
                       draft_quant=draft_quant, quant=req.quant)

@@ -1,0 +1,1 @@
+"""Self-distillation of a draft head from its base model (`flowedge draft-head train`)."""
