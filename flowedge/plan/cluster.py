@@ -132,10 +132,13 @@ def plan_cluster(model: str, devices: Sequence[str], *, head_device: str | None 
 
 def draft_shape(draft: str) -> Any:
     """Node 0's draft: a model shape (name or directory), or a draft head (`head:NAME` or a head file)."""
-    from flowedge.models.draft_head_io import read_config
     from flowedge.models.draft_head_spec import is_head_spec, resolve_head
 
-    return read_config(resolve_head(draft)) if is_head_spec(draft) else load_shape(draft)
+    if not is_head_spec(draft):
+        return load_shape(draft)
+    from flowedge.models.draft_head_io import read_config   # torch: only for a head (a light install plans models)
+
+    return read_config(resolve_head(draft))
 
 
 def spare_drafter(plan: PartitionPlan, inputs: PlanInputs, draft_config: Any, draft_quant: str,
