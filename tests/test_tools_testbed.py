@@ -31,14 +31,14 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 async def _through_relay(shape: LinkShape, job):
-    """Run job(reader, writer) against an echo server behind a relay with `shape` on both directions."""
+    """Run job(reader, writer, relay) against an echo server behind a relay with `shape` on both directions."""
     server = await asyncio.start_server(_echo, "127.0.0.1", 0)
     relay = Relay(RelaySpec(routes=(Route("127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1], "b"),),
                             links={}, peers={}, default=shape))
     await relay.start()
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.ports()[0])
     try:
-        return await job(reader, writer)
+        return await job(reader, writer, relay)
     finally:
         writer.close()
         await relay.close()
@@ -53,7 +53,7 @@ def _run(shape: LinkShape, job):
         loop.close()
 
 
-async def _round_trips(reader, writer, n: int = 8) -> list[float]:
+async def _round_trips(reader, writer, relay=None, n: int = 8) -> list[float]:
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -74,7 +74,7 @@ def test_the_relay_delays_each_direction():
 def test_the_relay_limits_bandwidth_with_a_token_bucket():
     size = 1_000_000
 
-    async def bulk(reader, writer):
+    async def bulk(reader, writer, relay):
         t = time.perf_counter()
         writer.write(b"y" * size)
         await writer.drain()
@@ -89,7 +89,7 @@ def test_the_relay_limits_bandwidth_with_a_token_bucket():
 def test_jitter_delays_but_never_reorders_and_stalls_add_their_time():
     payload = bytes(range(256)) * 400
 
-    async def in_order(reader, writer):
+    async def in_order(reader, writer, relay):
         for i in range(0, len(payload), 1000):
             writer.write(payload[i:i + 1000])
             await writer.drain()
@@ -99,6 +99,16 @@ def test_jitter_delays_but_never_reorders_and_stalls_add_their_time():
     assert _run(LinkShape(delay_ms=3.0, jitter_ms=3.0), in_order) == payload
     stalled = min(_run(LinkShape(stall_prob=1.0, stall_ms=25.0), _round_trips))
     assert stalled >= 0.050   # every chunk stalls, both ways
+
+
+def test_the_relay_can_be_reshaped_while_connections_are_open():
+    async def job(reader, writer, relay):
+        before = min(await _round_trips(reader, writer, n=4))
+        relay.set_default(LinkShape(delay_ms=10.0))
+        return before, min(await _round_trips(reader, writer, n=4))
+
+    before, after = _run(LinkShape(), job)
+    assert before < 0.010 and after >= 0.020
 
 
 def test_the_presets_come_from_the_simulators_link_file():
@@ -160,3 +170,4 @@ def test_a_killed_testbed_is_cleaned_up_and_a_terminated_one_cleans_itself(tmp_p
     out = subprocess.run([sys.executable, "-m", "tools.testbed", "cleanup"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert tag in out and bedmod.leftovers(tag) == []   # ... until cleanup
+

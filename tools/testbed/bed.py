@@ -129,6 +129,20 @@ class Testbed:
                 raise RuntimeError("the relay did not start: " + (self.log_dir / "relay.log").read_text()[-2000:])
             time.sleep(0.05)
 
+    def set_link(self, shape: LinkShape) -> None:
+        """Reshape every link now (e.g. unimpaired while models load, then the preset for the measurement)."""
+        from tools.testbed.relay import LINK_ACK, LINK_FILE, _fields
+
+        ack = self.log_dir / LINK_ACK
+        ack.unlink(missing_ok=True)
+        (self.log_dir / LINK_FILE).write_text(json.dumps(_fields(shape)))
+        self.relay.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ack.exists():
+            if self.relay.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the relay did not take the new link shape")
+            time.sleep(0.02)
+
     def down(self) -> None:
         """Tear everything down; safe to call more than once."""
         if self._down:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from tools.testbed import bed as bedmod
 from tools.testbed import sides
 from tools.testbed.presets import load_preset, sim_link
+from tools.testbed.relay import LinkShape
 
 log = logging.getLogger("testbed.bench")
 
@@ -62,6 +62,15 @@ def reference(cases: list[dict], model: str, max_new: int, out: Path) -> dict[st
     return {c["prompt_id"]: known[f"{model}|{max_new}|{c['prompt_id']}"] for c in cases}
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def llama_bin(arg: str | None) -> Path:
     if arg:
         return Path(arg)
@@ -74,19 +83,21 @@ def llama_bin(arg: str | None) -> Path:
     return found
 
 
-def run_side(bed: bedmod.Testbed, side: str, args, cases_file: Path) -> list[dict]:
+def run_side(bed: bedmod.Testbed, side: str, args, cases_file: Path, link: LinkShape) -> list[dict]:
+    """Start one side with the links unimpaired (llama.cpp ships its weights over RPC at load, flowedge's
+    stages read theirs from disk: loading is not what is measured), impair them, prompt, stop."""
     from flowedge.models.registry import gguf_path
 
+    bed.set_link(LinkShape())
     if side == "flowedge":
         procs = sides.start_flowedge(bed, sides.FlowedgeSetup(args.model, args.draft, args.strategy))
-        try:
-            return sides.flowedge_prompts(bed, cases_file, args.max_new_tokens, args.strategy)
-        finally:
-            sides.stop(bed, procs)
-    draft = gguf_path(args.draft) if side == "llama-md" else None
-    setup = sides.LlamaSetup(llama_bin(args.llama_bin), gguf_path(args.model), draft)
-    procs = sides.start_llama(bed, setup)
+    else:
+        draft = gguf_path(args.draft) if side == "llama-md" else None
+        procs = sides.start_llama(bed, sides.LlamaSetup(llama_bin(args.llama_bin), gguf_path(args.model), draft))
     try:
+        bed.set_link(link)
+        if side == "flowedge":
+            return sides.flowedge_prompts(bed, cases_file, args.max_new_tokens, args.strategy)
         return sides.llama_prompts(bed, cases_file, args.max_new_tokens)
     finally:
         sides.stop(bed, procs)
@@ -108,15 +119,15 @@ def run_bench(args) -> int:
                 with bedmod.Testbed(spec, out / "logs" / f"{n}-{preset}") as bed:
                     for side in wanted:
                         log.warning("devices %d, preset %s: %s", n, preset, side)
-                        for row in run_side(bed, side, args, cases_file):
+                        for row in run_side(bed, side, args, cases_file, spec.link):
                             row.update(devices=n, preset=preset, side=side, cpus=args.cpus)
-                            if side == "flowedge":
-                                row["same_as_ar"] = row["token_ids"] == ref[row["prompt_id"]]
+                            row["same_as_ar"] = row["token_ids"] == ref[row["prompt_id"]]
+                            row["prefix_with_ar"] = common_prefix(row["token_ids"], ref[row["prompt_id"]])
                             raw.write(json.dumps(row) + "\n")
                             raw.flush()
                 if args.sim:
                     simulate(args, n, preset, out)
-    (out / "table.md").write_text(table(out))
+    (out / "table.md").write_text(table(out, args.strategy))
     print((out / "table.md").read_text())
     return 0
 
@@ -137,23 +148,47 @@ def simulate(args, n: int, preset: str, out: Path) -> None:
             (sim_out / "results.json").read_text())}) + "\n")
 
 
-def _mean(xs: list) -> float | None:
-    xs = [x for x in xs if x]
-    return statistics.mean(xs) if xs else None
+def pooled(rows: list[dict], key: str) -> float | None:
+    """All the rows' tokens over all their time, at each row's `key` rate (a short answer weighs little)."""
+    rows = [r for r in rows if r.get(key) and r.get("new_tokens")]
+    return sum(r["new_tokens"] for r in rows) / sum(r["new_tokens"] / r[key] for r in rows) if rows else None
 
 
-def table(out: Path) -> str:
+def sim_rates(out: Path, strategy: str) -> dict[tuple[int, str], float]:
+    """The simulator's tok/s per (devices, preset): all tokens over all simulated time (prefill included)."""
+    path, rates = out / "sim.jsonl", {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        entry = json.loads(line)
+        runs = [r for r in entry["results"]["runs"] if r["strategy"] == strategy]
+        rates[(entry["devices"], entry["preset"])] = (sum(len(r["token_ids"]) for r in runs) /
+                                                      sum(r["sim_time_s"] for r in runs))
+    return rates
+
+
+def _cell(v: float | None) -> str:
+    return f"{v:.2f}" if v else "-"
+
+
+def table(out: Path, strategy: str = "auto") -> str:
+    """Decode tok/s per side (prefill and first token left out) with flowedge's ratio to the better llama.cpp
+    side; then flowedge's wall tok/s (prefill in) against the simulator's prediction."""
     rows = [json.loads(line) for line in (out / "raw.jsonl").read_text().splitlines() if line.strip()]
     keys = sorted({(r["devices"], r["preset"]) for r in rows})
+    pick = lambda n, p, s: [r for r in rows if (r["devices"], r["preset"], r["side"]) == (n, p, s)]  # noqa: E731
     lines = ["| devices | preset | flowedge tok/s | llama.cpp RPC | llama.cpp RPC -md | flowedge / best llama.cpp "
              "| flowedge == ar |", "|---|---|---|---|---|---|---|"]
     for n, preset in keys:
-        got = {s: _mean([r["decode_tokens_per_s"] for r in rows if (r["devices"], r["preset"], r["side"]) ==
-                         (n, preset, s)]) for s in SIDES}
+        got = {s: pooled(pick(n, preset, s), "decode_tokens_per_s") for s in SIDES}
         best = max([v for k, v in got.items() if k != "flowedge" and v] or [0])
-        same = [r["same_as_ar"] for r in rows if (r["devices"], r["preset"], r["side"]) == (n, preset, "flowedge")]
-        cell = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
-        lines.append(f"| {n} | {preset} | {cell(got['flowedge'])} | {cell(got['llama'])} | {cell(got['llama-md'])} "
-                     f"| {cell(got['flowedge'] / best) if got['flowedge'] and best else '-'} "
-                     f"| {sum(same)}/{len(same)} |")
+        same = [r["same_as_ar"] for r in pick(n, preset, "flowedge")]
+        ratio = got["flowedge"] / best if got["flowedge"] and best else None
+        lines.append(f"| {n} | {preset} | {_cell(got['flowedge'])} | {_cell(got['llama'])} | "
+                     f"{_cell(got['llama-md'])} | {_cell(ratio)} | {sum(same)}/{len(same)} |")
+    sims = sim_rates(out, strategy)
+    if sims:
+        lines += ["", "| devices | preset | flowedge wall tok/s | simulator | sim / measured |", "|---|---|---|---|---|"]
+        for n, preset in keys:
+            wall, sim = pooled(pick(n, preset, "flowedge"), "wall_tokens_per_s"), sims.get((n, preset))
+            off = f"{sim / wall:.2f}" + (" (off > 15%)" if abs(sim / wall - 1) > 0.15 else "") if wall and sim else "-"
+            lines.append(f"| {n} | {preset} | {_cell(wall)} | {_cell(sim)} | {off} |")
     return "\n".join(lines) + "\n"

@@ -39,6 +39,7 @@ BURST_S = 0.001              # the token bucket holds this much transmit time (a
 ANY = "*"                    # a sender not in the peers map
 RT_PRIORITY = 10
 STATS_FILE = "relay.stats.json"
+LINK_FILE, LINK_ACK = "relay.link.json", "relay.link.ack"
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,21 @@ class Relay:
         self.links: dict[tuple[str, str], Link] = {}
         self.servers: list[asyncio.base_events.Server] = []
         self.connections: set[asyncio.Task] = set()
+        self.default = spec.default
 
     def link(self, src: str, dst: str) -> Link:
         key = (src, dst)
         if key not in self.links:
-            shape = self.spec.links.get(key, self.spec.default)
+            shape = self.spec.links.get(key, self.default)
             self.links[key] = Link(shape, random.Random(f"{self.spec.seed}:{src}:{dst}"))
         return self.links[key]
+
+    def set_default(self, shape: LinkShape) -> None:
+        """Shape every link not named in the spec as `shape` from now on (connections already open too)."""
+        self.default = shape
+        for key, link in self.links.items():
+            if key not in self.spec.links:
+                link.shape, link.bucket = shape, TokenBucket(shape.bandwidth_mbps)
 
     async def start(self) -> None:
         for route in self.spec.routes:
@@ -245,17 +254,26 @@ def precise_loop() -> asyncio.AbstractEventLoop:
     return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
+def reshape(relay: Relay, folder: Path) -> None:
+    """SIGUSR1: apply the default shape in FOLDER/relay.link.json, then say so in FOLDER/relay.link.ack."""
+    shape = LinkShape(**json.loads((folder / LINK_FILE).read_text()))
+    relay.set_default(shape)
+    (folder / LINK_ACK).write_text(json.dumps(_fields(shape)) + "\n")
+    log.info("links now %s", shape)
+
+
 async def serve_forever(spec: RelaySpec, ready_file: Path | None = None) -> None:
     """Relay until SIGTERM/SIGINT; `ready_file` gets the ports once listening, and at the end, beside it,
-    `relay.stats.json` the bytes each directed link carried."""
+    `relay.stats.json` the bytes each directed link carried. SIGUSR1 reshapes the links (`reshape`)."""
     relay = Relay(spec)
     await relay.start()
-    if ready_file is not None:
-        ready_file.write_text(json.dumps(relay.ports()) + "\n")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if ready_file is not None:
+        loop.add_signal_handler(signal.SIGUSR1, reshape, relay, ready_file.parent)
+        ready_file.write_text(json.dumps(relay.ports()) + "\n")   # last: the handlers are in place
     await stop.wait()
     if ready_file is not None:
         (ready_file.parent / STATS_FILE).write_text(json.dumps(relay.moved()) + "\n")

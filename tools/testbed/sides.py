@@ -43,7 +43,7 @@ class LlamaSetup:
 def _stop(bed: Testbed, procs: list[subprocess.Popen]) -> None:
     from tools.testbed.bed import _terminate
 
-    for p in procs:
+    for p in reversed(procs):   # the server before the RPC servers it uses
         _terminate(p, grace_s=10.0)
         if p in bed.procs:
             bed.procs.remove(p)
