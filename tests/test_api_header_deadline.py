@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from api_helpers import serving
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
 
@@ -30,15 +31,8 @@ def small_api():
         return [{"node_id": "head", "role": "head", "ready": True}]
 
     server.config.app.state.routes.head_status = ready
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(server) as port:
+        yield port
 
 
 def flood(port: int, stop: threading.Event, opened: list[int]) -> None:

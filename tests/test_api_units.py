@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from api_helpers import serving
+
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
 from flowedge.daemon.prompting import PromptError, StopText, chat_ids, prompt_ids
@@ -334,23 +336,14 @@ def _server_closed(sock) -> bool:
 @pytest.fixture(scope="module")
 def crowded_api():
     """A server with room for 8 connections, 3 per address without a complete head, head deadline 8 s."""
-    import threading
-    import time
 
     from flowedge.api.server import build_server
 
     settings = ApiSettings(head="127.0.0.1:9", header_timeout_s=8.0, status_timeout_s=0.3, request_timeout_s=0.5,
                            insecure=True, max_connections=8, max_connections_per_address=3)
     server = build_server(settings, "127.0.0.1", 0, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(timeout=5)
+    with serving(server) as port:
+        yield port
 
 
 def _health_from(port: int, source: str):

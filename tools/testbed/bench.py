@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.bench_vs_llamacpp import common_prefix
 from tools.testbed import bed as bedmod
 from tools.testbed import sides
 from tools.testbed.presets import load_preset, sim_link
@@ -60,15 +61,6 @@ def reference(cases: list[dict], model: str, max_new: int, out: Path) -> dict[st
             known[key] = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
             path.write_text(json.dumps(known))
     return {c["prompt_id"]: known[f"{model}|{max_new}|{c['prompt_id']}"] for c in cases}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def llama_bin(arg: str | None) -> Path:

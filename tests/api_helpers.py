@@ -1,0 +1,23 @@
+"""The HTTP front under uvicorn on a real port, in a thread, for tests that need real sockets."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def serving(server) -> Iterator[int]:
+    """Run `server` (api.server.build_server's) in a thread until the block ends; yields its port."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
