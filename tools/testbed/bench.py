@@ -36,6 +36,8 @@ def add_bench_options(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--llama-bin", default=None, help="folder with llama-server and ggml-rpc-server "
                    "(default: the newest native build of tools/llamacpp_build.py)")
+    p.add_argument("--llama-draft-max", type=int, default=None,
+                   help="llama-md: --spec-draft-n-max (default: llama.cpp's own)")
     p.add_argument("--sim", action="store_true", help="also the simulator's prediction per (devices, preset)")
     p.add_argument("--out", default="bench-out/testbed")
 
@@ -85,7 +87,8 @@ def run_side(bed: bedmod.Testbed, side: str, args, cases_file: Path, link: LinkS
         procs = sides.start_flowedge(bed, sides.FlowedgeSetup(args.model, args.draft, args.strategy))
     else:
         draft = gguf_path(args.draft) if side == "llama-md" else None
-        procs = sides.start_llama(bed, sides.LlamaSetup(llama_bin(args.llama_bin), gguf_path(args.model), draft))
+        procs = sides.start_llama(bed, sides.LlamaSetup(llama_bin(args.llama_bin), gguf_path(args.model), draft,
+                                                        args.llama_draft_max))
     try:
         bed.set_link(link)
         if side == "flowedge":

@@ -36,7 +36,7 @@ class LlamaSetup:
     bin_dir: Path
     target_gguf: Path
     draft_gguf: Path | None = None     # -md: speculative decoding with this draft on device 0
-    draft_max: int = 16
+    draft_max: int | None = None      # --spec-draft-n-max; None: llama.cpp's default
     context: int = 4096
 
 
@@ -113,8 +113,9 @@ def start_llama(bed: Testbed, setup: LlamaSetup) -> list[subprocess.Popen]:
            "--port", str(HTTP_PORT), "-t", threads, "-c", str(setup.context), "-np", "1", "--no-webui"]
     if rpc:
         cmd += ["--rpc", rpc, "-ngl", "99"]
-    if setup.draft_gguf is not None:
-        cmd += ["-md", str(setup.draft_gguf), "-ngld", "0", "--spec-draft-n-max", str(setup.draft_max)]
+    if setup.draft_gguf is not None:   # a plain GGUF draft names no type: without --spec-type nothing is drafted
+        cmd += ["-md", str(setup.draft_gguf), "-ngld", "0", "--spec-type", "draft-simple"]
+        cmd += ["--spec-draft-n-max", str(setup.draft_max)] if setup.draft_max else []
     procs.append(bed.spawn(0, cmd, "llama-server" + ("-md" if setup.draft_gguf else ""), env))
     try:
         _client(bed, "llama-ready", f"http://{bed.local_addr(0)}:{HTTP_PORT}", str(READY_TIMEOUT_S),
