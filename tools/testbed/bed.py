@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.testbed import cgroups, netns
-from tools.testbed.relay import LinkShape, RelaySpec, Route
+from tools.testbed.relay import LINK_ACK, LINK_FILE, LinkShape, RelaySpec, Route, as_dict
 
 log = logging.getLogger("testbed")
 
@@ -131,11 +131,9 @@ class Testbed:
 
     def set_link(self, shape: LinkShape) -> None:
         """Reshape every link now (e.g. unimpaired while models load, then the preset for the measurement)."""
-        from tools.testbed.relay import LINK_ACK, LINK_FILE, _fields
-
         ack = self.log_dir / LINK_ACK
         ack.unlink(missing_ok=True)
-        (self.log_dir / LINK_FILE).write_text(json.dumps(_fields(shape)))
+        (self.log_dir / LINK_FILE).write_text(json.dumps(as_dict(shape)))
         self.relay.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ack.exists():
@@ -149,11 +147,11 @@ class Testbed:
             return
         self._down = True
         for p in self.procs:
-            _terminate(p)
+            terminate(p)
         for group in self.groups:
             group.kill()
         if self.relay is not None:
-            _terminate(self.relay)
+            terminate(self.relay)
         self.net.destroy()
         cgroups.remove_tag(self.spec.tag)
         kill_marked(self.spec.tag)
@@ -198,7 +196,7 @@ def _raise_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _terminate(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+def terminate(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     if proc.poll() is not None:
         return
     try:

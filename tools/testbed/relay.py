@@ -128,12 +128,13 @@ class RelaySpec:
                          seed=int(data.get("seed", 0)))
 
     def to_dict(self) -> dict:
-        return {"routes": [_fields(r) for r in self.routes],
-                "links": [{"src": s, "dst": d, **_fields(shape)} for (s, d), shape in self.links.items()],
-                "peers": self.peers, "default": _fields(self.default), "seed": self.seed}
+        return {"routes": [as_dict(r) for r in self.routes],
+                "links": [{"src": s, "dst": d, **as_dict(shape)} for (s, d), shape in self.links.items()],
+                "peers": self.peers, "default": as_dict(self.default), "seed": self.seed}
 
 
-def _fields(obj) -> dict:
+def as_dict(obj) -> dict:
+    """A dataclass's fields as a plain dict (for JSON)."""
     return {k: getattr(obj, k) for k in obj.__dataclass_fields__}
 
 
@@ -258,7 +259,7 @@ def reshape(relay: Relay, folder: Path) -> None:
     """SIGUSR1: apply the default shape in FOLDER/relay.link.json, then say so in FOLDER/relay.link.ack."""
     shape = LinkShape(**json.loads((folder / LINK_FILE).read_text()))
     relay.set_default(shape)
-    (folder / LINK_ACK).write_text(json.dumps(_fields(shape)) + "\n")
+    (folder / LINK_ACK).write_text(json.dumps(as_dict(shape)) + "\n")
     log.info("links now %s", shape)
 
 

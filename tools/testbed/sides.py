@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.testbed.bed import Testbed
+from tools.testbed.bed import Testbed, terminate
 
 log = logging.getLogger("testbed.sides")
 
@@ -41,10 +41,8 @@ class LlamaSetup:
 
 
 def _stop(bed: Testbed, procs: list[subprocess.Popen]) -> None:
-    from tools.testbed.bed import _terminate
-
     for p in reversed(procs):   # the server before the RPC servers it uses
-        _terminate(p, grace_s=10.0)
+        terminate(p, grace_s=10.0)
         if p in bed.procs:
             bed.procs.remove(p)
 
