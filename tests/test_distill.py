@@ -112,3 +112,28 @@ def test_a_bad_training_config_is_refused(tmp_path):
 
     with pytest.raises(ConfigError):
         tiny_config(tmp_path, tmp_path, answers=2, holdout=2)
+
+
+def test_a_head_started_from_the_last_layer_computes_that_layer(tiny_pair):
+    """At the base's full MLP width, the copied layer must give the base layer's output on the same rows
+    (quantized weights read back exactly); narrower, it keeps the strongest channels."""
+    from flowedge.distill.layer_init import init_from_last_layer
+    from flowedge.models.decoder import RequestRows, Rotary
+
+    model = StageModel.load(tiny_pair[0])
+    cfg = model.config
+    wide = DraftHead(DraftHeadConfig.for_base(cfg, cfg.intermediate_size, 200)).eval()
+    init_from_last_layer(wide, model.layers[-1], cfg.hidden_size)
+    x, n = torch.randn(5, cfg.hidden_size), 5
+    rotary = Rotary.at(torch.arange(n), cfg.head_dim, cfg.rope_theta, x.dtype)
+
+    with torch.no_grad():
+        mine = wide.layer(x, rotary, [RequestRows(0, n, wide.new_cache(), bool_to_float_mask(causal_mask(n, 0)))])
+        base_cache = type(wide.new_cache())(range(model.layers[-1].index, model.layers[-1].index + 1),
+                                            cfg.num_key_value_heads, cfg.head_dim, torch.float32, 16)
+        theirs = model.layers[-1](x, rotary, [RequestRows(0, n, base_cache, bool_to_float_mask(causal_mask(n, 0)))])
+    assert torch.allclose(mine, theirs, atol=1e-4)
+    narrow = DraftHead(DraftHeadConfig.for_base(cfg, cfg.intermediate_size // 2, 200))
+    init_from_last_layer(narrow, model.layers[-1], cfg.hidden_size)
+    assert torch.equal(narrow.layer.self_attn.q_proj.weight, wide.layer.self_attn.q_proj.weight)
+    assert not torch.equal(narrow.layer.mlp.gate_proj.weight, torch.zeros_like(narrow.layer.mlp.gate_proj.weight))

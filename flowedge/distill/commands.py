@@ -37,8 +37,10 @@ def draft_head() -> None:
 @click.option("--max-minutes", default=None, type=float, help="Stop training after this long (then export).")
 @click.option("--device", default="auto", show_default=True, help="Where the head trains: auto (CUDA when present), cpu, cuda.")
 @click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--init", "init", default="last-layer", show_default=True, type=click.Choice(["last-layer", "random"]),
+              help="The head's first weights: a copy of the base's last layer, or random.")
 def train(model, name, out, work, quant, text_tokens, answers, answer_tokens, holdout, seq_len, intermediate,
-          draft_vocab, levels, epochs, lr, checkpoint_every, eval_every, max_minutes, device, threads) -> None:
+          draft_vocab, levels, epochs, lr, checkpoint_every, eval_every, max_minutes, device, threads, init) -> None:
     """Self-distil a draft head from MODEL: features and labels are the model's own (CUDA when present)."""
     from flowedge.distill.trainer import Trainer, TrainConfig, prepare_records
     from flowedge.engine.local import stop_ids
@@ -55,7 +57,8 @@ def train(model, name, out, work, quant, text_tokens, answers, answer_tokens, ho
     base_dir = resolve_model(model, quant=quant)
     cfg = TrainConfig(base_dir, work, out, text_tokens, seq_len, answers, answer_tokens, holdout=holdout,
                       intermediate=intermediate, draft_vocab=draft_vocab, levels=levels, epochs=epochs, lr=lr,
-                      checkpoint_every=checkpoint_every, eval_every=eval_every, max_minutes=max_minutes, device=device)
+                      checkpoint_every=checkpoint_every, eval_every=eval_every, max_minutes=max_minutes, device=device,
+                      init=init)
     base = StageModel.load(base_dir, quant=quant)
     stops = stop_ids(base.config)
     prepare_records(cfg, base, load_tokenizer(base_dir), stops)

@@ -19,6 +19,7 @@ import torch
 
 from flowedge.distill import corpus
 from flowedge.distill.extract import extract_answers, extract_text
+from flowedge.distill.layer_init import init_from_last_layer
 from flowedge.distill.store import FeatureStore, Record, choose_vocab
 from flowedge.distill.unroll import losses, unrolled
 from flowedge.errors import ConfigError
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 20
 ROOTS_PER_STEP = 160   # draft roots unrolled per training sequence
 LEVEL0_ROWS = 256      # level-0 rows scored per training sequence
+INITS = ("last-layer", "random")
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,15 @@ class TrainConfig:
     max_minutes: float | None = None   # stop training (checkpoint, export) after this long
     seed: int = 0
     device: str = "auto"            # where the head trains: auto = CUDA when present, else the CPU
+    init: str = "last-layer"        # the head's first weights: the base's last layer (distill/layer_init.py), or random
 
     def __post_init__(self) -> None:
         if self.answers <= self.holdout or self.holdout < 1:
             raise ConfigError(f"need more answers ({self.answers}) than held out ({self.holdout}), and one held out")
         if min(self.seq_len, self.answer_tokens, self.levels, self.intermediate, self.draft_vocab) < 1 or self.epochs <= 0:
             raise ConfigError("sizes, levels and epochs must be positive")
+        if self.init not in INITS:
+            raise ConfigError(f"init must be one of {', '.join(INITS)} (got {self.init!r})")
         if len(corpus.INSTRUCTIONS) < self.answers:
             raise ConfigError(f"at most {len(corpus.INSTRUCTIONS)} answers (one per built-in instruction)")
 
@@ -106,6 +111,8 @@ class Trainer:
         self.head = DraftHead(head_cfg)
         self.head.vocab_ids.copy_(self.vocab)
         self.head.init_from_base(model.norm.weight)
+        if cfg.init == "last-layer":
+            init_from_last_layer(self.head, model.layers[-1], model.config.hidden_size)
         attach_lm_head(self.head, lm_head_rows(cfg.base_dir, self.vocab).float(), quantize=False)
         self.device = train_device(cfg.device)
         self.head.to(self.device)
