@@ -166,7 +166,8 @@ def start(args, home: Path) -> Processes:
         listen = f"127.0.0.1:{args.http_port or free_port()}"
         with open(cluster.run_dir / "http.log", "ab") as logf:
             http = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", listen,
-                                     "--head", spec.addr], stdout=logf, stderr=subprocess.STDOUT)
+                                     "--head", spec.addr, *getattr(args, "http_args", [])],
+                                    stdout=logf, stderr=subprocess.STDOUT)
         procs = Processes(cluster, http)
         procs.base = f"http://{listen}"
         for _ in range(600):

@@ -1,0 +1,146 @@
+"""Fair queuing drill on real processes: one client floods the head over ZeroMQ and over HTTP, another
+client's short request must still be answered about as soon as a running slot frees.
+
+    python tools/fairness_drill.py                      # tiny pair, 400 + 400 flood requests
+    python tools/fairness_drill.py --flood 400 --json fairness.json
+
+It starts a local cluster (`flowedge up`'s code, tiny pair in a temporary home) and its HTTP front with two
+API keys, measures the polite client's 8-token answer on the idle cluster (median of 3, over ZeroMQ and
+over HTTP), then sends the flood (64-token requests, all at once, on one ZeroMQ connection and under one
+HTTP key) and, once the head holds the flood's whole queue, the polite request again on each channel. The
+bound it checks is the one the head promises: polite time <= 2 x idle time + one running request's time.
+The flood past its per-client cap must be refused with `Busy` (ZeroMQ) or 429 `queue_full` (HTTP).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+
+import soak
+from flowedge.daemon.async_client import AsyncClient
+
+log = logging.getLogger("fairness")
+
+PROMPT = "def fibonacci(n):"
+FLOOD_KEY, POLITE_KEY = "flood-key-0123456789abcdef", "polite-key-0123456789abcdef"
+
+
+async def timed(coro) -> tuple[object, float]:
+    t0 = time.monotonic()
+    try:
+        got = await coro
+    except Exception as err:  # noqa: BLE001 - sorted by the caller
+        got = err
+    return got, time.monotonic() - t0
+
+
+def http_body(tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": tokens}
+
+
+async def polite_pair(addr: str, web: httpx.AsyncClient, tokens: int) -> tuple[tuple, tuple]:
+    """One polite request over each channel: ((answer, s) over ZeroMQ, (response, s) over HTTP)."""
+    async with AsyncClient(addr, timeout_s=600) as polite:
+        zmq = await timed(polite.generate(PROMPT, max_new_tokens=tokens))
+    http = await timed(web.post("/v1/chat/completions", json=http_body(tokens),
+                                headers={"Authorization": f"Bearer {POLITE_KEY}"}))
+    return zmq, http
+
+
+async def flood_then_polite(addr: str, base: str, args) -> dict:
+    limits = httpx.Limits(max_connections=args.flood + 16, max_keepalive_connections=args.flood + 16)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as web:
+        idle = [await polite_pair(addr, web, args.polite_tokens) for _ in range(3)]
+        async with AsyncClient(addr, timeout_s=600) as flood:
+            zmq_tasks = [asyncio.create_task(timed(flood.generate(PROMPT, max_new_tokens=args.flood_tokens)))
+                         for _ in range(args.flood)]
+            http_tasks = [asyncio.create_task(timed(web.post(
+                "/v1/chat/completions", json=http_body(args.flood_tokens),
+                headers={"Authorization": f"Bearer {FLOOD_KEY}"}))) for _ in range(args.flood)]
+            await refused(zmq_tasks, http_tasks, args.flood - args.cap - args.running)
+            during = await polite_pair(addr, web, args.polite_tokens)
+            zmq_flood, http_flood = await asyncio.gather(*zmq_tasks), await asyncio.gather(*http_tasks)
+    return summary(idle, during, zmq_flood, http_flood)
+
+
+async def refused(zmq_tasks: list, http_tasks: list, enough: int) -> None:
+    """Until most of each flood has ended without an answer (refused, or failed otherwise: counted in the
+    summary): then the head holds the flood's full queue."""
+    def count(tasks, answered) -> int:
+        return sum(t.done() and not answered(t.result()[0]) for t in tasks)
+
+    while (count(zmq_tasks, lambda r: not isinstance(r, Exception)) < enough
+           or count(http_tasks, lambda r: isinstance(r, httpx.Response) and r.status_code == 200) < enough):
+        await asyncio.sleep(0.05)
+
+
+def summary(idle: list, during: tuple, zmq_flood: list, http_flood: list) -> dict:
+    zmq_ok = [a for a, _ in zmq_flood if not isinstance(a, Exception)]
+    running_s = max(a.stats.wall_s for a in zmq_ok)      # one flood request's time from its start to its end
+    out = {"running_request_s": round(running_s, 3)}
+    for i, channel in enumerate(("zmq", "http")):
+        idle_s = statistics.median(p[i][1] for p in idle)
+        got, polite_s = during[i]
+        tokens = (len(got.token_ids) if channel == "zmq" else got.json()["usage"]["completion_tokens"])
+        reference = idle[0][i][0]
+        same = (got.token_ids == reference.token_ids if channel == "zmq"
+                else got.json()["choices"][0]["message"] == reference.json()["choices"][0]["message"])
+        out[channel] = {"idle_s": round(idle_s, 3), "polite_s": round(polite_s, 3),
+                        "bound_s": round(2 * idle_s + running_s, 3), "tokens": tokens, "same_as_idle": same}
+    out["zmq"]["flood"] = outcome_counts([a for a, _ in zmq_flood], lambda a: type(a).__name__)
+    out["http"]["flood"] = outcome_counts([r for r, _ in http_flood],
+                                          lambda r: str(r.status_code) if isinstance(r, httpx.Response)
+                                          else type(r).__name__)
+    return out
+
+
+def outcome_counts(results: list, key) -> dict:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[key(r)] = counts.get(key(r), 0) + 1
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flood", type=int, default=400, help="flood requests on each channel")
+    ap.add_argument("--flood-tokens", type=int, default=64)
+    ap.add_argument("--polite-tokens", type=int, default=8)
+    ap.add_argument("--cap", type=int, default=32, help="the head's max_queued_per_client (its default)")
+    ap.add_argument("--running", type=int, default=4, help="the head's max_concurrent (its default)")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    home = Path(tempfile.mkdtemp(prefix="flowedge-fairness-"))
+    os.environ["FLOWEDGE_HOME"] = str(home)
+    start_args = SimpleNamespace(real=False, nodes=args.nodes, port=0, http_port=0, recovery=30.0,
+                                 http_args=["--api-key", FLOOD_KEY, "--api-key", POLITE_KEY,
+                                            "--max-requests-per-s", "0",
+                                            "--max-connections", str(2 * args.flood + 64)])
+    procs = soak.start(start_args, home)
+    try:
+        fig = asyncio.run(flood_then_polite(procs.cluster.spec.addr, procs.base, args))
+    finally:
+        procs.http.send_signal(signal.SIGTERM)
+        procs.http.wait(20)
+        procs.cluster.stop(grace_s=5.0)
+    print(json.dumps(fig, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
