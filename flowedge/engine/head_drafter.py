@@ -115,9 +115,13 @@ class HeadDrafter(Drafter):
         parent = torch.where(before, cols[None, :], torch.full_like(cols, -1)[None, :]).amax(dim=1)   # [n]
         if bool((~in_context & ((parent < 0) | (parent >= past))).any()):
             raise RuntimeError("a draft-head row's parent must have run in an earlier call")
-        feats = self.outs[parent.clamp(min=0)] if self.outs.shape[0] else torch.zeros(n, self.outs.shape[1])
+        # a context row's parent may be a row of this very call (not in `outs` yet): it reads the base's
+        # features instead, so only draft rows index `outs`
+        feats = self.outs.new_zeros(n, self.outs.shape[1])
+        drafted = ~in_context
+        if bool(drafted.any()):
+            feats[drafted] = self.outs[parent[drafted]]
         if bool(in_context.any()):
-            feats = feats.clone()
             feats[in_context] = self._context_features(positions[in_context])
         return feats
 
