@@ -37,7 +37,7 @@ def draft_head() -> None:
 @click.option("--max-minutes", default=None, type=float, help="Stop training after this long (then export).")
 @click.option("--device", default="auto", show_default=True, help="Where the head trains: auto (CUDA when present), cpu, cuda.")
 @click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
-@click.option("--init", "init", default="last-layer", show_default=True, type=click.Choice(["last-layer", "random"]),
+@click.option("--init", "init", default="random", show_default=True, type=click.Choice(["last-layer", "random"]),
               help="The head's first weights: a copy of the base's last layer, or random.")
 def train(model, name, out, work, quant, text_tokens, answers, answer_tokens, holdout, seq_len, intermediate,
           draft_vocab, levels, epochs, lr, checkpoint_every, eval_every, max_minutes, device, threads, init) -> None:

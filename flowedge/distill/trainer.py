@@ -55,7 +55,7 @@ class TrainConfig:
     max_minutes: float | None = None   # stop training (checkpoint, export) after this long
     seed: int = 0
     device: str = "auto"            # where the head trains: auto = CUDA when present, else the CPU
-    init: str = "last-layer"        # the head's first weights: the base's last layer (distill/layer_init.py), or random
+    init: str = "random"   # the head's first weights: random, or the base's last layer (distill/layer_init.py)
 
     def __post_init__(self) -> None:
         if self.answers <= self.holdout or self.holdout < 1:
