@@ -170,3 +170,19 @@ def test_survivor_counts_without_a_profile_split_by_layer_count():
     hellos = [_hello(n) for n in ("a", "b")]   # a board no shipped profile describes
     assert shrink.survivor_counts(NodeConfig(), SimpleNamespace(num_hidden_layers=5), hellos) in ([3, 2], [2, 3])
     assert "no stage is left" in shrink.survivor_counts(NodeConfig(), SimpleNamespace(num_hidden_layers=5), [])
+
+
+def test_status_says_what_happened():
+    from flowedge.daemon.status_view import membership_lines
+
+    s, members, requests, clock, splits = _shrinker()
+    _lose(s, members, clock)
+    clock.now += s.wait_s()
+    s.tick()
+    _settle(s)
+    members.full = True
+    s.admit(_hello("stage-2"))
+    lines = membership_lines([{"membership": s.status()}])
+    assert lines[0].startswith("membership: lost: stage-2 left") and "re-planning onto stage-1, stage-3" in lines[1]
+    assert lines[-1] == "spares: stage-2"
+    assert membership_lines([{"role": "head"}]) == []
