@@ -186,3 +186,24 @@ def test_status_says_what_happened():
     assert lines[0].startswith("membership: lost: stage-2 left") and "re-planning onto stage-1, stage-3" in lines[1]
     assert lines[-1] == "spares: stage-2"
     assert membership_lines([{"role": "head"}]) == []
+
+
+def test_a_spare_gets_the_empty_slot_before_any_second_replan():
+    s, members, requests, clock, splits = _shrinker()
+    _lose(s, members, clock)
+    clock.now += s.wait_s()
+    s.tick()
+    _settle(s)
+    s.tick()
+    members.full = True
+    s.admit(_hello("stage-2"))   # the first board, back: a spare
+    _lose(s, members, clock, stage=1)   # another board goes
+    clock.now += s.wait_s()
+    requests.extended.clear()
+    s.tick()
+    assert len(splits) == 1 and requests.extended   # no re-plan yet: the spare's next HELLO takes the slot
+    assert requests.extended[0] == pytest.approx(s.lost_at + RECOVERY_S + shrink.SPARE_WAIT_S)
+    members.slots[0] = b"spare"
+    members.peers[b"spare"] = SimpleNamespace(name="stage-2", stage=1, hello=_hello("stage-2"))
+    s.tick()
+    assert len(splits) == 1 and s.events[-1].kind == "back" and not s.spares

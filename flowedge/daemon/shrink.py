@@ -14,7 +14,8 @@ The rule, in order, each loop turn (`tick`), only once the cluster has been whol
   request arriving while the slot stays empty (fail fast, rather than each waiting out `recovery_s`).
 
 A board that comes back after the re-plan is a spare: its HELLO is refused with a reason, it asks again
-(the node's own backoff), and it takes the next slot that empties. The plan does not grow back under load:
+(the node's own backoff), and it takes the next slot that empties; while a spare is known, a re-plan (and the
+requests waiting) waits SPARE_WAIT_S longer for it. The plan does not grow back under load:
 restart the head to spread the model over every board again (docs/operations.md, "A board lost for good").
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from flowedge.transport import protocol as proto
 log = logging.getLogger(__name__)
 
 LEAD_S = 2.0        # the re-plan starts this long before a lost slot's recovery_s runs out
+SPARE_WAIT_S = 35.0   # a spare asks to join at least this often (node_base.HELLO_MAX_WAIT_S + margin)
 MAX_EVENTS = 20     # membership events kept for status and the dashboard
 FULL = "the plan is full"   # Membership.admit's refusal of a stage when every slot is held
 
@@ -122,12 +124,22 @@ class Shrinker:
                 self._apply(now)
         elif self.no_fit:
             self.requests.fail_waiting(self.no_fit)
-        elif self.started_s is None and now >= self.lost_at + self.wait_s():
+        elif self.started_s is None and now >= self.lost_at + self.wait_s() + self._spare_grace():
             self._decide(now)
 
     def wait_s(self) -> float:
         """How long a slot stays empty before the re-plan: LEAD_S short of recovery_s, at least half of it."""
         return max(self.config.recovery_s - LEAD_S, self.config.recovery_s / 2)
+
+    def _spare_grace(self) -> float:
+        """A spare asked to join lately: it takes the empty slot on its next try (no re-plan at all), so the
+        re-plan waits its backoff out, and so do the requests waiting. Spares silent for long are forgotten."""
+        wall = self.wall()
+        self.spares = {name: t for name, t in self.spares.items() if wall - t <= 2 * SPARE_WAIT_S}
+        if not self.spares:
+            return 0.0
+        self.requests.extend_deadlines(self.lost_at + self.config.recovery_s + SPARE_WAIT_S)
+        return SPARE_WAIT_S
 
     def status(self) -> dict:
         return {"replan_on_loss": self.config.replan_on_loss, "events": [e.row() for e in self.events],
@@ -146,7 +158,8 @@ class Shrinker:
             self._event("back", f"{name} holds a slot again")
         if self.started_s is not None and self.pending is None:
             self.last_replan_s = round(now - self.started_s, 3)
-            self._event("replanned", f"serving on {len(self.holders)} stages, layers "
+            n = len(self.holders)
+            self._event("replanned", f"serving on {n} stage{'s' if n > 1 else ''}, layers "
                                      f"{[list(r) for r in self.members.plan.ranges]}; the re-plan took "
                                      f"{self.last_replan_s:.1f} s")
             self.started_s = None
@@ -202,7 +215,7 @@ class Shrinker:
         m.sent_assign.clear()
         m.plan = plan
         self.requests.extend_deadlines(now + self.config.recovery_s)   # the survivors' reload
-        log.warning("re-planned onto %d stages: layers %s (%s)", len(survivors), [list(r) for r in plan.ranges],
+        log.warning("re-planned onto %d stage(s): layers %s (%s)", len(survivors), [list(r) for r in plan.ranges],
                     plan.split_dir)
         m.assign_all()
 
