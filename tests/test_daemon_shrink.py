@@ -90,17 +90,19 @@ def _settle(s) -> None:
 def test_a_slot_empty_to_near_the_end_of_recovery_is_replanned_onto_the_survivors():
     s, members, requests, clock, splits = _shrinker()
     _lose(s, members, clock)
+    s.pending.result(5)   # the survivors' split is written from the loss on, in the background
     clock.now += s.wait_s() - 0.1
     s.tick()
-    assert not splits and s.started_s is None       # not yet: the board may still come back
+    assert s.started_s is None and members.slots[1] is None   # not applied yet: the board may still come back
+    assert not requests.extended and [e.kind for e in s.events] == ["lost"]
     clock.now += 0.2
     s.tick()
     # the waiting requests outlive the split being written (it can take a while on a big model)
-    assert requests.extended == [pytest.approx(clock.now + RECOVERY_S)] and members.slots[1] is None
+    assert requests.extended == [pytest.approx(clock.now + s.budget_s())] and members.slots[1] is None
     clock.now += 1.0
     _settle(s)
     assert splits == [([3, 3], 2)]
-    assert requests.extended[1] == pytest.approx(clock.now + RECOVERY_S)   # and the survivors' reload
+    assert requests.extended[1] == pytest.approx(clock.now + s.budget_s())   # and the survivors' reload
     assert members.slots == [b"a", b"c"] and [members.peers[i].stage for i in members.slots] == [1, 2]
     assert members.config.stages == 2 and s.engines.config.stages == 2
     assert members.assigned == 1 and not members.sent_assign   # every survivor is assigned its new range
@@ -119,7 +121,8 @@ def test_a_board_back_within_the_wait_leaves_the_plan_alone():
     s.tick()
     clock.now += RECOVERY_S
     s.tick()
-    assert not splits and not requests.failed and members.slots == [b"a", b"b2", b"c"]
+    assert not requests.failed and members.slots == [b"a", b"b2", b"c"] and s.pending is None
+    assert [e.kind for e in s.events] == ["lost"]
 
 
 @pytest.mark.parametrize("config", [{"replan_on_loss": False}])
@@ -201,9 +204,24 @@ def test_a_spare_gets_the_empty_slot_before_any_second_replan():
     clock.now += s.wait_s()
     requests.extended.clear()
     s.tick()
-    assert len(splits) == 1 and requests.extended   # no re-plan yet: the spare's next HELLO takes the slot
+    assert s.started_s is None and requests.extended   # no re-plan yet: the spare's next HELLO takes the slot
     assert requests.extended[0] == pytest.approx(s.lost_at + RECOVERY_S + shrink.SPARE_WAIT_S)
     members.slots[0] = b"spare"
     members.peers[b"spare"] = SimpleNamespace(name="stage-2", stage=1, hello=_hello("stage-2"))
     s.tick()
-    assert len(splits) == 1 and s.events[-1].kind == "back" and not s.spares
+    assert s.events[-1].kind == "back" and not s.spares and [e.kind for e in s.events].count("replanning") == 1
+
+
+def test_a_board_back_during_the_replan_keeps_the_plan():
+    s, members, requests, clock, splits = _shrinker()
+    _lose(s, members, clock)
+    clock.now += s.wait_s()
+    s.tick()   # decided; the split is applied on a later turn
+    assert s.started_s is not None
+    members.slots[1] = b"b2"
+    members.peers[b"b2"] = SimpleNamespace(name="stage-2", stage=2, hello=_hello("s2"))
+    s.tick()
+    assert members.slots == [b"a", b"b2", b"c"] and members.config.stages == 3 and members.assigned == 0
+    assert s.events[-1].kind == "back" and s.started_s is None and s.pending is None
+    members.full = True
+    assert s.admit(_hello("stage-9")).startswith("the plan is full")   # no re-plan happened: no spares

@@ -36,6 +36,7 @@ from flowedge.transport import protocol as proto
 log = logging.getLogger(__name__)
 
 LEAD_S = 2.0        # the re-plan starts this long before a lost slot's recovery_s runs out
+REPLAN_BUDGET_S = 120.0   # at least this long for each of the re-plan's split and the survivors' reload
 SPARE_WAIT_S = 35.0   # a spare asks to join at least this often (node_base.HELLO_MAX_WAIT_S + margin)
 MAX_EVENTS = 20     # membership events kept for status and the dashboard
 FULL = "the plan is full"   # Membership.admit's refusal of a stage when every slot is held
@@ -85,8 +86,10 @@ class Shrinker:
         self.whole_once = False
         self.lost_at: float | None = None   # when a slot emptied (None: every slot held)
         self.no_fit = ""                    # why the survivors cannot hold the model (failing fast meanwhile)
-        self.pending: Future | None = None  # the survivors' split being written
+        self.pending: Future | None = None  # the survivors' split being written (from the loss on)
+        self.pending_counts: list[int] | None = None   # ... with these layer counts
         self.started_s: float | None = None   # when the re-plan under way was decided
+        self.lost_now: list[str] = []       # the boards the re-plan under way is around
         self.lost_names: list[str] = []     # the boards the plan was shrunk around
         self.spares: dict[str, float] = {}  # node id -> when it last asked to join (unix)
         self.last_replan_s: float | None = None
@@ -113,23 +116,27 @@ class Shrinker:
         if m.cluster_ready():
             self._whole(now)
         if None not in m.slots:
-            self.lost_at, self.no_fit = None, ""
+            self._filled()
             return
         if not self.whole_once:
             return
         if self.lost_at is None:
             self._lost(now)
-        if self.pending is not None:
-            if self.pending.done():
-                self._apply(now)
-        elif self.no_fit:
+        if self.no_fit:
             self.requests.fail_waiting(self.no_fit)
         elif self.started_s is None and now >= self.lost_at + self.wait_s() + self._spare_grace():
             self._decide(now)
+        elif self.started_s is not None and self.pending is not None and self.pending.done():
+            self._apply(now)
 
     def wait_s(self) -> float:
         """How long a slot stays empty before the re-plan: LEAD_S short of recovery_s, at least half of it."""
         return max(self.config.recovery_s - LEAD_S, self.config.recovery_s / 2)
+
+    def budget_s(self) -> float:
+        """How long the requests waiting may wait for the re-plan's split, and again for the survivors'
+        reload (28 int4 layers of the 1.5B load in ~30 s on a busy 2-core box)."""
+        return max(self.config.recovery_s, REPLAN_BUDGET_S)
 
     def _spare_grace(self) -> float:
         """A spare asked to join lately: it takes the empty slot on its next try (no re-plan at all), so the
@@ -164,17 +171,39 @@ class Shrinker:
                                      f"{self.last_replan_s:.1f} s")
             self.started_s = None
 
+    def _filled(self) -> None:
+        """Every slot is held: a board came back in time (before the re-plan, or during it: dropped)."""
+        if self.started_s is not None and self.pending is not None:
+            self._event("back", "a board joined the empty slot during the re-plan: the plan stays as it was")
+            self.started_s = None
+        if self.started_s is None:
+            self.pending = self.pending_counts = None
+        self.lost_at, self.no_fit = None, ""
+
     def _lost(self, now: float) -> None:
         self.lost_at = now
         empty = [k for k, i in enumerate(self.members.slots, 1) if i is None]
         names = [self.holders[k - 1] if k <= len(self.holders) else f"stage {k}" for k in empty]
         self._event("lost", f"{', '.join(names)} left (stage {', '.join(map(str, empty))}); the model is "
                             f"re-planned onto the other stages if it stays away {self.wait_s():g} s")
+        self._prepare()
+
+    def _prepare(self) -> list[int] | str:
+        """The survivors' layer counts (or why they cannot hold the model); their split is written in the
+        background from the loss on (it took 13 s for the real pair), so it is ready when the re-plan is decided.
+        Unused if the board comes back; a later re-plan to the same counts reuses it from disk."""
+        m = self.members
+        survivors = [m.peers[i] for i in m.slots if i is not None]
+        counts = survivor_counts(m.config, m.plan.base_config, [p.hello for p in survivors])
+        if not isinstance(counts, str) and counts != self.pending_counts:
+            config = replace(m.config, stages=len(survivors), layers=[])
+            self.pending, self.pending_counts = self.pool.submit(self.split, m.plan, counts, config, self.home), counts
+        return counts
 
     def _decide(self, now: float) -> None:
         m = self.members
         survivors = [m.peers[i] for i in m.slots if i is not None]
-        counts = survivor_counts(m.config, m.plan.base_config, [p.hello for p in survivors])
+        counts = self._prepare()
         lost = [self.holders[k] if k < len(self.holders) else f"stage {k + 1}"
                 for k, i in enumerate(m.slots) if i is None]
         if isinstance(counts, str):
@@ -184,17 +213,15 @@ class Shrinker:
             log.error("%s", self.no_fit)
             self.requests.fail_waiting(self.no_fit)
             return
-        self.started_s, self.lost_names = now, lost
-        self.requests.extend_deadlines(now + self.config.recovery_s)
-        config = replace(m.config, stages=len(survivors), layers=[])
-        self.pending = self.pool.submit(self.split, m.plan, counts, config, self.home)
+        self.started_s, self.lost_now = now, lost
+        self.requests.extend_deadlines(now + self.budget_s())
         self._event("replanning", f"{', '.join(lost)} stayed away {now - self.lost_at:.1f} s: re-planning "
                                   f"onto {', '.join(p.name for p in survivors)} with layers {counts}")
         log.warning("%s", self.events[-1].text)
 
     def _apply(self, now: float) -> None:
         """The survivors' split is written: close up the slots and assign the new layer ranges."""
-        future, self.pending = self.pending, None
+        future, self.pending, self.pending_counts = self.pending, None, None
         m = self.members
         survivors = [i for i in m.slots if i is not None]
         try:
@@ -214,7 +241,8 @@ class Shrinker:
             m.peers[identity].stage = k
         m.sent_assign.clear()
         m.plan = plan
-        self.requests.extend_deadlines(now + self.config.recovery_s)   # the survivors' reload
+        self.lost_names = self.lost_now
+        self.requests.extend_deadlines(now + self.budget_s())   # the survivors' reload
         log.warning("re-planned onto %d stage(s): layers %s (%s)", len(survivors), [list(r) for r in plan.ranges],
                     plan.split_dir)
         m.assign_all()
