@@ -145,7 +145,7 @@ def test_stages_left_too_small_for_the_model_fail_the_waiting_requests_at_once_n
         askers.join(RECOVERY_S + 60)
         assert len(askers.errors) == 2, (askers.errors, askers.answers)
         for message in askers.errors.values():
-            assert "GiB missing" in message and "stage-3 was lost" in message, message
+            assert "GiB missing" in message and "stage-3 (stage 3) was lost" in message, message
         # told at the re-plan decision (recovery_s - 2 s), not after waiting out recovery_s
         assert max(askers.ended.values()) - killed_at <= RECOVERY_S, askers.ended
         t0 = time.monotonic()

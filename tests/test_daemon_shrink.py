@@ -150,7 +150,7 @@ def test_survivors_too_small_fail_the_waiting_requests_at_once_and_on_every_turn
     clock.now += s.wait_s()
     s.tick()
     assert not splits and len(requests.failed) == 1
-    assert "stage-2 was lost" in requests.failed[0] and "1.25 GiB missing" in requests.failed[0]
+    assert "stage-2 (stage 2) was lost" in requests.failed[0] and "1.25 GiB missing" in requests.failed[0]
     assert requests.failed[0].startswith("cluster not ready: ")   # a ClusterNotReady at the client
     s.tick()   # a request that arrived meanwhile fails too, without waiting out recovery_s
     assert len(requests.failed) == 2 and s.events[-1].kind == "no_fit"
@@ -225,3 +225,13 @@ def test_a_board_back_during_the_replan_keeps_the_plan():
     assert s.events[-1].kind == "back" and s.started_s is None and s.pending is None
     members.full = True
     assert s.admit(_hello("stage-9")).startswith("the plan is full")   # no re-plan happened: no spares
+
+
+def test_with_no_stage_left_there_is_nothing_to_replan_onto():
+    s, members, requests, clock, splits = _shrinker()
+    s.tick()
+    members.slots = [None, None, None]
+    s.tick()
+    clock.now += RECOVERY_S
+    s.tick()
+    assert not splits and not requests.failed and not s.events   # the usual recovery deadline applies

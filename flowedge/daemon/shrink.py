@@ -118,7 +118,7 @@ class Shrinker:
         if None not in m.slots:
             self._filled()
             return
-        if not self.whole_once:
+        if not self.whole_once or all(i is None for i in m.slots):   # no stage left: nothing to re-plan onto
             return
         if self.lost_at is None:
             self._lost(now)
@@ -207,7 +207,9 @@ class Shrinker:
         lost = [self.holders[k] if k < len(self.holders) else f"stage {k + 1}"
                 for k, i in enumerate(m.slots) if i is None]
         if isinstance(counts, str):
-            self.no_fit = (f"{ClusterNotReady.PREFIX}{', '.join(lost)} was lost and the {len(survivors)} "
+            empty = [k for k, i in enumerate(m.slots, 1) if i is None]
+            named = ", ".join(f"{name} (stage {k})" for name, k in zip(lost, empty))
+            self.no_fit = (f"{ClusterNotReady.PREFIX}{named} was lost and the {len(survivors)} "
                            f"stages left cannot hold the model: {counts}")
             self._event("no_fit", self.no_fit[len(ClusterNotReady.PREFIX):])
             log.error("%s", self.no_fit)
