@@ -206,9 +206,10 @@ class HeadNode:
         identity, body = got.peer, got.frames
         peer = self.members.seen(identity)
         if peer is None:
+            admit = (self.shrink or self.members).admit   # the shrinker's: a board back after a re-plan is a spare
             try:
                 with self.control.lock:
-                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), (self.shrink or self.members).admit)
+                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), admit)
             except PeerUnreachable:   # the peer hung up before our answer
                 return
             if hello is not None:

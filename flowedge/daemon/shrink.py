@@ -5,18 +5,19 @@ requests waiting for the lost board are answered instead of failed.
 The rule, in order, each loop turn (`tick`), only once the cluster has been whole:
 - a slot empty for `recovery_s - LEAD_S` (at least half of `recovery_s`): the survivors' Hellos (device
   profile, free memory) go to the planner's memory model (flowedge/plan/, `daemon.plan.plan_inputs`);
-- they fit: the requests waiting get another `recovery_s`, the split for the survivors is written in the
-  background (`plan.resplit`: references into the checkpoint, as every split), then the slots close up
-  (stage 3 of 3 becomes stage 2 of 2), each survivor is assigned its new layer range and fetches the
-  shards it lacks from the head, checksummed (`shard_fetch`), and the paused requests replay once it is
-  ready (the scheduler's replay: token-identical at T=0);
+- they fit: the requests waiting get REPLAN_BUDGET_S more; the survivors' split (`plan.resplit`, written
+  in the background from the loss on) replaces the plan, the slots close up (stage 3 of 3 becomes stage 2
+  of 2), each survivor is assigned its new layer range and fetches the shards it lacks from the head,
+  checksummed (`shard_fetch`), and the paused requests replay once every one is ready (the scheduler's
+  replay: token-identical at T=0);
 - they do not fit: every waiting request fails now, told how many GiB are missing, and so does every
   request arriving while the slot stays empty (fail fast, rather than each waiting out `recovery_s`).
 
 A board that comes back after the re-plan is a spare: its HELLO is refused with a reason, it asks again
-(the node's own backoff), and it takes the next slot that empties; while a spare is known, a re-plan (and the
-requests waiting) waits SPARE_WAIT_S longer for it. The plan does not grow back under load:
-restart the head to spread the model over every board again (docs/operations.md, "A board lost for good").
+(the node's own backoff), and it takes the next slot that empties; while a spare is known, a re-plan
+(and the requests waiting) waits SPARE_WAIT_S longer for it. The plan does not grow back under load:
+restart the head to spread the model over every board again (docs/operations.md, "A board lost for
+good", says why).
 """
 from __future__ import annotations
 
