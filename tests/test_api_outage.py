@@ -31,7 +31,8 @@ def outage(tiny_pair, tmp_path_factory):
     base, draft = tiny_pair
     with flowedge_home(tmp_path_factory.mktemp("home")):
         spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
-                                wire_dtype="float32", recovery_s=RECOVERY_S)
+                                wire_dtype="float32", recovery_s=RECOVERY_S,
+                                replan_on_loss=False)   # the outage lasts: no re-plan around it
         cluster = local_cluster.start(spec)
         server = build_server(ApiSettings(head=spec.addr, request_timeout_s=60), "127.0.0.1", 0, log_level="warning")
         thread = threading.Thread(target=server.run, daemon=True)

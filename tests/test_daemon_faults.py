@@ -34,7 +34,8 @@ def nodes(tiny_pair, tmp_path_factory):
     base, draft = tiny_pair
     with flowedge_home(tmp_path_factory.mktemp("home")):
         spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
-                                wire_dtype="float32", recovery_s=RECOVERY_S)
+                                wire_dtype="float32", recovery_s=RECOVERY_S,
+                                replan_on_loss=False)   # the never-back drill: the slot stays empty
         cluster = start_cluster(spec)
         try:
             yield fi.Nodes.of(cluster)

@@ -16,8 +16,8 @@ from daemon_helpers import ScriptedHead
 from flowedge.daemon import shard_fetch
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.node_base import NodeBase, NodeParts
-from flowedge.errors import ChecksumError, FlowedgeError
+from flowedge.daemon.node_base import NodeBase, NodeParts, offered_bytes
+from flowedge.errors import ChecksumError, ConfigError, FlowedgeError
 from flowedge.transport import protocol as p
 from flowedge.transport.memory_link import MemoryNetwork
 
@@ -228,3 +228,12 @@ def test_a_node_waiting_for_an_absent_head_backs_off_says_why_and_joins_once_it_
             node.stop.set()
             thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_node_offers_the_planner_at_most_its_memory_offer():
+    """`memory_offer_gib` caps the free memory a node announces (what the planner may fill on it)."""
+
+    assert offered_bytes(NodeConfig(role="stage", memory_offer_gib=0.25)) == 1 << 28
+    assert offered_bytes(NodeConfig(role="stage")) > 1 << 28   # 0: what the OS reports free
+    with pytest.raises(ConfigError, match="memory_offer_gib"):
+        NodeConfig(role="stage", memory_offer_gib=-1)

@@ -54,6 +54,8 @@ class NodeConfig:
     client_timeout_s: float = 10.0            # a client with a request in progress silent this long has left
     recovery_s: float = 30.0                  # a request in flight waits this long for a lost stage's slot to be
                                               # filled (queued ones keep their place: their clients' timeouts)
+    replan_on_loss: bool = True               # a slot still empty near the end of recovery_s: re-plan the model
+                                              # onto the surviving stages if they can hold it (daemon/shrink.py)
     stall_timeout_s: float = 120.0            # a running request with no pipeline output this long is replayed
     max_concurrent: int = 4                   # requests in the pipeline at once (stages batch them); the rest queue
     kv_budget_tokens: int = 0                 # KV tokens a stage holds for all its requests; 0 = from each
@@ -89,6 +91,8 @@ class NodeConfig:
                                               # Listens on the interface the head is reached through
     advertise: str = ""                       # host others reach this stage at; default: that interface's address
     same_host: bool = False                   # read the head's shard files directly (flowedge up)
+    memory_offer_gib: float = 0.0             # memory this node offers the cluster (what the planner may fill);
+                                              # 0 = what the OS reports free when it joins
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -120,6 +124,8 @@ class NodeConfig:
         check_client_weights(self.client_weights)
         if self.max_queued_per_client < 0:
             raise ConfigError(f"max_queued_per_client must be >= 0 (0 = no cap), got {self.max_queued_per_client}")
+        if self.memory_offer_gib < 0:
+            raise ConfigError(f"memory_offer_gib must be >= 0 (0 = the free memory), got {self.memory_offer_gib}")
         if self.kv_budget_tokens < 0:
             raise ConfigError(f"kv_budget_tokens must be >= 0 (0 = from free memory), got {self.kv_budget_tokens}")
         for name in ("client_timeout_s", "recovery_s", "stall_timeout_s"):

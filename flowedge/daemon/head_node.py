@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from flowedge.allocator import settle
 from flowedge.daemon import memdebug
@@ -34,11 +33,12 @@ from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
 from flowedge.daemon.kv_budget import with_budgets
-from flowedge.daemon.live_figures import CpuLoad, flowedge_version
+from flowedge.daemon.live_figures import CpuLoad, flowedge_version, model_created
 from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
+from flowedge.daemon.shrink import Shrinker
 from flowedge.daemon.timeline import Timeline, sample
 from flowedge.errors import PeerUnreachable, ProtocolError, StageLost
 from flowedge.transport import protocol as proto
@@ -61,6 +61,7 @@ class HeadParts:
     engines: HeadEngines
     requests: HeadRequests
     drops: DropLog
+    shrink: Shrinker | None = None     # re-plans onto the survivors of a board lost for good
     drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
 
 
@@ -73,7 +74,7 @@ class HeadNode:
         self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
         self.control, self.outbox = parts.port, parts.outbox
         self.members, self.engines, self.requests, self.drops = parts.members, parts.engines, parts.requests, parts.drops
-        self.drafts = parts.drafts
+        self.drafts, self.shrink = parts.drafts, parts.shrink
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -123,8 +124,9 @@ class HeadNode:
         if self.announcer is not None:
             self.announcer.close()
         self.outbox.close()
-        if self.members.replanner is not None:
-            self.members.replanner.close()
+        for part in (self.members.replanner, self.shrink):
+            if part is not None:
+                part.close()
         self.link.close()
         self.compute.close()
 
@@ -204,9 +206,10 @@ class HeadNode:
         identity, body = got.peer, got.frames
         peer = self.members.seen(identity)
         if peer is None:
+            admit = (self.shrink or self.members).admit   # the shrinker's: a board back after a re-plan is a spare
             try:
                 with self.control.lock:
-                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), self.members.admit)
+                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), admit)
             except PeerUnreachable:   # the peer hung up before our answer
                 return
             if hello is not None:
@@ -296,7 +299,7 @@ class HeadNode:
         m = self.members
         ready = sum(1 for i in m.stage_identities() if m.peers[i].ready)
         running = len(self.requests.running)
-        return (f"{'serving' if m.cluster_ready() else 'waiting for stages'}, {ready}/{self.config.stages} "
+        return (f"{'serving' if m.cluster_ready() else 'waiting for stages'}, {ready}/{len(m.slots)} "
                 f"stages ready, {self.requests.pending() - running} queued, {running} running")
 
     def status(self, timeline: bool = False) -> list[dict]:
@@ -314,6 +317,7 @@ class HeadNode:
             "served": dict(self.requests.served), "last_request": self.requests.last_stats,
             "requests": self.requests.live(time.monotonic(), self._peer_name),
             "clients": self.requests.client_queues(),
+            "membership": self.shrink.status() if self.shrink is not None else None,
             "version": flowedge_version(), "uptime_s": round(time.time() - self.started_unix, 1),
             "kv_reserved_tokens": self.requests.kv_reserved(),
             "dropped": self.drops.snapshot(), "auto": self.requests.last_auto,
@@ -370,6 +374,8 @@ class HeadNode:
             self.members.assign_all()
         self.members.ping(self.requests.busy_clients())
         self.members.retry_refused()
+        if self.shrink is not None:
+            self.shrink.tick()
         if self.drafts is not None:
             self.drafts.expire()
         self._sample()
@@ -385,13 +391,4 @@ class HeadNode:
         for identity in self.members.stage_identities() + [p.identity for p in self.members.peers.values() if p.drafter]:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
-
-
-def model_created(model: str, started_unix: float) -> int:
-    """When the served model was made, for /v1/models: its files' modification time when the model is
-    a path here, else (a registry name) when this head started."""
-    try:
-        return int(Path(model).stat().st_mtime)
-    except (OSError, ValueError):
-        return int(started_unix)
 

@@ -63,6 +63,7 @@ class LocalClusterSpec:
     stage_timeout_s: float = 2.0
     client_timeout_s: float = 10.0
     recovery_s: float = 30.0
+    replan_on_loss: bool = True      # re-plan onto the stages left when one stays away (daemon/shrink.py)
     stall_timeout_s: float = 120.0
     max_concurrent: int = 4          # requests in the pipeline at once
     kv_budget_tokens: int = 0        # per stage; 0 = from free memory
@@ -197,6 +198,7 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
         f"heartbeat_ms = {spec.heartbeat_ms}", f"stage_timeout_s = {spec.stage_timeout_s}",
         f"client_timeout_s = {spec.client_timeout_s}", f"recovery_s = {spec.recovery_s}",
+        f"replan_on_loss = {str(spec.replan_on_loss).lower()}",
         f"stall_timeout_s = {spec.stall_timeout_s}", f"max_concurrent = {spec.max_concurrent}",
         f"kv_budget_tokens = {spec.kv_budget_tokens}", f'device = "{spec.device}"',
         f'predraft = "{spec.predraft}"',

@@ -124,7 +124,7 @@ class NodeBase(ABC):
             tries += 1
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
-                                free_memory_bytes=int(psutil.virtual_memory().available), capabilities=capabilities())
+                                free_memory_bytes=offered_bytes(self.config), capabilities=capabilities())
             try:
                 welcome = self._await_welcome(hello, wait_s)
                 if welcome is not None and self.search is not None:
@@ -287,3 +287,10 @@ class NodeBase(ABC):
             if isinstance(msg, proto.Shutdown):
                 raise FlowedgeError(f"head shut down during {self.FETCHING}: {msg.reason}")
         return None
+
+
+def offered_bytes(config) -> int:
+    """The memory this node tells the head it may fill: what the OS reports free, capped by the config's
+    `memory_offer_gib` (a board that keeps room for other work)."""
+    free = int(psutil.virtual_memory().available)
+    return min(free, int(config.memory_offer_gib * (1 << 30))) if config.memory_offer_gib else free

@@ -150,26 +150,36 @@ def draft_split(draft_dir: Path, name: str, draft_quant: str, home: Path) -> tup
 MIN_GAIN = 0.03   # re-split for a bottleneck at least 3% faster (or when the current split does not fit)
 
 
-def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hellos: list) -> list[int] | None:
-    """Layer counts for the stages that joined (in slot order), or None to keep `current`: a manual
-    `layers`, a device no shipped profile describes, a plan too small a gain, or one that cannot fit
-    (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
+def plan_inputs(config: NodeConfig, base_config: Any, hellos: list):
+    """The planner's inputs (flowedge/plan/partition.py) for the stages that joined, in slot order, from
+    their Hellos (device profile, free memory); None when a device has no shipped profile."""
     from flowedge.plan.cluster import objective_for, step_tokens_for
-    from flowedge.plan.partition import PlanError, PlanInputs, plan_partition, stage_devices
+    from flowedge.plan.partition import PlanInputs, stage_devices
     from flowedge.costs.profiles import load_link, load_named_device
 
-    if config.layers:
-        return None
     try:
         profiles = [load_named_device(h.device) for h in hellos]
     except ConfigError as err:
         log.info("keeping the split by layer count: %s", err)
         return None
     devices = stage_devices(profiles, [h.free_memory_bytes or None for h in hellos], quant=config.quant)
-    inputs = PlanInputs(base_config, devices, quant=config.quant, context=config.context,
-                        step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
-                        last_stage_runs_head=config.lm_head_at == "last-stage",
-                        link=load_link(profiles[0].default_link), objective=objective_for(config.strategy))
+    return PlanInputs(base_config, devices, quant=config.quant, context=config.context,
+                      step_tokens=step_tokens_for(config.strategy), last_stage_head=config.lm_head_at != "head",
+                      last_stage_runs_head=config.lm_head_at == "last-stage",
+                      link=load_link(profiles[0].default_link), objective=objective_for(config.strategy))
+
+
+def planned_counts(config: NodeConfig, base_config: Any, current: list[int], hellos: list) -> list[int] | None:
+    """Layer counts for the stages that joined (in slot order), or None to keep `current`: a manual
+    `layers`, a device no shipped profile describes, a plan too small a gain, or one that cannot fit
+    (logged as an error with the shortfall; the current split is then kept and may fail to load)."""
+    from flowedge.plan.partition import PlanError, plan_partition
+
+    if config.layers:
+        return None
+    inputs = plan_inputs(config, base_config, hellos)
+    if inputs is None:
+        return None
     _warn_unused(inputs, hellos)
     try:
         best = plan_partition(inputs)

@@ -219,6 +219,18 @@ class HeadRequests:
         if run is not None:
             self._carry_out(self.scheduler.stop(run.key, State.FAILED, f"a stage gave up on it ({reason})"))
 
+    def fail_waiting(self, message: str) -> None:
+        """End every request waiting for the cluster (paused or queued) with `message`: it cannot serve them."""
+        keys = list(self.scheduler.running) + [r.key for r in self.scheduler.queue]
+        for key in keys:
+            self._carry_out(self.scheduler.stop(key, State.FAILED, message))
+
+    def extend_deadlines(self, until_s: float) -> None:
+        """A re-plan is under way: requests waiting for the cluster wait until `until_s` at least."""
+        for req in [*self.scheduler.running.values(), *self.scheduler.queue]:
+            if req.deadline_s is not None:
+                req.deadline_s = max(req.deadline_s, until_s)
+
     def tick(self, now: float, ready: bool, missing: list[str] = ()) -> None:
         """Deadlines, replays and starts; `missing`: the stages the cluster waits for (named to whoever it fails)."""
         self._carry_out(self.scheduler.tick(now, ready, ", ".join(missing)))

@@ -22,6 +22,7 @@ from flowedge.daemon.membership import Membership
 from flowedge.daemon.node_base import NodeParts
 from flowedge.daemon.plan import Replanner
 from flowedge.daemon.requests import HeadRequests
+from flowedge.daemon.shrink import Shrinker
 from flowedge.daemon.stage_node import StageNode, StageNodeParts
 from flowedge.engine.jobs import Limits
 from flowedge.errors import AddressInUse, ConfigError
@@ -56,8 +57,9 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
         recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
         max_queued_per_client=config.max_queued_per_client), client_weights=config.client_weights)
     drafts.deliver = requests.deliver
-    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, drafts),
-                    stop)
+    shrink = Shrinker(config, members, engines, requests, flowedge_home())
+    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, shrink,
+                                      drafts), stop)
 
 
 def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:

@@ -116,9 +116,18 @@ def client_table(nodes: list[dict]) -> list[str]:
     return lines
 
 
+def membership_lines(nodes: list[dict]) -> list[str]:
+    """Boards lost, re-plans onto the boards left and spares waiting (daemon/shrink.py), the last few."""
+    m = (nodes[0] if nodes else {}).get("membership") or {}
+    events, spares = m.get("events") or [], m.get("spares") or []
+    lines = [f"membership: {e.get('kind')}: {e.get('text')}" for e in events[-5:]]
+    return lines + ([f"spares: {', '.join(map(str, spares))}"] if spares else [])
+
+
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
     return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes),
-                      *predraft_line(nodes), *drafter_line(nodes), *client_table(nodes)])
+                      *predraft_line(nodes), *drafter_line(nodes), *membership_lines(nodes),
+                      *client_table(nodes)])
 
 
 def watch(fetch: Callable[[], list[dict]], echo: Callable[[str], None], interval_s: float,

@@ -114,6 +114,7 @@ function update(snap) {
   while (state.history.length > 10) state.history.shift();
   const tps = figures(head);
   drawClients(head.clients);
+  drawMembership(head.membership);
   drawNodes(nodes);
   drawRequests(head);
   addSample(liveSample(snap.t, nodes, tps));
@@ -252,6 +253,17 @@ function drawClients(rows) {
   $("clients").tBodies[0].replaceChildren(...rows.map((r) => el("tr", "", el("td", "", text(r.client)),
     ...[r.weight, r.queued, r.running, r.refused].map((v) => el("td", "", num(v) == null ? "-" : String(v))))));
   document.body.dataset.clients = rows.length;
+}
+
+// boards lost, re-plans onto the boards left, spares waiting (daemon/shrink.py), the latest last
+function drawMembership(m) {
+  const events = m && Array.isArray(m.events) ? m.events.slice(-6) : [];
+  const spares = m && Array.isArray(m.spares) ? m.spares : [];
+  $("membership-box").hidden = !events.length && !spares.length;
+  const when = (e) => num(e.at_unix) != null ? new Date(e.at_unix * 1000).toLocaleTimeString() + " " : "";
+  $("membership").replaceChildren(...events.map((e) => el("li", "event " + text(e.kind), when(e) + text(e.text))),
+    ...(spares.length ? [el("li", "spare", "spares: " + spares.map(text).join(", "))] : []));
+  document.body.dataset.membership = events.length;
 }
 
 // ---- the requests running now ------------------------------------------------------------------------
