@@ -361,10 +361,10 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
 @contextmanager
 def _showing_progress(cluster):
     """While a local cluster starts: follow its logs' progress lines (download, conversion, split,
-    shard fetch) and show them here, as a bar on a terminal, as plain lines otherwise."""
-    from flowedge.progress import ProgressTail, TerminalProgress
+    shard fetch) and show them here: a tqdm status line on a terminal, plain lines otherwise."""
+    from flowedge.progress import NodeProgress, ProgressTail
 
-    shown = TerminalProgress()
+    shown = NodeProgress()
     tail = ProgressTail(cluster.log_paths(), shown)
     stop = threading.Event()
 
@@ -380,6 +380,7 @@ def _showing_progress(cluster):
         stop.set()
         follower.join()
         tail.poll()
+        shown.close()
 
 
 def _int_list(text: str | None) -> list[int]:
