@@ -53,7 +53,8 @@ def test_tqdm_disable_gives_log_lines_on_a_terminal(caplog, monkeypatch):
     assert out.getvalue() == ""
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("progress: training:  50%|") and "| 5/10 [" in lines[0] and "steps/s]" in lines[0]
-    assert lines[-1].startswith("progress: training: 100%|") and "| 10/10 [" in lines[-1] and lines[-1].endswith(" done")
+    assert lines[-1].startswith("progress: training: 100%|") and "| 10/10 [" in lines[-1]
+    assert lines[-1].endswith(" done")
 
 
 def test_ticker_reports_a_silent_step(caplog):
