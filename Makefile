@@ -16,7 +16,8 @@ $(VENV)/.installed: setup.cfg setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-# Chromium for the dashboard's browser test (tests/test_api_dashboard.py skips it, saying why, without one)
+# Chromium for the dashboard's browser test (tests/test_api_dashboard.py skips it, saying why, without one).
+# playwright (the test extra) drives this chromium by its path: no `playwright install` download
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; }; } || \

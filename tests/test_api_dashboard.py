@@ -11,7 +11,6 @@ import copy
 import os
 import json
 import re
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from cdp_helpers import Browser
+from browser_helpers import Page, why_not
 from daemon_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
 from flowedge.api import dashboard
 from flowedge.api.app import create_app
@@ -38,7 +37,6 @@ KEY = "test-key-0123456789abcdef"
 # committed docs/dashboard-*.png were made), so the suite does not rewrite tracked files
 SHOTS_ENV = "FLOWEDGE_DASHBOARD_SHOTS"
 BODY = "JSON.stringify(document.body.dataset)"
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
 # ---- routes and auth, no cluster -------------------------------------------------------------------
@@ -139,8 +137,8 @@ def fed():
     """`flowedge http` with API keys whose head status is what the test puts in `feed["nodes"]` (no head:
     the page must hold up whatever a node's row carries, whether or not the head checked it); `asked`
     lists the paths of the requests it got."""
-    if CHROMIUM is None:
-        pytest.skip("no Chromium (apt-get install chromium; `make test` installs it where it can)")
+    if why_not():
+        pytest.skip(why_not())
     feed: dict = {"nodes": [head_row(), stage_row(1), stage_row(2)]}
     asked: list[str] = []
 
@@ -175,12 +173,12 @@ def fed():
 
 @pytest.fixture()
 def page(fed, tmp_path):
-    b = Browser(CHROMIUM, tmp_path / "profile")
+    b = Page()
     yield b
     b.close()
 
 
-def open_with_key(browser: Browser, url: str, updates: int = 4) -> None:
+def open_with_key(browser: Page, url: str, updates: int = 4) -> None:
     """Open the page, give it the key as a user does (the form it shows on 401), wait for `updates` statuses."""
     browser.open(url)
     assert browser.wait_for("document.getElementById('keyform') && !document.getElementById('keyform').hidden", 20)
@@ -266,7 +264,7 @@ def test_ask_fills_the_box_and_sends_only_on_a_click_with_the_key_kept_for_the_t
     assert chats() == before + 1
 
 
-def shown(page: Browser, element: str) -> bool:
+def shown(page: Page, element: str) -> bool:
     return page.eval(f"document.getElementById('{element}').offsetParent !== null")
 
 
@@ -337,8 +335,8 @@ def test_a_page_opened_late_draws_the_head_s_past_and_what_runs_now(fed, page):
 # ---- the page in a real headless Chromium against a real cluster ----------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_pair, tmp_path_factory):
-    if CHROMIUM is None:
-        pytest.skip("no Chromium (apt-get install chromium; `make test` installs it where it can)")
+    if why_not():
+        pytest.skip(why_not())
     base, draft = tiny_pair
     with flowedge_home(tmp_path_factory.mktemp("home")):
         spec = LocalClusterSpec(nodes=3, model=str(base), draft=str(draft), port=free_port_pair(), threads=1,
@@ -370,7 +368,7 @@ def shots(tmp_path) -> Path:
 
 @pytest.fixture()
 def browser(stack, tmp_path):
-    b = Browser(CHROMIUM, tmp_path / "profile")
+    b = Page()
     yield b
     b.close()
 

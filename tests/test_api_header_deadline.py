@@ -83,3 +83,66 @@ def test_health_is_answered_every_time_under_a_flood_of_slow_connections(small_a
         attacker.join(10)
     assert opened[0] > 5 * OPEN_AT_ONCE   # the flood was one: its sockets were closed and reopened many times
     assert len(answers) >= 20 and answers.count(200) == len(answers), answers
+
+
+def _closed_within(sock: socket.socket, trickle: bytes, limit_s: float) -> float:
+    """Send `trickle` every 0.2 s until the server closes; seconds it took (fails past `limit_s`)."""
+    t0 = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < limit_s:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        try:
+            sock.sendall(trickle)
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - t0
+    raise AssertionError(f"the server kept a trickling connection open for {limit_s} s")
+
+
+@pytest.fixture()
+def quick_api():
+    """Head deadline 1 s, keep-alive 5 s (server.py): a cut within ~1 s is the deadline's."""
+    settings = ApiSettings(head="127.0.0.1:9", insecure=True, header_timeout_s=1.0, status_timeout_s=0.3)
+    server = build_server(settings, "127.0.0.1", 0, log_level="critical")
+    with serving(server) as port:
+        yield port
+
+
+def test_the_deadline_is_a_wrapper_on_uvicorn_s_public_seams_not_a_subclass(quick_api):
+    """uvicorn's own h11 protocol runs inside, unchanged: the class given as `http=` is not derived from it."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from flowedge.api.header_deadline import HeadDeadline
+
+    server = build_server(ApiSettings(head="127.0.0.1:9", insecure=True), "127.0.0.1", 0)
+    cls = server.config.http
+    assert issubclass(cls, HeadDeadline) and not issubclass(cls, H11Protocol) and cls.inner_class is H11Protocol
+
+
+def test_the_next_head_on_a_kept_alive_connection_has_the_deadline_too(quick_api):
+    """After one whole request and its answer, a second head trickled on the same connection is cut at
+    the head deadline (1 s), not let live by the keep-alive timer its bytes keep cancelling."""
+    with socket.create_connection(("127.0.0.1", quick_api)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(5)
+        assert s.recv(4096).startswith(b"HTTP/1.1 503")   # answered (no head behind it), kept alive
+        time.sleep(1.5)                                   # idle longer than the head deadline: not cut
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        took = _closed_within(s, b"X-Slow: 1\r\n", 4.0)
+    assert 0.8 < took < 2.5, took
+
+
+def test_a_request_whose_answer_outlasts_the_deadline_is_answered(quick_api):
+    """The deadline stops once the head is complete: a body sent after 1.5 s (deadline 1 s) is still read."""
+    with socket.create_connection(("127.0.0.1", quick_api)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 15\r\n\r\n")
+        time.sleep(1.5)
+        s.sendall(b'{"prompt": "a"}')
+        s.settimeout(5)
+        assert s.recv(4096).startswith(b"HTTP/1.1 503")

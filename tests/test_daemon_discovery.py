@@ -239,7 +239,8 @@ def test_join_without_an_address_finds_the_head_by_mdns(namespaces, tiny_pair, t
 
 
 def test_no_discovery_keeps_the_head_quiet(monkeypatch):
-    from flowedge.daemon.config import NodeConfig, load_node_config
+    from flowedge.daemon.config import NodeConfig
+    from flowedge.daemon.config_file import load_node_config
     from flowedge.daemon.head_node import HeadNode
 
     made = []

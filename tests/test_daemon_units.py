@@ -8,7 +8,8 @@ import torch
 
 from flowedge.core.prune import PruneSet
 from flowedge.daemon import wire
-from flowedge.daemon.config import NodeConfig, load_node_config, split_addr
+from flowedge.daemon.config import NodeConfig, split_addr
+from flowedge.daemon.config_file import load_node_config
 from flowedge.engine import events
 from flowedge.errors import ConfigError, ProtocolError
 from flowedge.transport import protocol as proto
@@ -24,11 +25,17 @@ def test_example_config_parses_and_overrides_apply():
 
 
 @pytest.mark.parametrize("text, match", [
-    ('rol = "head"\n', "unknown keys \\['rol'\\]"),
-    ('role = "boss"\n', "role must be one of"),
-    ('wire_dtype = "int8"\n', "wire_dtype"),
-    ('head = "nohost"\n', "HOST:PORT"),
-    ('stages = 2\nlayers = [1, 2, 3]\n', "layers lists 3 stages"),
+    ('rol = "head"\n', r"f\.toml: unknown key 'rol' \(did you mean 'role'\?\)$"),
+    ('[flowedge]\nheartbeat = 100\n', r"f\.toml: unknown key 'heartbeat' \(did you mean 'heartbeat_ms'\?\)$"),
+    ('role = "boss"\n', r"f\.toml: role must be one of 'head', 'stage' or 'drafter'; got 'boss'$"),
+    ('wire_dtype = "int8"\n', "f\\.toml: wire_dtype must be one of"),
+    ('stages = "2"\n', r"f\.toml: stages should be a valid integer; got '2'$"),
+    ('stages = 0\n', r"f\.toml: stages must be >= 1; got 0$"),
+    ('insecure = 1\n', r"f\.toml: insecure should be a valid boolean; got 1$"),
+    ('client_weights = {x = 0}\n', r"f\.toml: client_weights\.x must be > 0\.0; got 0$"),
+    ('layers = [3, "4"]\n', r"f\.toml: layers\.1 should be a valid integer"),
+    ('head = "nohost"\n', "f\\.toml: .*HOST:PORT"),
+    ('stages = 2\nlayers = [1, 2, 3]\n', "f\\.toml: layers lists 3 stages"),
     ('draft_quant = "fp8"\n', "draft_quant must be one of"),
     ('lookup_tokens = -1\n', "lookup_tokens must be >= 0"),
     ('tree_size = "huge"\n', "tree_size must be one of"),
@@ -37,8 +44,27 @@ def test_example_config_parses_and_overrides_apply():
 def test_bad_config_files_are_one_line_errors(tmp_path, text, match):
     path = tmp_path / "f.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as got:
         load_node_config(path)
+    assert "\n" not in str(got.value) and str(path) in str(got.value)
+
+
+def test_the_file_model_has_every_node_config_key_and_its_defaults():
+    """NodeFile lists NodeConfig's keys by hand (types and ranges); a key added to one only fails here."""
+    from dataclasses import fields
+
+    from flowedge.daemon.config_file import NodeFile
+
+    assert list(NodeFile.model_fields) == [f.name for f in fields(NodeConfig)]
+    assert NodeConfig(**NodeFile().model_dump()) == NodeConfig()
+
+
+def test_command_line_overrides_still_pass_the_node_config_checks(tmp_path):
+    path = tmp_path / "f.toml"
+    path.write_text('role = "stage"\n')
+    with pytest.raises(ConfigError, match="f\\.toml with the command line: stages must be >= 1"):
+        load_node_config(path, stages=0)
+    assert load_node_config(path, threads=None).role == "stage"   # None: not given
 
 
 def test_missing_config_file_names_the_example(tmp_path):

@@ -170,4 +170,5 @@ def test_default_progress_logs_plain_lines_when_not_a_terminal(caplog):
     report(4_000_000, 4_000_000, 1.0)  # the final line always shows
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("\r" not in line for line in lines)
-    assert "assembling m  25.0% (1/4 MB" in lines[0] and lines[1].endswith("done") and "100.0%" in lines[1]
+    assert "assembling m:  25%|" in lines[0] and "1.00M/4.00M" in lines[0]
+    assert lines[1].endswith("done") and "100%|" in lines[1]

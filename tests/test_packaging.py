@@ -135,8 +135,9 @@ def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pai
     assert out["new_tokens"] > 0 and out["sim_tokens_per_s"] > 0
     if shutil.which(os.environ.get("CC") or "gcc"):   # the wheel carries the kernel's C source and builds it
         assert list((tmp_path / "home" / "kernels").glob("w4a16-*.so")), proc.stderr[-2000:]
-    example = subprocess.run([str(python), "-c", "from flowedge.daemon.config import EXAMPLE_CONFIG, "
-                              "load_node_config; print(load_node_config(EXAMPLE_CONFIG).role)"],
+    example = subprocess.run([str(python), "-c", "from flowedge.daemon.config import EXAMPLE_CONFIG; from "
+                              "flowedge.daemon.config_file import load_node_config; "
+                              "print(load_node_config(EXAMPLE_CONFIG).role)"],
                              env=env, cwd=run_dir, capture_output=True, text=True)
     assert example.stdout.strip() == "head", example.stderr
 

@@ -8,13 +8,20 @@ never come is answered 400/413 at once or once `read_timeout_s` has passed since
 awaited — one deadline for the whole body, so a byte every few seconds does not hold the connection
 for ever. The body is then replayed to the app; later `receive` calls go to the server, so a client
 that disconnects mid-stream is still noticed.
+
+A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer streamed answers), built
+on Starlette's parts: `Headers` reads the request's headers, `JSONResponse` sends each refusal. The
+limits uvicorn itself offers are set in server.py; this covers what it does not (a whole-body deadline,
+per-address rate, keys).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 
 from flowedge.api.dashboard import is_open
 from flowedge.api.rate_limit import RateLimit
@@ -29,12 +36,9 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-async def send_json(send, status: int, obj: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"), *headers]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+async def send_json(scope, receive, send, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+    """A refusal before the app: the error object, and the connection closed after it."""
+    await JSONResponse(obj, status, headers={"connection": "close", **(headers or {})})(scope, receive, send)
 
 
 def key_ok(header: str | None, api_keys: tuple[str, ...]) -> bool:
@@ -65,32 +69,33 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         if head_bytes(scope) > MAX_HEAD_BYTES:
             self.on_refused(431)
-            return await send_json(send, 431, error_body(f"request head over {MAX_HEAD_BYTES} bytes"))
+            return await send_json(scope, receive, send, 431, error_body(f"request head over {MAX_HEAD_BYTES} bytes"))
         if scope["path"] not in OPEN_PATHS:
             wait = self.rate_limit.admit((scope.get("client") or ("?",))[0], time.monotonic())
             if wait:
                 self.on_refused(429)
-                return await send_json(send, 429, error_body(
+                return await send_json(scope, receive, send, 429, error_body(
                     f"too many requests from this address: over {self.settings.requests_per_s_per_address:g}/s "
                     f"(burst {self.settings.request_burst_per_address}); retry in {wait:.1f} s",
                     kind="rate_limit_error", code="rate_limit_exceeded"),
-                    [(b"retry-after", RateLimit.retry_after(wait).encode())])
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in OPEN_PATHS and not is_open(scope["path"]) and not key_ok(headers.get("authorization"), self.settings.api_keys):
+                    {"retry-after": RateLimit.retry_after(wait)})
+        headers = Headers(scope=scope)
+        needs_key = scope["path"] not in OPEN_PATHS and not is_open(scope["path"])
+        if needs_key and not key_ok(headers.get("authorization"), self.settings.api_keys):
             self.on_refused(401)
-            return await send_json(send, 401, error_body(
+            return await send_json(scope, receive, send, 401, error_body(
                 "missing or wrong API key: send `Authorization: Bearer KEY`", code="invalid_api_key"),
-                [(b"www-authenticate", b"Bearer")])
+                {"www-authenticate": "Bearer"})
         refusal = self._check_length(headers.get("content-length"))
         if refusal is not None:
             self.on_refused(refusal[0])
-            return await send_json(send, *refusal)
+            return await send_json(scope, receive, send, *refusal)
         try:
             body = await self._read_body(receive)
         except ValueError as err:
             status = 413 if "over" in str(err) else 400
             self.on_refused(status)
-            return await send_json(send, status, error_body(str(err)))
+            return await send_json(scope, receive, send, status, error_body(str(err)))
         if body is None:
             return   # the client left before sending its body
         replayed = False

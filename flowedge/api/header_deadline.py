@@ -1,30 +1,37 @@
-"""A deadline for a request's head (request line + headers) on uvicorn's h11 protocol.
+"""A deadline for a request's head (request line + headers): the one slow-client bound uvicorn lacks.
 
-uvicorn (0.54) has no such timeout: `timeout_keep_alive` only covers the idle time between requests and
-is cancelled by the first byte that arrives, so a client that opens a connection and trickles header
-bytes (slowloris) holds it for ever, and enough of them exhaust the server. uvicorn's own settings bound
-what they can: `h11_max_incomplete_event_size` the bytes of a head, `limit_concurrency` the connections
-and tasks at once (503 beyond it) — `build_server` sets both — but neither bounds time (uvicorn issue
-#157, "timeout-request-start", still open). The body has the guard's per-chunk `read_timeout_s`.
+uvicorn bounds what it can through its `Config` (set in server.py): `h11_max_incomplete_event_size` the
+bytes of an incomplete head, `limit_concurrency` the connections and tasks at once (503 beyond),
+`timeout_keep_alive` the idle time between requests. None of them bounds time while a head arrives:
+the keep-alive timer is cancelled by the first byte, so a client that trickles header bytes (slowloris)
+holds a connection for ever, and enough of them exhaust the server (uvicorn has no request-start
+timeout; the request for one is still open upstream). Starlette sees a request only once its head is
+complete, so no middleware alone can time it either.
 
-`header_deadline_protocol(timeout_s)` is uvicorn's `H11Protocol` with one addition: while the server
-waits for a request's head (h11's `their_state` is IDLE and bytes have arrived, or the connection has
-just opened) a timer runs, armed once and not reset by further bytes; if the head is not complete when
-it fires, the connection is closed. Once the head is parsed the timer is off, so a long streamed answer
-is never cut. Passed to uvicorn as its `http` protocol class (a documented `Config` option).
+So this module is a small adapter over two public seams, and patches nothing:
+- `HeadWatch.protocol_class()` is an `asyncio.Protocol` given to uvicorn as its `http=` class (a
+  documented `Config` option). It wraps uvicorn's stock h11 protocol by composition: every asyncio
+  call is passed on unchanged; around them a timer runs while a head is awaited (from the connection's
+  opening, and from the first byte after each answer), armed once and not reset by further bytes. If
+  it fires, the connection is closed.
+- `HeadWatch.middleware` is an ASGI middleware: the app being called is the moment the head is
+  complete (the timer stops), the last body message sent is the answer's end. It finds its connection
+  by the client address and port, which name one TCP connection. A long streamed answer is never cut.
 
 The same waits feed the server's `Admission` (admission.py): a connection waiting for its head is
 counted for its client address, and the connections it names (the oldest waiting ones, of an address
-or of all, past the limits) are closed. A connection this module closes leaves uvicorn's count of
-connections (what `limit_concurrency` weighs) at once, not when asyncio later reports it lost (`cut`).
+or of all, past the limits) are closed. A connection closed here is reported lost to uvicorn's protocol
+at once (asyncio's own `connection_lost` comes a loop turn later and is then not passed on), so it
+leaves what `limit_concurrency` counts now: closed-but-not-yet-lost connections of a flood once filled
+that cap and a legitimate request got 503.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol   # uvicorn's `http="h11"`
 
 from flowedge.api.admission import Admission
 from flowedge.errors import ConfigError
@@ -34,75 +41,152 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0
 
 
-class HeaderDeadlineH11(H11Protocol):
-    header_timeout_s: float = HEADER_TIMEOUT_S
-    admission: Admission | None = None   # shared by the server's connections
-    _head_timer: asyncio.TimerHandle | None = None
+class HeadDeadline(asyncio.Protocol):
+    """One connection: uvicorn's protocol inside, the head deadline around it (see the module docstring)."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._watch_head()
+    watch: HeadWatch
+    inner_class: type[asyncio.Protocol] = H11Protocol
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.inner = self.inner_class(*args, **kwargs)   # uvicorn's arguments, passed on as given
+        self.transport: asyncio.Transport | None = None
+        self.peer: tuple[Any, ...] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_request = False
+        self._closed = False
+
+    # asyncio's calls, passed on
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None
+        self.watch.opened(self)
+        self.inner.connection_made(transport)
+        self._await_head()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._watch_head()
+        if self._closed:
+            return
+        if not self._in_request and self._timer is None:
+            self._await_head()
+        self.inner.data_received(data)   # type: ignore[attr-defined]
+
+    def eof_received(self) -> bool | None:
+        return None if self._closed else self.inner.eof_received()   # type: ignore[attr-defined]
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_head_timer()
-        if self.admission is not None:
-            self.admission.done(self)
-        super().connection_lost(exc)
+        self._forget()
+        if not self._closed:
+            self._closed = True
+            self.inner.connection_lost(exc)
 
-    def _waiting_for_head(self) -> bool:
-        return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+    # what the middleware reports
+    def head_done(self) -> None:
+        self._in_request = True
+        self._stop_timer()
 
-    def _watch_head(self) -> None:
-        """Arm the deadline when a head is awaited (once per head); disarm once it is complete."""
-        if not self._waiting_for_head():
-            self._stop_head_timer()
-        elif self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
-            self._admit()
+    def answer_done(self) -> None:
+        self._in_request = False   # the next byte starts the next head's deadline
 
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-            if self.admission is not None:
-                self.admission.done(self)
+    def close(self) -> None:
+        """Close now, and tell uvicorn's protocol now (it stops counting the connection at once)."""
+        if self._closed:
+            return
+        self._forget()
+        self._closed = True
+        self.inner.connection_lost(None)
+        if self.transport is not None:
+            self.transport.close()
 
-    def _admit(self) -> None:
+    def _await_head(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self.watch.timeout_s, self._overdue)
+        self.watch.waiting(self)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self.watch.not_waiting(self)
+
+    def _forget(self) -> None:
+        self._stop_timer()
+        self.watch.closed(self)
+
+    def _overdue(self) -> None:
+        self._timer = None
+        if not self._in_request and not self._closed:
+            client = "%s:%s" % self.peer if self.peer else "a client"
+            log.warning("closing the connection from %s: no complete request head within %g s",
+                        client, self.watch.timeout_s)
+            self.close()
+
+
+class HeadWatch:
+    """A server's connections by client address and port, shared by its protocol class and middleware."""
+
+    def __init__(self, timeout_s: float = HEADER_TIMEOUT_S, admission: Admission | None = None) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"the header timeout must be > 0 s, got {timeout_s}")
+        self.timeout_s, self.admission = float(timeout_s), admission
+        self.connections: dict[tuple[Any, ...], HeadDeadline] = {}
+
+    def protocol_class(self) -> type[HeadDeadline]:
+        """The class for uvicorn's `http=`: each connection it makes reports to this watch."""
+        return type("HeadDeadline", (HeadDeadline,), {"watch": self})
+
+    def middleware(self, app: Any) -> HeadMiddleware:
+        return HeadMiddleware(app, self)
+
+    def opened(self, conn: HeadDeadline) -> None:
+        if conn.peer is not None:
+            self.connections[conn.peer] = conn
+
+    def closed(self, conn: HeadDeadline) -> None:
+        if conn.peer is not None and self.connections.get(conn.peer) is conn:
+            del self.connections[conn.peer]
+
+    def waiting(self, conn: HeadDeadline) -> None:
         """Count this wait for a head; close the waiting connections the admission gives up."""
         if self.admission is None:
             return
-        for other in self.admission.waits(self, self.client[0] if self.client else "?"):
+        for other in self.admission.waits(conn, conn.peer[0] if conn.peer else "?"):
             if self.admission.evicted % 100 == 1:   # once, then every 100th: a flood must not flood the log
                 log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
                             "from one address or in all); the latest from %s", self.admission.evicted,
-                            other.client[0] if other.client else "?")
-            other.cut()
+                            other.peer[0] if other.peer else "?")
+            other.close()
 
-    def _head_overdue(self) -> None:
-        self._head_timer = None
-        if self._waiting_for_head():
-            client = "%s:%d" % self.client if self.client else "a client"
-            log.warning("closing the connection from %s: no complete request head within %g s",
-                        client, self.header_timeout_s)
-            self.cut()
-
-    def cut(self) -> None:
-        """Close this connection, and stop counting it against `limit_concurrency` now: asyncio calls
-        `connection_lost` only on a later turn of its loop, and while a flood of new connections was being
-        accepted the ones closed but not yet lost filled uvicorn's cap, so a legitimate request got 503."""
-        self._stop_head_timer()
-        self.connections.discard(self)
-        self.transport.close()
+    def not_waiting(self, conn: HeadDeadline) -> None:
+        if self.admission is not None:
+            self.admission.done(conn)
 
 
-def header_deadline_protocol(timeout_s: float, admission: Admission | None = None) -> type[HeaderDeadlineH11]:
-    """uvicorn's h11 protocol class with a `timeout_s` deadline for each request head (and, given one,
-    an admission shared by every connection of the server)."""
-    if not timeout_s > 0:
-        raise ConfigError(f"the header timeout must be > 0 s, got {timeout_s}")
-    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": float(timeout_s),
-                                                             "admission": admission})
+class HeadMiddleware:
+    """ASGI middleware (the outermost): tells the request's connection that its head is complete, and
+    when its answer has been sent."""
+
+    def __init__(self, app: Any, watch: HeadWatch) -> None:
+        self.app, self.watch = app, watch
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        client = scope.get("client") if scope["type"] == "http" else None
+        conn = self.watch.connections.get(tuple(client)) if client else None
+        if conn is None:
+            return await self.app(scope, receive, send)
+        conn.head_done()
+
+        async def sending(message: Any) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                conn.answer_done()
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            conn.answer_done()

@@ -8,6 +8,8 @@ headers: they cost nothing and a browser that opens one directly treats it the s
 """
 from __future__ import annotations
 
+from starlette.datastructures import MutableHeaders
+
 CONTENT_SECURITY_POLICY = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                            "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
                            "frame-ancestors 'none'")
@@ -32,9 +34,9 @@ class SecurityHeaders:
 
         async def with_headers(message) -> None:
             if message["type"] == "http.response.start":
-                have = {k.lower() for k, _ in message.get("headers", ())}
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  *(h for h in HEADERS if h[0] not in have)]}
+                headers = MutableHeaders(scope=message)   # Starlette's view, editing the message's list
+                for name, value in HEADERS:
+                    headers.setdefault(name.decode(), value.decode())
             await send(message)
 
         await self.app(scope, receive, with_headers)

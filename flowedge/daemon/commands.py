@@ -13,8 +13,7 @@ import click
 
 from flowedge.core.config import DRAFT_QUANTS
 from flowedge.daemon.client_answer import Answer
-from flowedge.daemon.config import (DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES,
-                                    load_node_config)
+from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES
 from flowedge.daemon.head_search import HeadSearch, search_lan
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
@@ -99,6 +98,7 @@ def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage
           stall_timeout, max_concurrent, kv_budget_tokens) -> None:
     """Run one node (head or stage) as a long-lived daemon."""
     daemon_logging()
+    from flowedge.daemon.config_file import load_node_config   # pydantic: the node extra
     _run_node(load_node_config(config_path, role=role, threads=threads, cluster=cluster,
                                discovery=False if no_discovery else None, heartbeat_ms=heartbeat_ms,
                                stage_timeout_s=stage_timeout, client_timeout_s=client_timeout, recovery_s=recovery,
@@ -139,6 +139,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
                                    "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
         search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
+    from flowedge.daemon.config_file import load_node_config
     cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
@@ -361,10 +362,10 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
 @contextmanager
 def _showing_progress(cluster):
     """While a local cluster starts: follow its logs' progress lines (download, conversion, split,
-    shard fetch) and show them here, as a bar on a terminal, as plain lines otherwise."""
-    from flowedge.progress import ProgressTail, TerminalProgress
+    shard fetch) and show them here: a tqdm status line on a terminal, plain lines otherwise."""
+    from flowedge.progress import NodeProgress, ProgressTail
 
-    shown = TerminalProgress()
+    shown = NodeProgress()
     tail = ProgressTail(cluster.log_paths(), shown)
     stop = threading.Event()
 
@@ -380,6 +381,7 @@ def _showing_progress(cluster):
         stop.set()
         follower.join()
         tail.poll()
+        shown.close()
 
 
 def _int_list(text: str | None) -> list[int]:

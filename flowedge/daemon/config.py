@@ -1,14 +1,14 @@
 """Node configuration: one dataclass, read from TOML (`/etc/flowedge/flowedge.toml` by default).
 
 Every key is optional except what the role needs; unknown keys are an error (a typo must not
-silently fall back to a default). See `flowedge/data/flowedge.toml.example` (installed with the package,
+silently fall back to a default). A file is checked by pydantic (`config_file.NodeFile`) before it
+becomes a `NodeConfig`, whose own checks cover configs built in code and the rules across keys. See `flowedge/data/flowedge.toml.example` (installed with the package,
 `EXAMPLE_CONFIG`) for a commented file.
 """
 from __future__ import annotations
 
 import os
-import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flowedge.core.config import DRAFT_QUANTS, LM_HEAD_PLACES, STRATEGY_NAMES
@@ -218,26 +218,3 @@ def split_addr(addr: str) -> tuple[str, int]:
 
 def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
-
-
-def load_node_config(path: Path | str | None, **overrides) -> NodeConfig:
-    """Read a TOML file (keys at top level or under [flowedge]) and apply CLI overrides."""
-    values: dict = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist "
-                              f"(see the commented example at {EXAMPLE_CONFIG})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        values = data.get("flowedge", data)
-        known = {f.name for f in fields(NodeConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
-    try:
-        return NodeConfig(**values).with_(**overrides)
-    except TypeError as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from None

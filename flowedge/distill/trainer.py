@@ -81,11 +81,11 @@ def prepare_records(cfg: TrainConfig, model, tokenizer, stops: set[int]) -> Feat
 
     store = FeatureStore(cfg.work / "records")
     prompts = [encode_prompt(tokenizer, text, chat=True) for text in corpus.INSTRUCTIONS[: cfg.answers]]
-    bar = Progress("base answers", cfg.answers * cfg.answer_tokens, unit="tokens", scale=1)
+    bar = Progress("base answers", cfg.answers * cfg.answer_tokens, unit="tokens")
     extract_answers(model, store, prompts, cfg.answer_tokens, stops, cfg.answer_batch, bar.advance)
     bar.finish()
     n_text = cfg.text_tokens // cfg.seq_len
-    bar = Progress("base features over text", n_text * cfg.seq_len, unit="tokens", scale=1)
+    bar = Progress("base features over text", n_text * cfg.seq_len, unit="tokens")
     chunks = corpus.token_chunks(tokenizer, corpus.site_packages(), cfg.seed, cfg.seq_len)
     extract_text(model, store, chunks, n_text, bar.advance)
     bar.finish()
@@ -220,7 +220,7 @@ class Trainer:
     def run(self) -> None:
         cfg, t0 = self.cfg, time.monotonic()
         order = self.order()
-        bar = Progress("training the draft head", self.total_steps, unit="steps", scale=1)
+        bar = Progress("training the draft head", self.total_steps, unit="steps")
         bar.update(self.step)
         recent: list[float] = []
         if self.step == 0:
