@@ -47,6 +47,7 @@ class NodeFile(BaseModel):
     stage_timeout_s: Seconds = _D["stage_timeout_s"]
     client_timeout_s: Seconds = _D["client_timeout_s"]
     recovery_s: Seconds = _D["recovery_s"]
+    replan_on_loss: bool = _D["replan_on_loss"]
     stall_timeout_s: Seconds = _D["stall_timeout_s"]
     max_concurrent: int = Field(_D["max_concurrent"], ge=1)
     kv_budget_tokens: int = Field(_D["kv_budget_tokens"], ge=0)
@@ -70,6 +71,7 @@ class NodeFile(BaseModel):
     data_port: int | str = _D["data_port"]
     advertise: str = _D["advertise"]
     same_host: bool = _D["same_host"]
+    memory_offer_gib: float = Field(_D["memory_offer_gib"], ge=0)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
