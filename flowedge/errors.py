@@ -80,6 +80,25 @@ class ProtocolError(FlowedgeError):
         super().__init__(bounded(message, self.MAX_CHARS))
 
 
+class Refused(ProtocolError):
+    """A peer answered, and the answer was no: it sent a Refuse (wrong keys, a slot taken...) or speaks
+    another protocol version. Asking again at once gets the same answer, unlike a peer that is silent."""
+
+
+class VersionMismatch(Refused):
+    """A peer speaks a protocol version this node cannot read (another major, or a minor too old for a
+    message type)."""
+
+
+class BodyRefused(FlowedgeError):
+    """An HTTP request body the front will not read: `status` is 400 (malformed or incomplete) or 413
+    (over the size limit)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def bounded(text: object, max_chars: int) -> str:
     """`text` cut to at most `max_chars` characters (an ellipsis marks the cut)."""
     text = str(text)

@@ -33,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "threads": (),
     "allocator": (),
     "systemd": (),
-    "datasets": ("errors",),
+    "datasets": ("errors", "home"),
     # the pure speculation core, then the costs of running it on profiled devices
     "core": ("errors",),
     "costs": ("core", "errors"),
@@ -42,7 +42,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "models": ("allocator", "errors", "filenames", "home", "kernels", "progress"),
     # the sans-IO engine, and the wire (independent of each other)
     "engine": ("core", "costs", "errors", "models"),
-    "transport": ("core", "errors", "filenames"),
+    "transport": ("core", "errors", "filenames", "home"),
     # drivers and users of the engine
     "sim": ("core", "costs", "engine", "errors", "models"),
     "runner": ("core", "engine", "errors", "models", "sim"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowedge.daemon.client_answer import Answer, answer_from
-from flowedge.errors import FlowedgeError, ProtocolError, refusal
+from flowedge.errors import FlowedgeError, ProtocolError, Refused, refusal
 from flowedge.transport import protocol as proto
 
 # A head answers HELLO from its event loop at once; silence this long means no head there. Short, so
@@ -294,7 +294,7 @@ class ClientCore:
         self.control = None
         try:
             if isinstance(msg, proto.Refuse):
-                raise ProtocolError(f"refused by peer: {msg.reason}")
+                raise Refused(f"refused by peer: {msg.reason}")
             if not isinstance(msg, proto.Welcome):
                 raise ProtocolError(f"expected WELCOME after HELLO, got {msg.TYPE}")
             proto.check_version(msg.version)
