@@ -267,16 +267,19 @@ def test_a_packed_forward_refuses_a_mask_that_does_not_fit_its_cache(tiny_pair):
 def test_every_admitted_head_sees_the_requests_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py):
     each head admitted reads the scheduler's count, not its own view of one."""
-    from flowedge.engine.jobs import Limits
+    from flowedge.engine.jobs import Limits, RequestEngine
     from flowedge.engine.scheduler import Scheduler
 
-    class Head:
+    class Head(RequestEngine):
         running_requests = staticmethod(lambda: 1)
         outputs: list[int] = []
         stats = None
         finished = False
 
-        def start(self, request_id, prompt, max_new, params):
+        def start(self, request_id, prompt_ids, max_new_tokens, params):
+            return []
+
+        def receive(self, event):
             return []
 
     heads = []
