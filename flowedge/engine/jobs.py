@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.events import Compute, Done, Send
+from flowedge.engine.events import Compute, Done, Offload, Send
 from flowedge.errors import ClusterNotReady, ConfigError
 
 REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
@@ -146,9 +146,10 @@ def not_whole(lost_why: str, missing: str, recovery_s: float) -> str:
 # ---- actions ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class FromEngine:
-    """An engine's own action for its request: a `Send` to the stages or a `Compute` to charge."""
+    """An engine's own action for its request: a `Send` to the stages, a `Compute` to charge or an
+    `Offload` for a drafter."""
     key: int
-    action: Send | Compute
+    action: Send | Compute | Offload
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,21 @@ attention mask is built over the same order.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class CacheLike(Protocol):
+    """What a stage's bookkeeping asks of a request's cache: KVCache, or a stand-in holding lengths only
+    (the simulator's oracle verification)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def keep(self, idx: torch.Tensor) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
 
 
 class KVCache:

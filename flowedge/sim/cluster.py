@@ -38,7 +38,7 @@ def message_bytes(msg) -> int:
     if isinstance(msg, Segment):
         n = len(msg)
         chose = msg.hidden is None   # the last stage chose tokens
-        hidden = 0 if chose else msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES
+        hidden = 0 if msg.hidden is None else msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES
         tokens = 4 * n if chose else 0    # chosen tokens travel as int32 (charged per row, as before 1.4)
         return HEADER_BYTES + hidden + tokens + 3 * n * 4
     if isinstance(msg, Prune):
