@@ -64,6 +64,11 @@ def refusal(message: str) -> RequestFailed:
     return RequestFailed(message)
 
 
+class HeadUnreachable(FlowedgeError):
+    """A client found no head to talk to: nothing answered its HELLO, or what answered refused it or spoke
+    another protocol. Retrying at once does not help (an HTTP front tells its clients not to)."""
+
+
 class BackendUnavailable(FlowedgeError):
     """A quantization backend cannot run here; the message names one that can."""
 
