@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import time
+from collections.abc import Sequence
 
 from flowedge.api.dashboard import is_open
 from flowedge.api.rate_limit import RateLimit
@@ -30,7 +31,7 @@ def error_body(message: str, kind: str = "invalid_request_error", code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-async def send_json(send, status: int, obj: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_json(send, status: int, obj: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
