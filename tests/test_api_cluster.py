@@ -217,7 +217,7 @@ def _metric_families(stack) -> dict:
 
 
 def test_metrics_parse_and_count(stack, oai):
-    unauthorized_before = _metric_families(stack)["flowedge_http_requests"]
+    requests_before = _metric_families(stack)["flowedge_http_requests"]
     httpx.post(stack["url"] + "/v1/completions", json={"model": NAME, "prompt": PROMPT})   # no key: 401
     oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0)
     families = _metric_families(stack)
@@ -229,7 +229,7 @@ def test_metrics_parse_and_count(stack, oai):
 
     assert value("flowedge_http_requests_total", endpoint="/v1/completions", outcome="ok") >= 1
     unauthorized = value("flowedge_http_requests_total", outcome="unauthorized")
-    assert unauthorized == value("flowedge_http_requests_total", unauthorized_before, outcome="unauthorized") + 1
+    assert unauthorized == value("flowedge_http_requests_total", requests_before, outcome="unauthorized") + 1
     assert value("flowedge_tokens_generated_total") >= 5
     assert value("flowedge_cluster_ready") == 1 and value("flowedge_head_up") == 1
     assert value("flowedge_requests_in_flight") == 0 and value("flowedge_queue_depth") == 0

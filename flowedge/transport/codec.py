@@ -328,8 +328,8 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(f"unknown message type {quote(kind)}")
     if header["v"][0] == PROTOCOL_VERSION[0] and header["v"][1] < cls.MIN_MINOR:
         raise VersionMismatch(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}: this "
-                            f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
-                            f"(upgrade every node of the cluster together)")
+                              f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
+                              f"(upgrade every node of the cluster together)")
     return cls._from_header(header, frames[1:])
 
 
