@@ -78,7 +78,8 @@ class RequestGuard:
                     kind="rate_limit_error", code="rate_limit_exceeded"),
                     [(b"retry-after", RateLimit.retry_after(wait).encode())])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if scope["path"] not in OPEN_PATHS and not is_open(scope["path"]) and not key_ok(headers.get("authorization"), self.settings.api_keys):
+        keyed = scope["path"] not in OPEN_PATHS and not is_open(scope["path"])
+        if keyed and not key_ok(headers.get("authorization"), self.settings.api_keys):
             self.on_refused(401)
             return await send_json(send, 401, error_body(
                 "missing or wrong API key: send `Authorization: Bearer KEY`", code="invalid_api_key"),

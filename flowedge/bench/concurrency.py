@@ -118,7 +118,8 @@ def concurrency_table(results: dict) -> str:
     one = {r["strategy"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["strategy"] == "ar-pp"}
     lines = [f"Config: model={cfg['model']}, draft={cfg['draft']}, {len(cfg['prompts'])} prompts arriving together "
-             f"({', '.join(cfg['prompts'])}), max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, "
+             f"({', '.join(cfg['prompts'])}), max_new_tokens={cfg['max_new_tokens']}, "
+             f"temperature={cfg['temperature']}, "
              f"nodes={cfg['nodes']}, profile={cfg['profile']}, verify={cfg['verify']}, driver={cfg['driver']}",
              "",
              "\"matches\": the simulator compares every answer with plain greedy decoding; the zmq driver with the "

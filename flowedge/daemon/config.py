@@ -68,7 +68,7 @@ class NodeConfig:
     layers: list[int] = field(default_factory=list)   # layers per stage; empty = planned from the
                                               # stages' devices and free memory (flowedge/plan/)
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
-    strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
+    strategy: str = "auto"                    # for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
     wire_dtype: str = DEFAULT_WIRE_DTYPE      # hidden states on the wire (see DEFAULT_WIRE_DTYPE)
     quant: str = "int4"                       # stage weights: int4 (W4A16 shards, the default) | none (16-bit
                                               # shards) | nf4 (16-bit shards, bitsandbytes at load) | auto

@@ -7,9 +7,9 @@ of rewriting them as coroutines, `DraftBatcher.run_step` runs each request's han
 and every `Drafter._run` call goes through `forward`, which waits until every handler still running has
 made its next call (or finished), then runs them all as one forward (packed rows, each drafter
 attending over its own KV cache: `StageModel.forward_packed`) and hands each its rows. The k-th batch
-holds the k-th call of every handler still running, packed in handler order, so a step is deterministic. With one handler
-the call runs alone, exactly as without the batcher. Threads only wait on each other here: torch runs
-the forward with the GIL released, and the handlers' Python bookkeeping is small next to it.
+holds the k-th call of every handler still running, packed in handler order, so a step is deterministic.
+With one handler the call runs alone, exactly as without the batcher. Threads only wait on each other
+here: torch runs the forward with the GIL released, and the handlers' Python bookkeeping is small next to it.
 """
 from __future__ import annotations
 

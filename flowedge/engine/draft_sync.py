@@ -100,7 +100,8 @@ def roots_free(drafter: Drafter, context: list[int]) -> bool:
     return node is not None and bool(drafter._slots.ran[node])
 
 
-def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int, lookup: int) -> DraftSnapshot | None:
+def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int,
+             lookup: int) -> DraftSnapshot | None:
     """Node 0's tree at `context` for a drafter whose replica holds the first `keep` committed rows. The
     drafter must already be rooted at `context` (`Drafter.advance(context, 0, ...)`); None if it is not."""
     if drafter.base is None or drafter.context != list(context) or drafter.committed != len(context):
