@@ -1,5 +1,5 @@
-"""Several requests in one pipeline (the scheduler, engine/scheduler.py, + the stages' batched forwards): every request's
-output token-identical to running it alone at T=0, the base distribution when sampling, KV freed on every
+"""Several requests in one pipeline (the scheduler, engine/scheduler.py, + the stages' batched forwards): every
+request's output token-identical to running it alone at T=0, the base distribution when sampling, KV freed on every
 stage when a request ends or is cancelled, admission within the KV budget, first come first served."""
 from __future__ import annotations
 

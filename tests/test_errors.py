@@ -12,8 +12,13 @@ import flowedge
 from flowedge import errors
 
 PACKAGE = Path(flowedge.__file__).resolve().parent
-ERROR_NAMES = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
-BUILTIN_ERRORS = {name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+def _error_names(module: object) -> set[str]:
+    return {name for name, obj in vars(module).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+ERROR_NAMES, BUILTIN_ERRORS = _error_names(errors), _error_names(builtins)
 
 
 def error_classes_outside_errors_py() -> list[str]:

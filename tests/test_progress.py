@@ -69,7 +69,8 @@ def test_tail_shows_only_new_whole_progress_lines(tmp_path):
         f.write("20 MB)\n")
     (tmp_path / "stage-1.log").write_text("progress: fetching shard ab 100.0% (2/2 MB) done\n")
     tail.poll()
-    assert seen[1:] == [("head", "converting m 50.0% (10/20 MB)"), ("stage-1", "fetching shard ab 100.0% (2/2 MB) done")]
+    assert seen[1:] == [("head", "converting m 50.0% (10/20 MB)"),
+                        ("stage-1", "fetching shard ab 100.0% (2/2 MB) done")]
 
 
 def test_terminal_progress_plain_lines_when_piped():
@@ -82,4 +83,5 @@ def test_terminal_progress_plain_lines_when_piped():
     shown = TerminalProgress(tty)
     shown("head", "converting m 50.0% (10/20 MB)")
     shown.note("  1/2 stages ready")
-    assert tty.getvalue().startswith("\r\033[K  head: converting m [") and tty.getvalue().endswith("\n  1/2 stages ready\n")
+    assert tty.getvalue().startswith("\r\033[K  head: converting m [")
+    assert tty.getvalue().endswith("\n  1/2 stages ready\n")
