@@ -112,12 +112,16 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
 @main.command()
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option("--draft", default=DEFAULT_DRAFT, show_default=True,
-              help="Draft model or draft head (head:NAME); 'oracle': each drafting strategy also runs as <name>@oracle with perfect "
-                   "proposals (the reference answer) at this default draft's cost (sim driver, T=0).")
-@click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec,auto", show_default=True)
+              help="Draft model or draft head (head:NAME); 'oracle': each drafting strategy also runs as "
+                   "<name>@oracle with perfect proposals (the reference answer) at this default draft's cost "
+                   "(sim driver, T=0).")
+@click.option("--strategies", default="ar-pp,naive-pp,pruned-pp,flowspec-nosbd,flowspec,pipedec,auto",
+              show_default=True)
 @click.option("--prompts", "prompt_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help='A .jsonl file with one {"prompt": ...} per line.')
-@click.option("--dataset", "datasets", multiple=True, help="mt-bench | humaneval | mt-bench:CATEGORY (writing, roleplay, reasoning, math, coding, extraction, stem, humanities; repeatable).")
+@click.option("--dataset", "datasets", multiple=True,
+              help="mt-bench | humaneval | mt-bench:CATEGORY (writing, roleplay, reasoning, math, coding, "
+                   "extraction, stem, humanities; repeatable).")
 @click.option("--samples", default=10, show_default=True, type=int, help="Prompts per dataset.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--temperature", default=0.0, show_default=True, type=float)

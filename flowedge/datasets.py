@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import subprocess
 import sys
 import zipfile
@@ -24,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from flowedge.errors import ConfigError, ModelError
+from flowedge.home import flowedge_home
 
 log = logging.getLogger(__name__)
 
-HOME_ENV = "FLOWEDGE_HOME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +71,7 @@ def known_datasets() -> list[str]:
 
 def datasets_dir() -> Path:
     """$FLOWEDGE_HOME/datasets (default ~/.cache/flowedge/datasets)."""
-    home = os.environ.get(HOME_ENV) or str(Path.home() / ".cache" / "flowedge")
-    return Path(home) / "datasets"
+    return flowedge_home() / "datasets"
 
 
 def load_prompts(dataset: str, samples: int) -> list[Prompt]:

@@ -64,6 +64,11 @@ def refusal(message: str) -> RequestFailed:
     return RequestFailed(message)
 
 
+class HeadUnreachable(FlowedgeError):
+    """A client found no head to talk to: nothing answered its HELLO, or what answered refused it or spoke
+    another protocol. Retrying at once does not help (an HTTP front tells its clients not to)."""
+
+
 class BackendUnavailable(FlowedgeError):
     """A quantization backend cannot run here; the message names one that can."""
 
@@ -78,6 +83,25 @@ class ProtocolError(FlowedgeError):
 
     def __init__(self, message: object = "") -> None:
         super().__init__(bounded(message, self.MAX_CHARS))
+
+
+class Refused(ProtocolError):
+    """A peer answered, and the answer was no: it sent a Refuse (wrong keys, a slot taken...) or speaks
+    another protocol version. Asking again at once gets the same answer, unlike a peer that is silent."""
+
+
+class VersionMismatch(Refused):
+    """A peer speaks a protocol version this node cannot read (another major, or a minor too old for a
+    message type)."""
+
+
+class BodyRefused(FlowedgeError):
+    """An HTTP request body the front will not read: `status` is 400 (malformed or incomplete) or 413
+    (over the size limit)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def bounded(text: object, max_chars: int) -> str:

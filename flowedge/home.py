@@ -9,6 +9,6 @@ HOME_ENV = "FLOWEDGE_HOME"
 
 
 def flowedge_home() -> Path:
-    """Cache root: $FLOWEDGE_HOME, else ~/.cache/flowedge."""
+    """Cache root: $FLOWEDGE_HOME (`~` expanded; empty counts as unset), else ~/.cache/flowedge."""
     env = os.environ.get(HOME_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "flowedge"

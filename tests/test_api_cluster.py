@@ -211,18 +211,25 @@ def test_a_bad_content_length_is_answered_not_hung(stack):
     assert junk.startswith(b"HTTP/1.1 400") and took < 2, (junk, took)
 
 
-def test_metrics_parse_and_count(stack, oai):
-    oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0)
+def _metric_families(stack) -> dict:
     text = httpx.get(stack["url"] + "/metrics", headers=_auth()).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
-    def value(name: str, **labels) -> float:   # a counter's family drops the sample's _total
-        family = families[name.removesuffix("_total")]
+
+def test_metrics_parse_and_count(stack, oai):
+    requests_before = _metric_families(stack)["flowedge_http_requests"]
+    httpx.post(stack["url"] + "/v1/completions", json={"model": NAME, "prompt": PROMPT})   # no key: 401
+    oai.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0)
+    families = _metric_families(stack)
+
+    def value(name: str, family=None, **labels) -> float:   # a counter's family drops the sample's _total
+        family = family or families[name.removesuffix("_total")]
         return sum(s.value for s in family.samples
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     assert value("flowedge_http_requests_total", endpoint="/v1/completions", outcome="ok") >= 1
-    assert value("flowedge_http_requests_total", outcome="unauthorized") >= 0
+    unauthorized = value("flowedge_http_requests_total", outcome="unauthorized")
+    assert unauthorized == value("flowedge_http_requests_total", requests_before, outcome="unauthorized") + 1
     assert value("flowedge_tokens_generated_total") >= 5
     assert value("flowedge_cluster_ready") == 1 and value("flowedge_head_up") == 1
     assert value("flowedge_requests_in_flight") == 0 and value("flowedge_queue_depth") == 0

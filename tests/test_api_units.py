@@ -539,7 +539,8 @@ def test_a_missing_stage_is_503_with_retry_after_naming_the_stage():
 
 
 @pytest.mark.parametrize("content,says", [
-    ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], "image content parts are not supported; send text"),
+    ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+     "image content parts are not supported; send text"),
     ([{"type": "text", "text": "hi"}, {"type": "input_audio", "input_audio": {}}],
      "input_audio content parts are not supported; send text"),
     (5, "must be a string or a list of text parts"),

@@ -181,7 +181,8 @@ def test_score_aware_pick_matches_brute_force(seed: int, n: int, m: int, total: 
     for j in picked:  # appended with the base score, offset by the root's
         node = alive_paths(tree, alive2, root)[path_of[j]]
         assert node[0] >= old_n
-        assert float(tree.log_scores[node[0]]) == pytest.approx(float(base.log_scores[j]) + float(tree.log_scores[root]))
+        want = float(base.log_scores[j]) + float(tree.log_scores[root])
+        assert float(tree.log_scores[node[0]]) == pytest.approx(want)
 
 
 def test_score_aware_pick_errors() -> None:

@@ -172,7 +172,8 @@ def test_every_request_method_names_its_arguments(method):
     """Before: `AsyncClient.stream(prompt, **kwargs)` hid them from help(), an IDE and mypy."""
     params = inspect.signature(method).parameters
     assert not any(p.kind is p.VAR_KEYWORD or p.kind is p.VAR_POSITIONAL for p in params.values())
-    want = [n for n in inspect.signature(prompt_request).parameters if n not in ("rid", "client")]   # client: set per connection
+    # client: set per connection
+    want = [n for n in inspect.signature(prompt_request).parameters if n not in ("rid", "client")]
     assert list(params)[1:] == want   # self, then prompt_request's: one list for every method
     assert {"max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop", "strategy"} <= set(params)
 

@@ -5,7 +5,7 @@ import pytest
 
 from flowedge.daemon.client_core import (CONTROL, DEFAULT_MAX_NEW_TOKENS, HELLO_TIMEOUT_S, ClientCore, Done, Failed,
                                          Piece, Send, Status, Welcomed, prompt_request)
-from flowedge.errors import ContextOverflow, FlowedgeError, ProtocolError, RequestFailed
+from flowedge.errors import ContextOverflow, FlowedgeError, HeadUnreachable, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
 
 ADDR = "10.0.0.1:5555"
@@ -46,7 +46,7 @@ def test_a_bad_answer_to_hello_fails_the_handshake(reply, why):
     core = ClientCore(ADDR)
     core.hello(0.0)
     [event] = core.receive(reply, 0.1)
-    assert isinstance(event, Failed) and event.request_id == CONTROL
+    assert isinstance(event, Failed) and event.request_id == CONTROL and isinstance(event.error, HeadUnreachable)
     assert str(event.error).startswith(f"cannot reach a flowedge head at {ADDR}: ") and why in str(event.error)
     assert not core.welcomed and core.next_deadline() is None
 
@@ -57,7 +57,8 @@ def test_a_silent_head_fails_hello_after_the_short_hello_timeout():
     assert core.next_deadline() == 10.0 + HELLO_TIMEOUT_S
     assert core.expire(10.0 + HELLO_TIMEOUT_S - 0.01) == []
     [event] = core.expire(10.0 + HELLO_TIMEOUT_S)
-    assert event.request_id == CONTROL and "cannot reach a flowedge head" in str(event.error)
+    assert event.request_id == CONTROL and isinstance(event.error, HeadUnreachable)
+    assert "cannot reach a flowedge head" in str(event.error)
     short = ClientCore(ADDR, timeout_s=0.5)
     short.hello(0.0)
     assert short.next_deadline() == 0.5   # a client's own shorter timeout wins

@@ -250,7 +250,8 @@ def _next_engine_id(cluster) -> int:
     """The id the head will give the next request (its log names every request it starts)."""
     import re
 
-    started = [int(n) for n in re.findall(r"request (\d+): \d+ prompt tokens", (cluster.run_dir / "head.log").read_text())]
+    head_log = (cluster.run_dir / "head.log").read_text()
+    started = [int(n) for n in re.findall(r"request (\d+): \d+ prompt tokens", head_log)]
     return max(started, default=0) + 1
 
 

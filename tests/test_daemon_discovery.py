@@ -218,7 +218,8 @@ def test_join_without_an_address_finds_the_head_by_mdns(namespaces, tiny_pair, t
     stage = _in(ns_stage, ["join", "--cluster", "lab", "--discover-timeout", "90", "--keys", str(head_home / "keys"),
                            "--node-id", "edge-1", "--threads", "1"],
                 {"FLOWEDGE_HOME": str(stage_home)}, tmp_path / "stage.log")
-    logs = lambda: "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))  # noqa: E731
+    logs = lambda: "\n".join(  # noqa: E731
+        f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log")))
     try:
         deadline, nodes = time.monotonic() + 150, []
         while time.monotonic() < deadline and head.poll() is None and stage.poll() is None:

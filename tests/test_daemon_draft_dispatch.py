@@ -277,7 +277,8 @@ def test_fuzz_answers_never_raise_and_settle_each_job_once(draft_model, snap, da
             request_id=data.draw(st.sampled_from([1, 2, 3])), seq=data.draw(st.sampled_from([1, 2])),
             tokens=torch.tensor(data.draw(st.lists(st.integers(0, 400), min_size=n, max_size=n))),
             parents=torch.tensor([data.draw(st.integers(0, i)) for i in range(n - 1)], dtype=torch.long),
-            log_scores=torch.tensor(data.draw(st.lists(st.floats(-50, 0), min_size=n, max_size=n)), dtype=torch.float32),
+            log_scores=torch.tensor(data.draw(st.lists(st.floats(-50, 0), min_size=n, max_size=n)),
+                                    dtype=torch.float32),
             ran=torch.arange(1, r + 1), rows=torch.zeros(layers, 2, snap.rows.shape[2], r, snap.rows.shape[4]))
         d.on_answer(peer, msg)
     clock.now += DRAFT_TIMEOUT_S

@@ -181,7 +181,8 @@ def test_a_drafter_with_nothing_on_it_fetches_the_draft_model_from_the_head(clus
 
 
 # ---- the drafter node in this process, on the in-memory link, against a head played by the test ----------
-def _memory_drafter(head: ScriptedHead, net: MemoryNetwork, tmp_path: Path, loader) -> tuple[DrafterNode, threading.Thread]:
+def _memory_drafter(head: ScriptedHead, net: MemoryNetwork, tmp_path: Path,
+                    loader) -> tuple[DrafterNode, threading.Thread]:
     cfg = NodeConfig(role="drafter", node_id="d1", head=head.addr, insecure=True, heartbeat_ms=50, stage_timeout_s=10.0)
     node = DrafterNode(cfg, NodeParts(net.link(), DropLog(logging.getLogger(__name__)), tmp_path), loader=loader)
     thread = threading.Thread(target=node.run, daemon=True)

@@ -60,7 +60,8 @@ def test_join_fetches_a_verified_shard_caches_it_and_survives_a_dead_stage(tiny_
     addr = f"127.0.0.1:{port}"
     cfg = tmp_path / "head.toml"
     cfg.write_text(f'role = "head"\nhead = "{addr}"\nmodel = "{base}"\ndraft = "{draft}"\nstages = 1\n'
-                   f'threads = 1\nwire_dtype = "float32"\nstage_timeout_s = 3.0\nheartbeat_ms = 500\nrecovery_s = 3.0\n')
+                   f'threads = 1\nwire_dtype = "float32"\nstage_timeout_s = 3.0\nheartbeat_ms = 500\n'
+                   f'recovery_s = 3.0\n')
     head_env = {**os.environ, "FLOWEDGE_HOME": str(head_home)}
     stage_env = {"FLOWEDGE_HOME": str(stage_home)}
     keys = ["--keys", str(head_home / "keys"), "--node-id", "edge-1", "--stage-timeout", "3"]
@@ -283,7 +284,8 @@ def _a_killed_stage_is_started_again_by_the_supervisor(run_dir: Path, port: str,
 
     state = json.loads((run_dir / "cluster.json").read_text())
     os.kill(state["pids"][1], signal.SIGKILL)
-    assert wait_for_text(run_dir / "supervisor.log", "stage-1 restarted (pid", 30), (run_dir / "supervisor.log").read_text()
+    supervisor_log = run_dir / "supervisor.log"
+    assert wait_for_text(supervisor_log, "stage-1 restarted (pid", 30), supervisor_log.read_text()
     assert "stage-1 exited; restarting it in 1 s" in (run_dir / "supervisor.log").read_text()
     new = json.loads((run_dir / "cluster.json").read_text())["pids"][1]
     assert new != state["pids"][1] and psutil.pid_exists(new)

@@ -1,5 +1,5 @@
-"""The head's parts without sockets: its requests (requests.py, the driver of engine/scheduler.py) and membership (membership.py),
-fed events, checked on the actions they take."""
+"""The head's parts without sockets: its requests (requests.py, the driver of engine/scheduler.py) and
+membership (membership.py), fed events, checked on the actions they take."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,8 @@ from flowedge.daemon.kv_budget import StageMemory, stage_budget, tightest
 from flowedge.engine.jobs import KvBudget
 from flowedge.plan.memory import kv_bytes_per_token
 from flowedge.daemon.membership import ClientGone, Membership, StageLost
-from flowedge.daemon.requests import HeadRequests, Prepared
-from flowedge.engine.jobs import Limits, replay_params
+from flowedge.daemon.requests import EnginePort, HeadRequests, OutPort, Prepared
+from flowedge.engine.jobs import Limits, RequestEngine, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
 from flowedge.errors import ContextOverflow, FlowedgeError
 from flowedge.transport import protocol as proto
@@ -19,22 +19,22 @@ from flowedge.transport import protocol as proto
 PROMPT = [5, 6, 7]
 
 
-class FakeEngine:
+class FakeEngine(RequestEngine):
     """Emits the token each event carries; done after max_new tokens. Records every start."""
 
     def __init__(self) -> None:
         self.starts: list[tuple[int, list[int], int, SamplingParams]] = []
 
-    def start(self, engine_id, ids, max_new, params):
-        self.starts.append((engine_id, list(ids), max_new, params))
-        self.left = max_new
-        return [Send(1, f"prefill-{engine_id}")]
+    def start(self, request_id, prompt_ids, max_new_tokens, params):
+        self.starts.append((request_id, list(prompt_ids), max_new_tokens, params))
+        self.left = max_new_tokens
+        return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, token):
-        if token == "boom":
+    def receive(self, event):
+        if event == "boom":
             raise IndexError("node id 99 out of range")   # what a bogus returned segment did
         self.left -= 1
-        return [Emit([token])] + ([Done([token], Stats())] if self.left == 0 else [])
+        return [Emit([event])] + ([Done([event], Stats())] if self.left == 0 else [])
 
 
 class Text:
@@ -48,12 +48,15 @@ class Text:
         pass
 
 
-class FakePort:
+class FakePort(EnginePort, OutPort):
+    """Both of the head's ports: engines from a FakeEngine, every message out recorded."""
+
     def __init__(self) -> None:
         self.engine_ = FakeEngine()
         self.client: list[tuple[bytes, proto.Message]] = []
         self.stages: list = []
         self.resets: list[int] = []
+        self.offloads: list[tuple[int, object]] = []
         self.budget: KvBudget | None = None
 
     def kv_budget(self):
@@ -70,8 +73,8 @@ class FakePort:
     def engine(self, strategy):
         return self.engine_
 
-    def accept(self, engine, segment):
-        return segment
+    def accept(self, engine, msg):
+        return msg
 
     def text_stream(self, sink):
         return Text(sink)
@@ -84,6 +87,9 @@ class FakePort:
 
     def reset_stages(self, engine_id):
         self.resets.append(engine_id)
+
+    def offload(self, key, action):
+        self.offloads.append((key, action))
 
     def finish_stats(self, req, done):
         return {"new_tokens": len(req.emitted), "replays": req.replays}
@@ -380,14 +386,14 @@ def test_a_bad_request_fails_with_its_error_and_a_stalled_one_is_replayed():
     assert len(port.engine_.starts) == 2 and port.resets == [port.engine_.starts[0][0]]
 
 
-class ChainEngine:
+class ChainEngine(RequestEngine):
     """A segment n leads to follow-ups n.1 and n.2, n.1 to n.1.1; the leaves (n.1.1, n.2) emit a token."""
 
     def __init__(self, log: list) -> None:
         self.log, self.left = log, 0
 
-    def start(self, engine_id, ids, max_new, params):
-        self.id, self.left = engine_id, max_new
+    def start(self, request_id, prompt_ids, max_new_tokens, params):
+        self.id, self.left = request_id, max_new_tokens
         return []
 
     def receive(self, event):

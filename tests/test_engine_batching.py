@@ -1,5 +1,5 @@
-"""Several requests in one pipeline (the scheduler, engine/scheduler.py, + the stages' batched forwards): every request's
-output token-identical to running it alone at T=0, the base distribution when sampling, KV freed on every
+"""Several requests in one pipeline (the scheduler, engine/scheduler.py, + the stages' batched forwards): every
+request's output token-identical to running it alone at T=0, the base distribution when sampling, KV freed on every
 stage when a request ends or is cancelled, admission within the KV budget, first come first served."""
 from __future__ import annotations
 
@@ -267,16 +267,19 @@ def test_a_packed_forward_refuses_a_mask_that_does_not_fit_its_cache(tiny_pair):
 def test_every_admitted_head_sees_the_requests_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py):
     each head admitted reads the scheduler's count, not its own view of one."""
-    from flowedge.engine.jobs import Limits
+    from flowedge.engine.jobs import Limits, RequestEngine
     from flowedge.engine.scheduler import Scheduler
 
-    class Head:
+    class Head(RequestEngine):
         running_requests = staticmethod(lambda: 1)
         outputs: list[int] = []
         stats = None
         finished = False
 
-        def start(self, request_id, prompt, max_new, params):
+        def start(self, request_id, prompt_ids, max_new_tokens, params):
+            return []
+
+        def receive(self, event):
             return []
 
     heads = []

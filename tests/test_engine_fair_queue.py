@@ -6,7 +6,7 @@ import pytest
 
 from flowedge.engine.events import Done, Emit, Send, Stats
 from flowedge.engine.fair_queue import FairQueue
-from flowedge.engine.jobs import Failed, FromEngine, Job, Limits, Request, State
+from flowedge.engine.jobs import Failed, FromEngine, Job, Limits, Request, RequestEngine, State
 from flowedge.engine.scheduler import Scheduler
 from flowedge.errors import Busy, ConfigError, refusal
 
@@ -107,16 +107,16 @@ def test_the_cap_refuses_past_it_with_a_busy_message_and_counts_who():
     assert table == [{"client": "a", "weight": 1.0, "queued": 2, "running": 0, "refused": 1}]
 
 
-class Echo:
+class Echo(RequestEngine):
     """Emits one token per event; done after max_new."""
 
-    def start(self, engine_id, ids, max_new, params):
-        self.left, self.stats = max_new, Stats()
-        return [Send(1, engine_id)]
+    def start(self, request_id, prompt_ids, max_new_tokens, params):
+        self.left, self.stats = max_new_tokens, Stats()
+        return [Send(1, request_id)]
 
-    def receive(self, token):
+    def receive(self, event):
         self.left -= 1
-        return [Emit([token])] + ([Done([token], self.stats)] if self.left == 0 else [])
+        return [Emit([event])] + ([Done([event], self.stats)] if self.left == 0 else [])
 
 
 def finish(s: Scheduler, key: int, now: float) -> None:

@@ -14,7 +14,7 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.core.tree import DraftTree, subtree
 from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.engine.events import Compute, Offload, WhenIdle
-from flowedge.engine.jobs import Job, Limits
+from flowedge.engine.jobs import Job, Limits, RequestEngine
 from flowedge.engine.local import generate_ar
 from flowedge.engine.predraft import GapClock, PreDrafting, fresh_nodes
 from flowedge.engine.scheduler import Scheduler
@@ -100,13 +100,13 @@ def test_a_daemon_takes_every_predraft_mode_and_refuses_others():
         NodeConfig(predraft="sometimes")
 
 
-class _IdleEngine:
+class _IdleEngine(RequestEngine):
     """An engine that asks for idle work and records what ran when."""
 
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def start(self, *a, **k):
+    def start(self, request_id, prompt_ids, max_new_tokens, params):
         return [WhenIdle("idle")]
 
     def receive(self, event):

@@ -9,27 +9,27 @@ from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Done, Emit, Send, Stats
 from flowedge.engine.jobs import (REPLAY_ID_SHIFT, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
-                                  Limits, ResetStages, State, kv_need, tree_reserve)
+                                  Limits, RequestEngine, ResetStages, State, kv_need, tree_reserve)
 from flowedge.engine.scheduler import Scheduler
 from flowedge.errors import ConfigError
 
 
-class Echo:
+class Echo(RequestEngine):
     """Emits the token each event carries; done after max_new tokens. Records its start."""
 
     def __init__(self, log: list) -> None:
         self.log, self.clock = log, None
 
-    def start(self, engine_id, ids, max_new, params):
-        self.log.append((engine_id, list(ids), max_new, params))
-        self.left, self.stats = max_new, Stats()
-        return [Send(1, f"prefill-{engine_id}")]
+    def start(self, request_id, prompt_ids, max_new_tokens, params):
+        self.log.append((request_id, list(prompt_ids), max_new_tokens, params))
+        self.left, self.stats = max_new_tokens, Stats()
+        return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, token):
-        if token == "boom":
+    def receive(self, event):
+        if event == "boom":
             raise IndexError("bad node id")
         self.left -= 1
-        return [Emit([token])] + ([Done([token], self.stats)] if self.left == 0 else [])
+        return [Emit([event])] + ([Done([event], self.stats)] if self.left == 0 else [])
 
 
 def sched(**limits) -> tuple[Scheduler, list]:
@@ -96,7 +96,8 @@ def test_kv_admission_is_first_come_first_served_and_a_job_that_never_fits_fails
     starts: list = []
     s = Scheduler(lambda req: Echo(starts), Limits(max_running=4), lambda: KvBudget(100, 2, "test"))
     (failed,) = s.submit(1, Job((5,), 4, kv_tokens=101), 0.0)
-    assert isinstance(failed, Failed) and "needs 101 KV tokens" in failed.message and "stage 2 can hold 100" in failed.message
+    assert isinstance(failed, Failed) and "needs 101 KV tokens" in failed.message
+    assert "stage 2 can hold 100" in failed.message
     for key, need in ((2, 60), (3, 50), (4, 30)):
         s.submit(key, Job((5,), 4, kv_tokens=need), 0.0)
     s.tick(0.0, True)

@@ -5,14 +5,20 @@ import ast
 import builtins
 from pathlib import Path
 
+import msgpack
 import pytest
 
 import flowedge
 from flowedge import errors
 
 PACKAGE = Path(flowedge.__file__).resolve().parent
-ERROR_NAMES = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
-BUILTIN_ERRORS = {name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+def _error_names(module: object) -> set[str]:
+    return {name for name, obj in vars(module).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+ERROR_NAMES, BUILTIN_ERRORS = _error_names(errors), _error_names(builtins)
 
 
 def error_classes_outside_errors_py() -> list[str]:
@@ -72,3 +78,20 @@ def test_invalid_message_keeps_its_rule_and_bounds_its_detail():
     err = errors.InvalidMessage("hidden_width", "x" * 5000)
     assert err.rule == "hidden_width" and isinstance(err, errors.ProtocolError)
     assert str(err).startswith("hidden_width: ") and len(str(err)) < 300
+
+
+def test_a_refusal_and_a_version_mismatch_are_told_by_type_not_text():
+    """A node backs off from a head that said no (Refused) and gives up a silent one: it asks the type,
+    so a silent head's message that happens to say "refused" or "protocol" changes nothing."""
+    from flowedge.transport import protocol as p
+    from flowedge.transport.channel import check_welcome
+
+    with pytest.raises(errors.Refused, match="refused by peer: a stage already holds slot 1"):
+        check_welcome(p.Refuse(reason="a stage already holds slot 1"), 1.0)
+    newer = [msgpack.packb({"v": [99, 0], "type": "reset", "request_id": 1, "tensors": {}})]
+    with pytest.raises(errors.VersionMismatch):
+        p.decode(newer)
+    with pytest.raises(errors.ProtocolError) as silent:
+        check_welcome(None, 1.0)
+    assert not isinstance(silent.value, errors.Refused)
+    assert not isinstance(errors.ProtocolError("refused: the protocol"), errors.Refused)

@@ -138,6 +138,7 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
                 t.start()
             for t in threads:
                 t.join(timeout=900)
-            assert [together.get(i) for i in range(len(DEFAULT_PROMPTS))] == [r[:64] for r in refs], (strategy, logs(cluster.run_dir))
+            answers = [together.get(i) for i in range(len(DEFAULT_PROMPTS))]
+            assert answers == [r[:64] for r in refs], (strategy, logs(cluster.run_dir))
     finally:
         cluster.stop()

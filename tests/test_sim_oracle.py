@@ -29,7 +29,8 @@ def _pair(tiny_pair, lm_head_at: str):
 
 
 def _trace(res) -> list[tuple]:
-    return [(e.lane, e.kind, e.phase, round(e.start_s, 9), round(e.end_s, 9), e.tokens, e.nbytes) for e in res.trace.events]
+    return [(e.lane, e.kind, e.phase, round(e.start_s, 9), round(e.end_s, 9), e.tokens, e.nbytes)
+            for e in res.trace.events]
 
 
 # Sampled runs are seed-identical only with the lm_head on node 0: with lm_head_at=last-stage the stage

@@ -99,7 +99,8 @@ def test_declined_reasons_are_a_closed_list():
 
 
 def test_a_drafter_hello_is_a_valid_role():
-    hello = p.Hello(node_id="d", role="drafter", device="x86-cpu", free_memory_bytes=1, capabilities={"role": "drafter"})
+    hello = p.Hello(node_id="d", role="drafter", device="x86-cpu", free_memory_bytes=1,
+                    capabilities={"role": "drafter"})
     assert _roundtrip(hello).role == "drafter"
 
 

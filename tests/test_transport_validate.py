@@ -28,7 +28,8 @@ def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, roots=N
                      node_ids=torch.tensor(node_ids, dtype=torch.long),
                      parent_ids=torch.tensor(parent_ids, dtype=torch.long),
                      root_rows=None if roots is None else torch.tensor(roots, dtype=torch.long),
-                     positions=torch.arange(10, 10 + n) if positions is None else torch.tensor(positions, dtype=torch.long),
+                     positions=(torch.arange(10, 10 + n) if positions is None
+                                else torch.tensor(positions, dtype=torch.long)),
                      hidden=torch.zeros(n, width, dtype=torch.float16), **kw)
 
 
@@ -114,7 +115,8 @@ def test_the_tree_fields_are_checked_on_decode():
         p.Segment(kind="draft", node_ids=torch.tensor([1, 2]), parent_ids=z, root_rows=torch.tensor([1, 0]), **base)
     empty = torch.empty(0, dtype=torch.long)
     choice = dict(base, hidden=None, token_ids=torch.tensor([7]))
-    assert p.decode(p.encode(p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **choice))).token_ids.tolist() == [7]
+    chosen = p.decode(p.encode(p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **choice)))
+    assert chosen.token_ids.tolist() == [7]
     with pytest.raises(ProtocolError, match="token_ids"):
         p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **dict(choice, token_ids=torch.tensor([7, 8])))
 

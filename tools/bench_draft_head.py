@@ -95,7 +95,8 @@ def summary(runs: list[dict]) -> dict:
         mine = [r for r in runs if r["run"] == name]
         rates = [r["decode_tokens_per_s"] for r in mine if r.get("decode_tokens_per_s")]
         accepts = [r["mean_accept_len"] for r in mine if r.get("mean_accept_len")]
-        out[name] = {"runs": len(mine), "decode_tokens_per_s_median": round(statistics.median(rates), 3) if rates else None,
+        out[name] = {"runs": len(mine),
+                     "decode_tokens_per_s_median": round(statistics.median(rates), 3) if rates else None,
                      "decode_tokens_per_s_mean": round(statistics.mean(rates), 3) if rates else None,
                      "mean_accept_len": round(statistics.mean(accepts), 3) if accepts else None,
                      "all_equal_ar": all(r.get("equals_ar", True) for r in mine)}

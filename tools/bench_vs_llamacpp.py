@@ -11,8 +11,8 @@ reversed on odd repeats), so slow drift of a shared box falls on both sides alik
 prompt tokens: flowedge's tokenizer and chat template make them here, llama.cpp gets the ids. The figure
 compared is decode tok/s, (new tokens - 1) / (time after the first token): model load and prefill are
 excluded on both sides. Peak RSS is each process's own maximum (wait4's ru_maxrss); for the cluster the
-sum of its processes' VmHWM. `--cluster` runs `flowedge up --nodes 3` (`--cluster-threads` per process: 1, the issue's setup,
-by default; 0 for up's own default, every core) in the
+sum of its processes' VmHWM. `--cluster` runs `flowedge up --nodes 3` (`--cluster-threads` per process: 1,
+the issue's setup, by default; 0 for up's own default, every core) in the
 block of the largest thread count and prompts it with `flowedge prompt --json`.
 
 Writes OUT/raw.jsonl (one line per run, token ids included) and OUT/table.md (per prompt kind and overall:

@@ -38,8 +38,8 @@ from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
 from flowedge.daemon.async_client import AsyncClient, AsyncLink, client_link
 from flowedge.daemon.client_core import prompt_request
-from flowedge.errors import (ApiError, Busy, ClusterNotReady, ContextOverflow, FlowedgeError, ProtocolError,
-                             RequestFailed)
+from flowedge.errors import (ApiError, Busy, ClusterNotReady, ContextOverflow, FlowedgeError, HeadUnreachable,
+                             ProtocolError, RequestFailed)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ def classify(err: Exception) -> ApiError:
                         headers={"retry-after": str(RETRY_AFTER_S)})
     if isinstance(err, ProtocolError):
         return ApiError(400, text, "invalid_request_error", "client_error")
+    if isinstance(err, HeadUnreachable):   # for longer than a client's retry back-off: fail at once
+        return ApiError(503, text, "service_unavailable", "unavailable", headers={"x-should-retry": "false"})
     if isinstance(err, RequestFailed):
         if text.startswith(UNAVAILABLE):
             return ApiError(503, text, "service_unavailable", "unavailable")
@@ -176,11 +178,7 @@ class Routes:
         self.metrics.requests.labels(request.url.path, err.outcome).inc()
         if err.outcome in ("unavailable", "failed"):
             self.metrics.failures.labels(err.outcome).inc()
-        # an unreachable head stays so for longer than a client's retry back-off: tell OpenAI's clients
-        # (they honour x-should-retry) to fail at once rather than retry for seconds
-        headers = {"x-should-retry": "false"} if str(err).startswith("cannot reach") else {}
-        if err.status == 429:   # the client's queue at the head is full
-            headers = {"retry-after": str(BUSY_RETRY_AFTER_S)}
+        headers = {"retry-after": str(BUSY_RETRY_AFTER_S)} if err.status == 429 else {}   # its queue is full
         return JSONResponse(error_body(str(err), err.kind, code=err.code, param=err.param), status_code=err.status,
                             headers={**headers, **err.headers})
 
@@ -237,8 +235,7 @@ class Routes:
             if nodes:
                 self._model = str(nodes[0].get("model", ""))
             elif self._model is None:
-                raise ApiError(503, f"cannot reach a flowedge head at {self.settings.head}",
-                               "service_unavailable", "unavailable")
+                raise classify(HeadUnreachable(f"cannot reach a flowedge head at {self.settings.head}"))
         if asked and not answers_to(self._model, asked):
             raise ApiError(404, f"the model `{asked}` does not exist here; this server serves "
                                 f"{', '.join(served_names(self._model))}", "invalid_request_error",

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse
 from flowedge.api.dashboard import is_open
 from flowedge.api.rate_limit import RateLimit
 from flowedge.api.settings import MAX_HEAD_BYTES, ApiSettings
+from flowedge.errors import BodyRefused
 
 OPEN_PATHS = ("/health",)   # for load balancers and systemd checks: tells only whether it serves
 
@@ -92,10 +93,9 @@ class RequestGuard:
             return await send_json(scope, receive, send, *refusal)
         try:
             body = await self._read_body(receive)
-        except ValueError as err:
-            status = 413 if "over" in str(err) else 400
-            self.on_refused(status)
-            return await send_json(scope, receive, send, status, error_body(str(err)))
+        except BodyRefused as err:
+            self.on_refused(err.status)
+            return await send_json(scope, receive, send, err.status, error_body(str(err)))
         if body is None:
             return   # the client left before sending its body
         replayed = False
@@ -127,14 +127,14 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                raise ValueError(f"request body incomplete after {self.settings.read_timeout_s:g} s "
-                                 f"(fewer bytes than its Content-Length?)") from None
+                raise BodyRefused(400, f"request body incomplete after {self.settings.read_timeout_s:g} s "
+                                       f"(fewer bytes than its Content-Length?)") from None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.settings.max_body_bytes:
-                raise ValueError(f"request body over {self.settings.max_body_bytes} bytes")
+                raise BodyRefused(413, f"request body over {self.settings.max_body_bytes} bytes")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

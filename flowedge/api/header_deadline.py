@@ -69,10 +69,10 @@ class HeadDeadline(asyncio.Protocol):
             return
         if not self._in_request and self._timer is None:
             self._await_head()
-        self.inner.data_received(data)   # type: ignore[attr-defined]
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return None if self._closed else self.inner.eof_received()   # type: ignore[attr-defined]
+        return None if self._closed else self.inner.eof_received()
 
     def pause_writing(self) -> None:
         self.inner.pause_writing()
@@ -156,6 +156,7 @@ class HeadWatch:
         if self.admission is None:
             return
         for other in self.admission.waits(conn, conn.peer[0] if conn.peer else "?"):
+            assert isinstance(other, HeadDeadline)   # the admission holds what it was given
             if self.admission.evicted % 100 == 1:   # once, then every 100th: a flood must not flood the log
                 log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
                             "from one address or in all); the latest from %s", self.admission.evicted,

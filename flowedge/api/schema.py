@@ -1,11 +1,11 @@
 """OpenAI request bodies (validated by pydantic) and the answers built from a flowedge result.
 
 Only what flowedge can honour is accepted: one choice (`n` = 1), text content (a list of text parts
-is joined), sampling by temperature/top_p/seed (and top_k, an extension), stop strings. A field that would change the answer
-and that flowedge cannot honour (`tools`, `response_format`, `logprobs`, non-zero penalties, ...) is
-refused, naming it, rather than silently ignored; fields that do not change the answer (`user`,
-`stream_options` without usage, ...) are ignored. `strategy` (an
-extension, e.g. `extra_body={"strategy": "ar-pp"}`) picks the head's strategy.
+is joined), sampling by temperature/top_p/seed (and top_k, an extension), stop strings. A field that
+would change the answer and that flowedge cannot honour (`tools`, `response_format`, `logprobs`,
+non-zero penalties, ...) is refused, naming it, rather than silently ignored; fields that do not change
+the answer (`user`, `stream_options` without usage, ...) are ignored. `strategy` (an extension, e.g.
+`extra_body={"strategy": "ar-pp"}`) picks the head's strategy.
 
 Types are strict, as JSON has them: `"stream": "yes"` is not a bool, `true` is not a token id or a
 count (pydantic's lax mode would take both); an int is still a number.

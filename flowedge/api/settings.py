@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +34,10 @@ class ApiSettings:
 
 
 def load_api_keys(given: tuple[str, ...] = (), key_file: str | None = None,
-                  env: dict[str, str] | None = None) -> tuple[str, ...]:
+                  env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """API keys from --api-key (repeatable), FLOWEDGE_API_KEYS and --api-key-file (one a line, # comments)."""
-    env = os.environ if env is None else env
     keys = [k.strip() for k in given]
-    keys += [k.strip() for k in env.get(API_KEYS_ENV, "").split(",")]
+    keys += [k.strip() for k in (os.environ if env is None else env).get(API_KEYS_ENV, "").split(",")]
     if key_file:
         try:
             lines = Path(key_file).read_text(encoding="utf-8").splitlines()

@@ -32,6 +32,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank]
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
 def summarize_level(strategy: str, concurrency: int, res, multi, stages, refs: list[list[int]] | None) -> dict:
     """One row of the sweep from a `MultiResult`."""
     timings = [res.requests[i + 1] for i in range(len(res.requests))]
@@ -44,7 +48,7 @@ def summarize_level(strategy: str, concurrency: int, res, multi, stages, refs: l
     return {
         "strategy": strategy, "concurrency": concurrency, "requests": len(timings), "tokens": tokens,
         "sim_time_s": res.sim_time_s, "tokens_per_s": tokens / res.sim_time_s,
-        "p50_tbt_ms": 1000 * percentile(gaps, 50), "p99_tbt_ms": 1000 * percentile(gaps, 99),
+        "p50_tbt_ms": _ms(percentile(gaps, 50)), "p99_tbt_ms": _ms(percentile(gaps, 99)),
         "mean_ttft_s": sum(ttft) / len(ttft),
         "mean_batch": sum(st.forward_requests for st in stages) / max(1, forwards),
         "mean_draft_batch": sum(drafts) / len(drafts) if drafts else None,
@@ -114,7 +118,8 @@ def concurrency_table(results: dict) -> str:
     one = {r["strategy"]: r["tokens_per_s"] for r in rows if r["concurrency"] == 1}
     ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["strategy"] == "ar-pp"}
     lines = [f"Config: model={cfg['model']}, draft={cfg['draft']}, {len(cfg['prompts'])} prompts arriving together "
-             f"({', '.join(cfg['prompts'])}), max_new_tokens={cfg['max_new_tokens']}, temperature={cfg['temperature']}, "
+             f"({', '.join(cfg['prompts'])}), max_new_tokens={cfg['max_new_tokens']}, "
+             f"temperature={cfg['temperature']}, "
              f"nodes={cfg['nodes']}, profile={cfg['profile']}, verify={cfg['verify']}, driver={cfg['driver']}",
              "",
              "\"matches\": the simulator compares every answer with plain greedy decoding; the zmq driver with the "

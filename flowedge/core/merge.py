@@ -25,7 +25,8 @@ def match_paths(tree: DraftTree, alive: Tensor, root: int, new: DraftTree) -> tu
     if not 0 <= root < len(tree):
         raise ValueError(f"merge root {root} is outside a tree of {len(tree)} nodes")
     if int(new.tokens[0]) != int(tree.tokens[root]):
-        raise ValueError(f"new tree's root token {int(new.tokens[0])} differs from node {root}'s {int(tree.tokens[root])}")
+        raise ValueError(f"new tree's root token {int(new.tokens[0])} differs from node {root}'s "
+                         f"{int(tree.tokens[root])}")
     n, m = len(tree), len(new)
     width = int(max(int(tree.tokens.max()), int(new.tokens.max()))) + 1  # key = parent * width + token
     member = alive.clone()

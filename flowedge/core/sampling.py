@@ -21,7 +21,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")

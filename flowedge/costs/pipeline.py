@@ -17,11 +17,19 @@ from flowedge.costs.sizing import TreeCosts, tree_costs
 
 
 class Work(Protocol):
-    """What a node just computed (the engine's `Compute` action has these fields)."""
-    what: str                  # "stage" | "draft" | "lm_head" | "embed"
-    tokens: int
-    context: int
-    attended: float | None
+    """What a node just computed (the engine's `Compute` action has these fields), read only."""
+
+    @property
+    def what(self) -> str: ...   # "stage" | "draft" | "lm_head" | "embed"
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def context(self) -> int: ...
+
+    @property
+    def attended(self) -> float | None: ...
 
 
 @dataclass

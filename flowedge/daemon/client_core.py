@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowedge.daemon.client_answer import Answer, answer_from
-from flowedge.errors import FlowedgeError, ProtocolError, refusal
+from flowedge.errors import FlowedgeError, HeadUnreachable, ProtocolError, Refused, refusal
 from flowedge.transport import protocol as proto
 
 # A head answers HELLO from its event loop at once; silence this long means no head there. Short, so
@@ -236,7 +236,7 @@ class ClientCore:
         """A frame that would not decode: the head speaks another protocol, so every waiter fails."""
         self.last_heard_s = now
         if self.control is not None and self.control.kind == "hello":
-            err = FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}")
+            err = HeadUnreachable(f"cannot reach a flowedge head at {self.addr}: {err}")
         return self._fail_all(err)
 
     def lost_connection(self, now: float) -> list[Event]:
@@ -277,8 +277,8 @@ class ClientCore:
 
     def _control_timeout(self, c: _Control) -> FlowedgeError:
         if c.kind == "hello":
-            return FlowedgeError(f"cannot reach a flowedge head at {self.addr}: no answer to HELLO within "
-                                 f"{c.limit_s:.1f} s: is the head up, and does this client have the "
+            return HeadUnreachable(f"cannot reach a flowedge head at {self.addr}: no answer to HELLO within "
+                                   f"{c.limit_s:.1f} s: is the head up, and does this client have the "
                                  "cluster's keys (or do both run --insecure)?")
         return FlowedgeError(f"the head at {self.addr} gave no answer for {c.limit_s:.0f} s")
 
@@ -294,12 +294,12 @@ class ClientCore:
         self.control = None
         try:
             if isinstance(msg, proto.Refuse):
-                raise ProtocolError(f"refused by peer: {msg.reason}")
+                raise Refused(f"refused by peer: {msg.reason}")
             if not isinstance(msg, proto.Welcome):
                 raise ProtocolError(f"expected WELCOME after HELLO, got {msg.TYPE}")
             proto.check_version(msg.version)
         except ProtocolError as err:
-            return [Failed(CONTROL, FlowedgeError(f"cannot reach a flowedge head at {self.addr}: {err}"))]
+            return [Failed(CONTROL, HeadUnreachable(f"cannot reach a flowedge head at {self.addr}: {err}"))]
         self.welcomed = True
         return [Welcomed()]
 

@@ -140,8 +140,9 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
         search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
     from flowedge.daemon.config_file import load_node_config
-    cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
-                           threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
+    cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id,
+                           device=device, threads=threads, stage=stage, data_port=data_port, advertise=advertise,
+                           same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)
     _run_node(cfg, search)
@@ -153,7 +154,8 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @click.option("--draft", default="qwen2.5-coder-0.5b", show_default=True)
 @click.option("--strategy", default="auto", show_default=True)
 @click.option("--port", default=DEFAULT_PORT, show_default=True)
-@click.option("--threads", default=0, help="Torch threads per process (default: every core; the processes take turns, idle threads sleep).")
+@click.option("--threads", default=0,
+              help="Torch threads per process (default: every core; the processes take turns, idle threads sleep).")
 @click.option("--wire-dtype", type=click.Choice(WIRE_DTYPES), default=DEFAULT_WIRE_DTYPE,
               show_default=True, help="Hidden states on the wire: float32 (the stages' activations: exact) or a "
               "16-bit dtype (half the bytes; may flip a greedy token at a near-tie).")
@@ -173,8 +175,8 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
 @liveness_options(head=True)
 @INSECURE_OPTION
 def up(nodes, model, draft, strategy, port, threads, wire_dtype, quant, draft_quant, layers, prompt, max_new_tokens,
-       detach, ready_timeout, data_port, drafter, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout, max_concurrent,
-       kv_budget_tokens, insecure) -> None:
+       detach, ready_timeout, data_port, drafter, heartbeat_ms, stage_timeout, client_timeout, recovery, stall_timeout,
+       max_concurrent, kv_budget_tokens, insecure) -> None:
     """Start a local cluster (a head + NODES-1 stages, one process each) and serve until Ctrl-C."""
     from flowedge.daemon import local_cluster
     from flowedge.daemon.client import wait_ready

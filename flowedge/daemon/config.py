@@ -2,8 +2,8 @@
 
 Every key is optional except what the role needs; unknown keys are an error (a typo must not
 silently fall back to a default). A file is checked by pydantic (`config_file.NodeFile`) before it
-becomes a `NodeConfig`, whose own checks cover configs built in code and the rules across keys. See `flowedge/data/flowedge.toml.example` (installed with the package,
-`EXAMPLE_CONFIG`) for a commented file.
+becomes a `NodeConfig`, whose own checks cover configs built in code and the rules across keys. See
+`flowedge/data/flowedge.toml.example` (installed with the package, `EXAMPLE_CONFIG`) for a commented file.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class NodeConfig:
     layers: list[int] = field(default_factory=list)   # layers per stage; empty = planned from the
                                               # stages' devices and free memory (flowedge/plan/)
     context: int = 4096                       # tokens of KV cache the planner reserves on every stage
-    strategy: str = "auto"                    # default for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
+    strategy: str = "auto"                    # for prompts that name none (flowspec or ar-pp: engine/auto_policy.py)
     wire_dtype: str = DEFAULT_WIRE_DTYPE      # hidden states on the wire (see DEFAULT_WIRE_DTYPE)
     quant: str = "int4"                       # stage weights: int4 (W4A16 shards, the default) | none (16-bit
                                               # shards) | nf4 (16-bit shards, bitsandbytes at load) | auto

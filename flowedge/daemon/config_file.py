@@ -24,7 +24,7 @@ from flowedge.daemon.config import (EXAMPLE_CONFIG, MAX_CLIENT_WEIGHT, PREDRAFT_
                                     WIRE_DTYPES, NodeConfig)
 from flowedge.errors import ConfigError
 
-_D = {f.name: (f.default if f.default is not MISSING else f.default_factory())  # type: ignore[misc]
+_D = {f.name: (f.default if f.default is not MISSING else f.default_factory())  # type: ignore[operator]
       for f in fields(NodeConfig)}
 Weight = Annotated[float, Field(gt=0, le=MAX_CLIENT_WEIGHT, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]

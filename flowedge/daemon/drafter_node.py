@@ -5,8 +5,8 @@ it runs itself (`DraftSetup`): with predraft = "drafter" the head serves it as a
 the drafter fetches like a stage's shard (checksummed, cached under $FLOWEDGE_HOME/stage-cache), so a
 board with nothing on it can draft; on the head's host (`same_host`), or from a head that serves no
 files, the model's name is resolved here. Then come pre-draft jobs (`DraftJob`) over the control
-connection; every job gets an answer (daemon/draft_serve.py). Node 0 never waits on a drafter: a job not answered within its timeout, or a
-drafter that dies, only means node 0 drafts alone.
+connection; every job gets an answer (daemon/draft_serve.py). Node 0 never waits on a drafter: a job not
+answered within its timeout, or a drafter that dies, only means node 0 drafts alone.
 
 Lifecycle: JOIN (HELLO role "drafter" until WELCOME) -> wait DraftSetup -> resolve and load the draft
 model (heartbeating) -> DraftReady -> serve jobs. A head silent for `stage_timeout_s` sends it back to

@@ -52,14 +52,14 @@ class HeadEngines:
         self.batcher = DraftBatcher(plan.draft_model) if batched else None
         return self.batcher.run_step if self.batcher is not None else run_in_turn
 
-    def prepare(self, m: proto.PromptRequest) -> Prepared:
+    def prepare(self, msg: proto.PromptRequest) -> Prepared:
         from flowedge.engine.local import check_context
 
-        params = SamplingParams(m.temperature, m.top_k or 0, m.top_p if m.top_p is not None else 1.0, m.seed)
-        ids = prompt_ids(self.plan.tokenizer, m)
+        params = SamplingParams(msg.temperature, msg.top_k or 0, msg.top_p if msg.top_p is not None else 1.0, msg.seed)
+        ids = prompt_ids(self.plan.tokenizer, msg)
         check_vocab(ids, self._vocab_size())
-        check_context(len(ids), m.max_new_tokens, self.plan.base_config.max_position_embeddings)
-        return Prepared(ids, params, m.strategy or self.config.strategy)
+        check_context(len(ids), msg.max_new_tokens, self.plan.base_config.max_position_embeddings)
+        return Prepared(ids, params, msg.strategy or self.config.strategy)
 
     def _vocab_size(self) -> int:
         """Token ids both models can embed (the draft's table may be smaller than the base's)."""

@@ -6,10 +6,10 @@ engine heads, built by `engine.assembly` as the simulator builds them).
 Endpoints (on the link `roots.build_head` opened and handed in with every other part): `ctrl` (a
 ROUTER at `head`): every stage's and client's DEALER, with peer events (a closed connection ends its
 peer at once); `ret` (INBOUND at port + 1): hidden states coming back from the last stage; segments
-go into the pipeline through the outbox (`head_ports.py`). One poll loop owns the endpoints; the engine's work (a turn of every running request, starting queued ones)
-runs on a compute thread while the loop waits and keeps heartbeating (daemon/beating.py), so a long
-draft prefill is not mistaken for a dead head. The two never run the engine at once; their sends on
-the control socket share a lock.
+go into the pipeline through the outbox (`head_ports.py`). One poll loop owns the endpoints; the engine's
+work (a turn of every running request, starting queued ones) runs on a compute thread while the loop waits
+and keeps heartbeating (daemon/beating.py), so a long draft prefill is not mistaken for a dead head. The two
+never run the engine at once; their sends on the control socket share a lock.
 
 Robustness: every inbound message is decoded defensively (a malformed one is logged and dropped, a
 client gets an ErrorReply); peers that speak another major version or lack the cluster's keys are
@@ -73,8 +73,8 @@ class HeadNode:
         self.host, self.port = split_addr(config.head)
         self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
         self.control, self.outbox = parts.port, parts.outbox
-        self.members, self.engines, self.requests, self.drops = parts.members, parts.engines, parts.requests, parts.drops
-        self.drafts, self.shrink = parts.drafts, parts.shrink
+        self.members, self.engines, self.requests = parts.members, parts.engines, parts.requests
+        self.drops, self.drafts, self.shrink = parts.drops, parts.drafts, parts.shrink
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -388,7 +388,8 @@ class HeadNode:
         self.control.send(identity, msg)
 
     def _shutdown_stages(self, reason: str) -> None:
-        for identity in self.members.stage_identities() + [p.identity for p in self.members.peers.values() if p.drafter]:
+        drafters = [p.identity for p in self.members.peers.values() if p.drafter]
+        for identity in self.members.stage_identities() + drafters:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
 

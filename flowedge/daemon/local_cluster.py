@@ -195,7 +195,9 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
         'role = "head"', f'head = "{spec.addr}"', 'node_id = "head"', f"threads = {threads}",
         f'model = "{spec.model}"', f'draft = "{spec.draft}"', f"stages = {spec.nodes - 1}",
         f"layers = {list(spec.layers)}", f'strategy = "{spec.strategy}"', f'wire_dtype = "{spec.wire_dtype}"',
-        f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}", f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"', f"insecure = {str(spec.insecure).lower()}",
+        f'quant = "{spec.quant}"', f'draft_quant = "{spec.draft_quant}"', f"tree_nodes = {spec.tree_nodes}",
+        f'tree_size = "{spec.tree_size}"', f'lm_head_at = "{spec.lm_head_at}"',
+        f"insecure = {str(spec.insecure).lower()}",
         f"heartbeat_ms = {spec.heartbeat_ms}", f"stage_timeout_s = {spec.stage_timeout_s}",
         f"client_timeout_s = {spec.client_timeout_s}", f"recovery_s = {spec.recovery_s}",
         f"replan_on_loss = {str(spec.replan_on_loss).lower()}",
@@ -206,17 +208,14 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     env = node_env(threads)
     base = [sys.executable, "-m", "flowedge", "-v"]
     commands = [base + ["serve", "--config", str(head_cfg)]]
+    joined = ["--threads", str(threads), "--device", spec.device, "--same-host",
+              f"--stage-timeout={spec.stage_timeout_s}", f"--heartbeat-ms={spec.heartbeat_ms}",
+              *(["--insecure"] if spec.insecure else [])]   # what every stage and the drafter are told
     for k in range(1, spec.nodes):
         commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
-                                "--threads", str(threads), "--device", spec.device,
-                                "--same-host", f"--stage-timeout={spec.stage_timeout_s}",
-                                f"--data-port={spec.data_port}",
-                                f"--heartbeat-ms={spec.heartbeat_ms}"]
-                        + (["--insecure"] if spec.insecure else []))
+                                f"--data-port={spec.data_port}", *joined])
     if spec.drafter:
-        commands.append(base + ["join", spec.addr, "--drafter", "--same-host", "--node-id", "drafter", "--threads", str(threads),
-                                "--device", spec.device, f"--stage-timeout={spec.stage_timeout_s}",
-                                f"--heartbeat-ms={spec.heartbeat_ms}"] + (["--insecure"] if spec.insecure else []))
+        commands.append(base + ["join", spec.addr, "--drafter", "--node-id", "drafter", *joined])
     procs = []
     for name, cmd in zip(node_names(len(commands), spec.drafter), commands):
         logf = open(run_dir / f"{name}.log", "ab")

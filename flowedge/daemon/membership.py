@@ -5,8 +5,8 @@ gives, and what the request lifecycle must know (a stage lost, a client gone) co
 Liveness (the ZeroMQ Guide's Paranoid Pirate, both ways): the head pings every stage and every client
 with work in progress each `heartbeat_ms`; a peer is alive while it was heard from within
 `stage_timeout_s` (= heartbeat_ms x liveness count, 500 ms x 4 by default; a stage still loading its
-layers gets longer) or, for a client, `client_timeout_s`. A closed connection (the ROUTER's socket monitor: `on_disconnect`) ends a peer at
-once, without waiting for its heartbeats to run out.
+layers gets longer) or, for a client, `client_timeout_s`. A closed connection (the ROUTER's socket monitor:
+`on_disconnect`) ends a peer at once, without waiting for its heartbeats to run out.
 
 The slot rule: a stage's slot belongs to the connection that took it. A HELLO from another connection
 with the same node id is refused while that connection is alive; it is accepted (and takes the slot

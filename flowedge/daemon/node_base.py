@@ -31,7 +31,7 @@ from flowedge.daemon.config import NodeConfig, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import welcome_from
 from flowedge.transport.link import Endpoint, Inbound, Kind, Link
@@ -134,8 +134,7 @@ class NodeBase(ABC):
             except (ProtocolError, PeerUnreachable) as err:
                 self._hello_refused(str(err))
                 self._waiting_for_head(err, tries, min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries))
-                refused = "refused" in str(err) or "protocol" in str(err)   # a head with the keys said no
-                if not refused and self._unanswered():
+                if not isinstance(err, Refused) and self._unanswered():   # Refused: a head with the keys said no
                     tries = 0   # another head: its first HELLO waits the shortest again
         if self.stop.is_set():
             return None
@@ -176,7 +175,7 @@ class NodeBase(ABC):
         self.phase = f"waiting for the head at {self.config.head}: {err}"
         self.log.warning("joining %s (try %d): %s; asking again, waiting up to %g s for an answer",
                          self.config.head, tries, err, next_wait_s)
-        if "refused" in str(err) or "protocol" in str(err):   # an answer that will not change at once
+        if isinstance(err, Refused):   # an answer that will not change at once
             self._pause(min(next_wait_s, 2.0 * tries))
 
     def _pause(self, seconds: float) -> None:

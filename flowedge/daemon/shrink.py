@@ -123,6 +123,7 @@ class Shrinker:
             return
         if self.lost_at is None:
             self._lost(now)
+        assert self.lost_at is not None   # set by _lost
         if self.no_fit:
             self.requests.fail_waiting(self.no_fit)
         elif self.started_s is None and now >= self.lost_at + self.wait_s() + self._spare_grace():
@@ -218,6 +219,7 @@ class Shrinker:
             return
         self.started_s, self.lost_now = now, lost
         self.requests.extend_deadlines(now + self.budget_s())
+        assert self.lost_at is not None   # a re-plan is decided only after a loss
         self._event("replanning", f"{', '.join(lost)} stayed away {now - self.lost_at:.1f} s: re-planning "
                                   f"onto {', '.join(p.name for p in survivors)} with layers {counts}")
         log.warning("%s", self.events[-1].text)
@@ -227,6 +229,7 @@ class Shrinker:
         future, self.pending, self.pending_counts = self.pending, None, None
         m = self.members
         survivors = [i for i in m.slots if i is not None]
+        assert future is not None   # called once the pending split is done
         try:
             plan = future.result()
         except Exception as err:  # noqa: BLE001 - a failed split must fail the waiting requests, not the head

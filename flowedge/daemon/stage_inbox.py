@@ -111,8 +111,8 @@ class StageInbox:
         held, limit = slot.cache.length, KV_ROOM_CONTEXTS * self.plan.max_positions
         if isinstance(msg, proto.Segment) and held + len(msg) > limit:
             self._free(msg.request_id, f"its KV cache would pass {limit:g} entries")
-            raise InvalidMessage("context_full", f"{held} + {len(msg)} cache entries exceed "
-                                                 f"{limit:g} ({KV_ROOM_CONTEXTS:g} x the model's context): request freed")
+            raise InvalidMessage("context_full", f"{held} + {len(msg)} cache entries exceed {limit:g} "
+                                                 f"({KV_ROOM_CONTEXTS:g} x the model's context): request freed")
 
     def _free(self, request_id: int, reason: str) -> None:
         self.worker.receive_all([Finish(request_id)])

@@ -35,7 +35,8 @@ def draft_head() -> None:
 @click.option("--checkpoint-every", default=50, show_default=True, type=int)
 @click.option("--eval-every", default=50, show_default=True, type=int)
 @click.option("--max-minutes", default=None, type=float, help="Stop training after this long (then export).")
-@click.option("--device", default="auto", show_default=True, help="Where the head trains: auto (CUDA when present), cpu, cuda.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the head trains: auto (CUDA when present), cpu, cuda.")
 @click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
 @click.option("--init", "init", default="random", show_default=True, type=click.Choice(["last-layer", "random"]),
               help="The head's first weights: a copy of the base's last layer, or random.")

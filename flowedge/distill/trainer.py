@@ -60,7 +60,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.answers <= self.holdout or self.holdout < 1:
             raise ConfigError(f"need more answers ({self.answers}) than held out ({self.holdout}), and one held out")
-        if min(self.seq_len, self.answer_tokens, self.levels, self.intermediate, self.draft_vocab) < 1 or self.epochs <= 0:
+        sizes = (self.seq_len, self.answer_tokens, self.levels, self.intermediate, self.draft_vocab)
+        if min(sizes) < 1 or self.epochs <= 0:
             raise ConfigError("sizes, levels and epochs must be positive")
         if self.init not in INITS:
             raise ConfigError(f"init must be one of {', '.join(INITS)} (got {self.init!r})")

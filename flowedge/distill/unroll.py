@@ -79,7 +79,7 @@ def unrolled(head: DraftHead, embedded: torch.Tensor, feats: torch.Tensor, steps
     every = torch.arange(t, device=embedded.device)
     base = _level(head, embedded, prev, every, 0, None, [])
     roots = every if roots is None else roots.to(embedded.device)
-    levels, chain, last = [base], [], base.out[roots]     # chain levels and `last` align with `roots`
+    levels, chain, last = [base], list[LevelOut](), base.out[roots]     # chain levels and `last` align with `roots`
     for s in range(1, min(steps, t)):
         keep = roots < t - s
         roots, last = roots[keep], last[keep]

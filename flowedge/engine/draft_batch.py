@@ -7,9 +7,9 @@ of rewriting them as coroutines, `DraftBatcher.run_step` runs each request's han
 and every `Drafter._run` call goes through `forward`, which waits until every handler still running has
 made its next call (or finished), then runs them all as one forward (packed rows, each drafter
 attending over its own KV cache: `StageModel.forward_packed`) and hands each its rows. The k-th batch
-holds the k-th call of every handler still running, packed in handler order, so a step is deterministic. With one handler
-the call runs alone, exactly as without the batcher. Threads only wait on each other here: torch runs
-the forward with the GIL released, and the handlers' Python bookkeeping is small next to it.
+holds the k-th call of every handler still running, packed in handler order, so a step is deterministic.
+With one handler the call runs alone, exactly as without the batcher. Threads only wait on each other
+here: torch runs the forward with the GIL released, and the handlers' Python bookkeeping is small next to it.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from flowedge.models.kv_cache import CacheLike
 from flowedge.models.stage import StageModel, bool_to_float_mask
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ BATCHES_REMEMBERED = 100_000   # batch sizes kept for reports (a long-running da
 class _Call:
     """One drafter's pending forward (mutable: the batch fills in the result)."""
     order: int
-    cache: object
+    cache: CacheLike
     tokens: torch.Tensor      # [n]
     positions: torch.Tensor   # [n]
     allowed: torch.Tensor     # [n, past + n] bool
@@ -102,8 +103,8 @@ class DraftBatcher:
             self._fire_if_ready()
             while call.result is None and call.error is None:
                 self._cond.wait()
-        if call.error is not None:
-            raise call.error
+        if call.error is not None or call.result is None:   # the batch failed
+            raise call.error or RuntimeError("a draft call woke without its result")
         return call.result, call.charge
 
     def _fire_if_ready(self) -> None:
@@ -122,7 +123,7 @@ class DraftBatcher:
         self._cond.notify_all()
 
     @torch.inference_mode()
-    def _packed(self, batch: list[_Call]) -> list[torch.Tensor]:
+    def _packed(self, batch: list[_Call]) -> tuple[list[torch.Tensor], tuple[int, int, float]]:
         t0 = time.perf_counter()
         sizes = [c.tokens.numel() for c in batch]
         context = sum(c.cache.length for c in batch)

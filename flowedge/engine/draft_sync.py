@@ -100,7 +100,8 @@ def roots_free(drafter: Drafter, context: list[int]) -> bool:
     return node is not None and bool(drafter._slots.ran[node])
 
 
-def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int, lookup: int) -> DraftSnapshot | None:
+def snapshot(drafter: Drafter, context: list[int], keep: int, calls: int, width: int,
+             lookup: int) -> DraftSnapshot | None:
     """Node 0's tree at `context` for a drafter whose replica holds the first `keep` committed rows. The
     drafter must already be rooted at `context` (`Drafter.advance(context, 0, ...)`); None if it is not."""
     if drafter.base is None or drafter.context != list(context) or drafter.committed != len(context):
@@ -180,7 +181,7 @@ def _under_run_nodes(tree: DraftTree, run: torch.Tensor) -> torch.Tensor:
 def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.Tensor) -> tuple[int, int]:
     """Append the nodes of `sub` (rooted at node 0's root) that node 0's tree lacks, by token path, and
     adopt the K/V rows of nodes the drafter ran and node 0 never did."""
-    base, slots = drafter.base, drafter._slots
+    base, slots = _tree_of(drafter), drafter._slots
     added = merge_by_path(base, torch.ones(len(base), dtype=torch.bool), ROOT, sub)
     slots.grow(len(base))
     _, target = match_paths(base, torch.ones(len(base), dtype=torch.bool), ROOT, sub)
@@ -192,6 +193,13 @@ def _merge(drafter: Drafter, sub: DraftTree, row_of: torch.Tensor, rows: torch.T
         append_rows(drafter.cache, rows.index_select(3, row_of[adopt]))
         slots.put(nodes, torch.arange(first, first + nodes.numel()))
     return int(added.numel()), int(nodes.numel())
+
+
+def _tree_of(drafter: Drafter) -> DraftTree:
+    """The drafter's tree, which a snapshot loaded or a round built before any merge or growth."""
+    if drafter.base is None:
+        raise ReplicaBehind("the drafter holds no draft tree")
+    return drafter.base
 
 
 def _depths(parents: torch.Tensor) -> torch.Tensor:
@@ -225,13 +233,13 @@ class DrafterDevice:
         load(d, snap)
         before = d._slots.ran.clone()
         d.advance(list(snap.context), snap.calls, snap.width, snap.lookup)
-        d._slots.grow(len(d.base))
+        tree = _tree_of(d)
+        d._slots.grow(len(tree))
         now = d._slots.ran.clone()
         now[: before.numel()] &= ~before
         ran = now.nonzero().reshape(-1)
         ran = ran[ran > 0]
         rows = take_rows(d.cache, d._slots.slot[ran])
-        tree = d.base
         return DraftGrowth(snap.context, tree.tokens.clone(), tree.parents.clone(), tree.log_scores.clone(),
                            ran, rows, d.drain_calls())
 

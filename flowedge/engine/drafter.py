@@ -89,6 +89,13 @@ class Drafter:
         self.frontier = torch.empty(0, dtype=torch.long)
         self.shape = TreeShape()
 
+    @property
+    def tree(self) -> DraftTree:
+        """The tree being grown, once `build` (or a snapshot's load) made one."""
+        if self.base is None:
+            raise RuntimeError("the drafter has no tree yet")
+        return self.base
+
     # ---- building ---------------------------------------------------------------------------------
     def build(self, context: list[int], shape: TreeShape, lookup: int = 0) -> DraftTree:
         """Base tree rooted at context[-1]; `context` = prompt + every output token so far. With
@@ -166,28 +173,28 @@ class Drafter:
             open_nodes = open_nodes[open_nodes > 0]
             if open_nodes.numel() == 0:
                 break
-            best = self.base.log_scores[open_nodes].topk(min(width, open_nodes.numel())).indices
+            best = self.tree.log_scores[open_nodes].topk(min(width, open_nodes.numel())).indices
             guess = self._guess(int(open_nodes[best[0]]), min(lookup, width - 1))
             self.frontier = open_nodes[best[: width - guess.numel()]]   # [0]: the node the guess follows
             self._expand_frontier(best_first=True, guess=guess)
-        return self.base
+        return self.tree
 
     def _guess(self, node: int, max_tokens: int) -> torch.Tensor:
         """Prompt-lookup guess of the tokens after `node`, from the committed context and its path."""
         if max_tokens < 1:
             return torch.empty(0, dtype=torch.long)
-        path = self.base.tokens[self.base.path(node)[1:]]
+        path = self.tree.tokens[self.tree.path(node)[1:]]
         return lookup_continuation(torch.cat([torch.tensor(self.context, dtype=torch.long), path]), max_tokens)
 
     def _reroot(self, node: int, context: list[int]) -> None:
         """Make `node` the root: its ancestors' cache entries join the committed context, entries
         outside its subtree are dropped, and the node itself is run if it never was."""
         self._grow_slots()
-        path = self.base.path(node)[1:]                      # below the old root, ending at `node`
+        path = self.tree.path(node)[1:]                      # below the old root, ending at `node`
         on_path = torch.tensor(path)
         slots = self._slots.slot[on_path]
         anc = slots[:-1]                                     # every ancestor ran: it has children
-        sub_tree, ids = subtree(self.base, node)
+        sub_tree, ids = subtree(self.tree, node)
         sub_ran = self._slots.ran[ids[1:]]
         inner = self._slots.slot[ids[1:]][sub_ran]
         head = torch.arange(self.committed)
@@ -210,25 +217,25 @@ class Drafter:
         allowed[0, past] = True
         # The root entry lands after the tree entries; committed context must stay a prefix, so the
         # root's entry is moved in front of them right after the call.
-        logp = self._run(self.base.tokens[:1], torch.tensor([len(self.context) - 1]), allowed)[0]
+        logp = self._run(self.tree.tokens[:1], torch.tensor([len(self.context) - 1]), allowed)[0]
         order = torch.cat([torch.arange(self.committed), torch.tensor([past]),
                            torch.arange(self.committed, past)])
         self.cache.keep(order)
         self._slots.shift(1)
         self.committed += 1
         top = self._top(logp, self.shape.topk)
-        self.base.append(top.indices, torch.zeros_like(top.indices), top.values.float())
+        self.tree.append(top.indices, torch.zeros_like(top.indices), top.values.float())
         self._grow_slots()
 
     def _expand_frontier(self, best_first: bool = False, guess: torch.Tensor | None = None) -> torch.Tensor:
         """One draft call over the frontier (plus, best-first, a guessed chain after frontier[0])."""
-        tree, frontier, shape = self.base, self.frontier, self.shape
+        tree, frontier, shape = self.tree, self.frontier, self.shape
         k, past = frontier.numel(), self.cache.length
         m = 0 if guess is None else guess.numel()
         allowed = self._tree_rows(frontier, past, chain=m)
         positions = self.committed - 1 + tree.depths[frontier]
         tokens_in = tree.tokens[frontier]
-        if m:
+        if m and guess is not None:
             positions = torch.cat([positions, positions[0] + torch.arange(1, m + 1)])
             tokens_in = torch.cat([tokens_in, guess])
         logp = self._run(tokens_in, positions, allowed)
@@ -241,7 +248,7 @@ class Drafter:
         best = scores.topk(min(shape.level_width, scores.numel())).indices
         if best_first:
             new = tree.append(tokens, parents, scores.float())
-            if m:
+            if m and guess is not None:
                 new = torch.cat([new, self._adopt_chain(new[: shape.topk], guess, logp[k:], past + k)])
             return new
         if shape.keep_all:
@@ -259,7 +266,7 @@ class Drafter:
         node's top-k children, that child was already run (cache slot first_slot + i): give it its own
         children and go on. Entries of guesses the draft did not propose stay unreferenced in the cache
         (never attended; the next re-root drops them). Returns the node ids appended."""
-        tree, topk = self.base, self.shape.topk
+        tree, topk = self.tree, self.shape.topk
         added = []
         for i in range(guess.numel()):
             hit = (tree.tokens[children] == guess[i]).nonzero()
@@ -275,13 +282,13 @@ class Drafter:
         return torch.cat(added) if added else torch.empty(0, dtype=torch.long)
 
     def _grow_slots(self) -> None:
-        self._slots.grow(len(self.base))
+        self._slots.grow(len(self.tree))
 
     def _tree_rows(self, nodes: torch.Tensor, past: int, chain: int = 0) -> torch.Tensor:
         # nodes: [k] -> allowed [k + chain, past + k + chain]: committed context, each node's expanded
         # ancestors, itself; then `chain` rows continuing nodes[0]'s path (what nodes[0] sees, plus
         # nodes[0] and the chain rows up to their own)
-        tree, k = self.base, nodes.numel()
+        tree, k = self.tree, nodes.numel()
         allowed = torch.zeros(k + chain, past + k + chain, dtype=torch.bool)
         allowed[:, : self.committed] = True
         rows = torch.arange(k)

@@ -6,11 +6,16 @@ these values. Node indices: 0 is the head (draft model, embedding, lm_head); 1..
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowedge.core.prune import PruneSet
 from flowedge.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flowedge.engine.draft_sync import DraftSnapshot
+    from flowedge.engine.predraft import PreDraftJob
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +148,8 @@ class Offload:
     """Work for the drafter device: grow `snapshot` (engine/draft_sync.DraftSnapshot) on its replica with
     `DrafterDevice.run`, and deliver `PreDrafted(job, growth)` to the request's engine when the answer is
     back (`PreDrafted(job, None)` when there is none). The simulator and the daemon's head both do."""
-    job: object                # engine/predraft.PreDraftJob
-    snapshot: object           # engine/draft_sync.DraftSnapshot
+    job: PreDraftJob
+    snapshot: DraftSnapshot
     request_bytes: int = 0     # what node 0 sends (tree + the K/V rows the replica lacks)
 
 

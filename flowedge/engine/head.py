@@ -351,7 +351,8 @@ class Head:
             self.stats.draft_forwards = self.drafter.forwards
             if self.predraft is not None:   # (the answer's stats are refreshed after every handler)
                 self.predraft.stats.critical_calls += len(costs)
-        first_send = next((i for i, a in enumerate(actions) if isinstance(a, Send) and isinstance(a.message, Segment)), len(actions))
+        sends = (i for i, a in enumerate(actions) if isinstance(a, Send) and isinstance(a.message, Segment))
+        first_send = next(sends, len(actions))
         return actions[:first_send] + costs + actions[first_send:] if costs else actions
 
     def room(self) -> int:

@@ -2,7 +2,8 @@
 the limits it keeps, the KV footprint arithmetic, and its actions.
 
 One copy for both drivers: the simulated cluster (virtual time) and the daemon's head (wall time) submit
-`Job`s and carry out the actions; neither keeps a lifecycle of its own.
+`Job`s and carry out the actions; neither keeps a lifecycle of its own. Each request runs on its own
+engine (`RequestEngine`: the `Head`, or a test's fake that subclasses it).
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any, Protocol
 
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.engine.events import Compute, Done, Send
+from flowedge.engine.events import Compute, Done, Offload, Send
 from flowedge.errors import ClusterNotReady, ConfigError
 
 REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
@@ -50,6 +52,19 @@ class Job:
             raise ConfigError(f"max new tokens must be >= 1 (got {self.max_new_tokens})")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise ConfigError(f"a client's weight must be > 0 (got {self.weight})")
+
+
+class RequestEngine(Protocol):
+    """One request's speculative decoding, sans I/O: events in, actions out (engine/events.py)."""
+
+    def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
+              params: SamplingParams) -> list[Any]:
+        """Begin (or begin again, for a replay) on `prompt_ids`: the first actions, usually prefill sends."""
+        ...
+
+    def receive(self, event: Any) -> list[Any]:
+        """A pipeline segment back, or a follow-up the engine queued (`Continue`): the next actions."""
+        ...
 
 
 @dataclass
@@ -131,9 +146,10 @@ def not_whole(lost_why: str, missing: str, recovery_s: float) -> str:
 # ---- actions ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class FromEngine:
-    """An engine's own action for its request: a `Send` to the stages or a `Compute` to charge."""
+    """An engine's own action for its request: a `Send` to the stages, a `Compute` to charge or an
+    `Offload` for a drafter."""
     key: int
-    action: Send | Compute
+    action: Send | Compute | Offload
 
 
 @dataclass(frozen=True, slots=True)

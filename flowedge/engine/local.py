@@ -121,7 +121,7 @@ def generate_ar_staged(model: StageModel, prompt_ids: list[int], max_new_tokens:
     gen, stops = make_generator(params), stop_ids(model.config)
     t0 = time.monotonic()
     cache = model.new_cache(len(prompt_ids) + max_new_tokens)   # static: sized once
-    ids, out = torch.tensor(prompt_ids), []
+    ids, out = torch.tensor(prompt_ids), list[int]()
     first_s: float | None = None
     while len(out) < max_new_tokens:
         past = cache.length

@@ -83,7 +83,8 @@ class PreDraftStats:
         return {"jobs": self.jobs, "calls": self.calls, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / looked, 4) if looked else None,
                 "critical_draft_calls": self.critical_calls, "skipped_idle_calls": self.skipped,
-                "late_answers": self.late, "grafted_nodes": self.grafted, "adopted_rows": self.adopted, "unanswered": self.unanswered}
+                "late_answers": self.late, "grafted_nodes": self.grafted, "adopted_rows": self.adopted,
+                "unanswered": self.unanswered}
 
 
 def fresh_nodes(base: DraftTree, tree: DraftTree, alive: torch.Tensor, cur: int) -> int:

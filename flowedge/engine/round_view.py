@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowedge.errors import ConfigError
+
 if TYPE_CHECKING:
     from flowedge.core.tree import DraftTree
     from flowedge.core.verify import WalkResult
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from flowedge.engine.drafter import Drafter
     from flowedge.engine.events import Stats
     from flowedge.engine.head import Head
+    from flowedge.engine.round_state import Round
 
 
 class RoundView:
@@ -36,8 +39,10 @@ class RoundView:
         return self._head.config
 
     @property
-    def drafter(self) -> Drafter | None:
-        """Node 0's draft model (None for strategies that need none)."""
+    def drafter(self) -> Drafter:
+        """Node 0's draft model; ConfigError on a head that has none (strategies that draft ask for it)."""
+        if self._head.drafter is None:
+            raise ConfigError("this strategy drafts, and the head has no draft model")
         return self._head.drafter
 
     @property
@@ -78,23 +83,30 @@ class RoundView:
 
     # ---- the round (read only) ----------------------------------------------------------------------
     @property
+    def _round(self) -> Round:
+        """The round running: a strategy is only called within one."""
+        if self._head.round is None:
+            raise RuntimeError("no round is running")
+        return self._head.round
+
+    @property
     def tree(self) -> DraftTree:
-        return self._head.round.tree
+        return self._round.tree
 
     @property
     def alive(self) -> torch.Tensor:
         """[len(tree)] bool: nodes not pruned yet."""
-        return self._head.round.alive
+        return self._round.alive
 
     @property
     def cur(self) -> int:
         """The node the next verification walks from."""
-        return self._head.round.cur
+        return self._round.cur
 
     @property
     def in_flight(self) -> int:
         """Segments of this round sent and not back yet."""
-        return self._head.round.in_flight
+        return self._round.in_flight
 
     @property
     def finished(self) -> bool:
@@ -102,7 +114,7 @@ class RoundView:
 
     @property
     def round_ended(self) -> bool:
-        return self._head.round.ended
+        return self._round.ended
 
     # ---- actions ------------------------------------------------------------------------------------
     def send_nodes(self, ids: torch.Tensor, phase: str) -> list:

@@ -24,7 +24,7 @@ from functools import partial
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.fair_queue import FairQueue
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
-                                  Limits, Request, ResetStages, State, not_whole, replay_params)
+                                  Limits, Request, RequestEngine, ResetStages, State, not_whole, replay_params)
 from flowedge.errors import ConfigError, FlowedgeError
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ class Scheduler:
     `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the
     simulator, tests)."""
 
-    def __init__(self, make_engine: Callable[[Request], object], limits: Limits = Limits(),
+    def __init__(self, make_engine: Callable[[Request], RequestEngine], limits: Limits = Limits(),
                  kv_budget: Callable[[], KvBudget | None] = lambda: None,
-                 accept: Callable[[object, object], object] = lambda engine, item: item,
+                 accept: Callable[..., object] = lambda engine, item: item,
                  batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True,
                  keep_ended_engines: bool = False) -> None:
         """`keep_ended_engines`: the simulator inspects the engines of ended requests (its reports and

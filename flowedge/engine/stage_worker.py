@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Failed, Finish, Prune, Segment, Send
+from flowedge.models.kv_cache import CacheLike
 from flowedge.models.stage import StageModel, bool_to_float_mask
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ HISTORY_REMEMBERED = 100_000   # prune records (and batch sizes) kept for checks
 class RequestSlot:
     """One request's state on a stage (mutable: it is the stage's bookkeeping, not a message)."""
     request_id: int
-    cache: object                          # KVCache (LengthOnlyCache under oracle verification)
+    cache: CacheLike                       # KVCache (LengthOnlyCache under oracle verification)
     prefix_len: int = 0
     round_id: int = 0
     version: int = 0
@@ -275,7 +277,7 @@ class StageWorker:
             actions.append(Compute("lm_head", lm_rows, 0, actions[0].phase if actions else ""))
         return actions + [Send(self.next_node, out) for out in outs]
 
-    def _forward_contained(self, rows: list[_Row]) -> list[torch.Tensor | None]:
+    def _forward_contained(self, rows: list[_Row]) -> Sequence[torch.Tensor | None]:
         """The batched forward; if it raises (and failures are contained), every cache goes back to
         where it was and each request runs alone: only one that fails by itself is failed (None)."""
         if not self.contain_failures:
@@ -320,9 +322,10 @@ class StageWorker:
             return seg.chosen(self._choose(slot, hidden)), n
         slot.prefix_len += n
         if int(seg.positions[0]) == 0:   # first chunk: does the head want this stage's token choices?
-            slot.chooses_tokens = self.can_choose and seg.sampling is not None
-            if slot.chooses_tokens:
-                slot.params, slot.generator = seg.sampling, make_generator(seg.sampling)
+            sampling = seg.sampling if self.can_choose else None
+            slot.chooses_tokens = sampling is not None
+            if sampling is not None:
+                slot.params, slot.generator = sampling, make_generator(sampling)
         if not slot.chooses_tokens:
             return seg.select(everything, hidden), 0
         tokens = self._choose(slot, hidden[-1:])   # the token after the chunk's last row: [1] (or None)

@@ -2,13 +2,27 @@
 
 The decoder's attention (models/decoder.py) calls `update(k, v, layer_idx)` and reads the returned views,
 so this class is all the cache a stage needs. Sized once for the context a request may reach, a steady
-decode step allocates nothing; a request that outgrows it doubles it (logged by nobody: it is rare). Entries are kept in *cache order*; positions were already
-applied (rotary) when the keys were written, so reordering or dropping entries is safe as long as the
-attention mask is built over the same order.
+decode step allocates nothing; a request that outgrows it doubles it (logged by nobody: it is rare). Entries
+are kept in *cache order*; positions were already applied (rotary) when the keys were written, so reordering
+or dropping entries is safe as long as the attention mask is built over the same order.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class CacheLike(Protocol):
+    """What a stage's bookkeeping asks of a request's cache: KVCache, or a stand-in holding lengths only
+    (the simulator's oracle verification)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def keep(self, idx: torch.Tensor) -> None: ...
+
+    def truncate(self, length: int) -> None: ...
 
 
 class KVCache:
@@ -39,7 +53,8 @@ class KVCache:
         self._k[layer][:, :, :n] = old_k[:, :, :n]
         self._v[layer][:, :, :n] = old_v[:, :, :n]
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: [1, H_kv, n, D] -> views [1, H_kv, length + n, D]
         n0, n = self._len[layer_idx], k.shape[2]
         if n0 + n > self._k[layer_idx].shape[2]:

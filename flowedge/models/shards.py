@@ -1,6 +1,7 @@
 """Stage shard format: one safetensors file per pipeline stage plus a head file and a manifest.
 
-Written by `models/split.py`; read here. A stage process loads only its own file, so a device never holds more than its layer range.
+Written by `models/split.py`; read here. A stage process loads only its own file, so a device never holds
+more than its layer range.
 Layout of a shard directory (format 2):
     config.json, tokenizer files       copied from the source model
     head.safetensors                   embed_tokens, final norm, lm_head (absent when tied), 16-bit

@@ -51,7 +51,7 @@ class MemoryNeed:
         return self.weights_bytes + self.kv_bytes + self.overhead_bytes
 
 
-def kv_bytes_per_token(config: Any, layers: int, dtype_bytes: int) -> float:
+def kv_bytes_per_token(config: Any, layers: int, dtype_bytes: float) -> float:
     """K and V of one context token over `layers` decoder layers, at `dtype_bytes` per element (the
     shape's figure counts 2-byte elements); the planner and the head's KV admission both use it."""
     return shape_of_layers(config, 0, layers).kv_bytes_per_token * dtype_bytes / 2.0

@@ -189,11 +189,11 @@ class _Tables:
     def of(cls, inputs: PlanInputs, idle: bool) -> _Tables:
         layers, stages = int(inputs.config.num_hidden_layers), len(inputs.devices)
         ends = (False, True) if idle else (None, None)   # without idle stages only the last one ends it
-        step = tuple([[0.0] + [inputs.step_s(k, n, e) for n in range(1, layers + 1)] for k in range(stages)]
-                     for e in ends)
-        fits = tuple([[True] + [inputs.need(k, n, e).total_bytes <= inputs.devices[k].usable_bytes
-                                for n in range(1, layers + 1)] for k in range(stages)] for e in ends)
-        return cls(step, fits, (idle,) * stages)
+        step = [[[0.0] + [inputs.step_s(k, n, e) for n in range(1, layers + 1)] for k in range(stages)]
+                for e in ends]
+        fits = [[[True] + [inputs.need(k, n, e).total_bytes <= inputs.devices[k].usable_bytes
+                           for n in range(1, layers + 1)] for k in range(stages)] for e in ends]
+        return cls((step[0], step[1]), (fits[0], fits[1]), (idle,) * stages)
 
     def cell(self, k: int, n: int, ends: bool) -> tuple[bool, float]:
         """(allowed, seconds) for stage k taking n layers, ending the pipeline or not."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_
                                   shape_of_layers, transfer_time_s)
 from flowedge.costs.pipeline import CostModel, draft_path_for
 from flowedge.costs.sizing import SIZING_CONTEXT, tree_costs
+from flowedge.errors import ConfigError
 from flowedge.plan.cluster import ClusterSpec
 from flowedge.plan.partition import HIDDEN_WIRE_BYTES
 
@@ -74,45 +76,58 @@ def cost_model(cluster: ClusterSpec, draft_config: Any, *, draft_quantized: bool
     return costs
 
 
+@dataclass
+class _Totals:
+    """One strategy's sums over the prompts."""
+    tokens: int = 0
+    seconds: float = 0.0
+    accepts: list[int] = field(default_factory=list)
+    same: bool = True   # every answer equal to greedy decoding
+
+    def summary(self) -> dict:
+        return {"tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+                "mean_accept_len": sum(self.accepts) / len(self.accepts) if self.accepts else None,
+                "identical_to_greedy": self.same}
+
+
 def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Sequence[str],
              strategies: Sequence[str] = DEFAULT_STRATEGIES, max_new_tokens: int = 64) -> dict[str, dict]:
     """{strategy: {tokens_per_s, mean_accept_len, identical_to_greedy}} over `prompts`, on the real pair's
     tokens (oracle); identical_to_greedy: every answer equals plain greedy decoding of the real base."""
     from flowedge.core.sampling import SamplingParams
+    from flowedge.costs.pipeline import draft_quant_for
     from flowedge.engine.local import stop_ids
     from flowedge.runner import encode_prompt, load_tokenizer
     from flowedge.sim.cluster import SimCluster
-    from flowedge.costs.pipeline import draft_quant_for
     from flowedge.sim.run import Cluster
 
     spec = SpecConfig()
     draft_quant = draft_quant_for(cluster.head_device.name, _stage_path(cluster))
     sim = Cluster(base_dir, draft_dir, len(cluster.devices) + 1, spec, verify="oracle", size_from_costs=True,
                   draft_quant=draft_quant)
+    if sim.oracle is None or sim.draft_model is None:
+        raise ConfigError("a prediction runs the real pair: a draft model, under oracle verification")
     tok = load_tokenizer(base_dir)
     ids = [encode_prompt(tok, p, chat=True) for p in prompts]
     costs = cost_model(cluster, sim.draft_model.config, draft_quantized=draft_quant != "none",
                        hidden_scale=int(cluster.config.hidden_size) / int(sim.config.hidden_size), spec=spec)
-    totals = {s: [0, 0.0, [], True] for s in strategies}    # tokens, simulated s, accept lengths, == greedy
+    totals = {s: _Totals() for s in strategies}
     for i, prompt_ids in enumerate(ids):
         # greedy through the oracle first: its logits stay cached for every strategy (prompt-major)
         ref = sim.oracle.generate(prompt_ids, max_new_tokens, SamplingParams(), stop_ids(sim.config))
         for strategy in strategies:
             head, stages = sim.build(strategy, costs)
             res = SimCluster(head, stages, costs).run(i + 1, prompt_ids, max_new_tokens, SamplingParams())
-            totals[strategy][0] += len(res.done.token_ids)
-            totals[strategy][1] += res.sim_time_s
-            totals[strategy][2] += list(res.done.stats.accept_lens)
-            totals[strategy][3] &= res.done.token_ids == ref
+            sums = totals[strategy]
+            sums.tokens += len(res.done.token_ids)
+            sums.seconds += res.sim_time_s
+            sums.accepts += list(res.done.stats.accept_lens)
+            sums.same &= res.done.token_ids == ref
             log.info("prompt %d %s: %.3f tok/s, %d rounds%s", i + 1, strategy,
                      len(res.done.token_ids) / res.sim_time_s, res.done.stats.rounds,
                      "" if res.done.token_ids == ref else ", DIFFERS from greedy")
-        if sim.oracle is not None:
-            sim.oracle.clear()
-    out: dict[str, dict] = {}
-    for strategy, (tokens, seconds, accepts, same) in totals.items():
-        out[strategy] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
-                         "mean_accept_len": sum(accepts) / len(accepts) if accepts else None,
-                         "identical_to_greedy": same}
-        log.info("simulated %s: %.2f tok/s", strategy, out[strategy]["tokens_per_s"])
+        sim.oracle.clear()
+    out = {strategy: sums.summary() for strategy, sums in totals.items()}
+    for strategy, row in out.items():
+        log.info("simulated %s: %.2f tok/s", strategy, row["tokens_per_s"])
     return out

@@ -38,7 +38,7 @@ def message_bytes(msg) -> int:
     if isinstance(msg, Segment):
         n = len(msg)
         chose = msg.hidden is None   # the last stage chose tokens
-        hidden = 0 if chose else msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES
+        hidden = 0 if msg.hidden is None else msg.hidden.shape[-1] * n * WIRE_HIDDEN_BYTES
         tokens = 4 * n if chose else 0    # chosen tokens travel as int32 (charged per row, as before 1.4)
         return HEADER_BYTES + hidden + tokens + 3 * n * 4
     if isinstance(msg, Prune):
@@ -175,6 +175,8 @@ class SimCluster:
         finally:
             self.nodes[0] = head
         timing = res.requests[request_id]
+        if timing.done is None or timing.finish_s is None:   # run_many raises on a request left unfinished
+            raise RuntimeError(f"request {request_id} did not finish")
         return SimResult(timing.done, timing.finish_s, res.trace)
 
     def run_many(self, requests: list[SimRequest], on_tokens: Callable[[int, list[int]], None] | None = None,
@@ -233,13 +235,14 @@ class _SimRun:
             elif node not in self.down:
                 arrived = [msg, *_take_arrived(self.queue, node, t)]
                 self.busy_until[node] = self._execute(node, t, self.nodes[node].receive_all(arrived))
-        if any(tm.finish_s is None for tm in self.timings.values()):
+        finishes = [tm.finish_s for tm in self.timings.values() if tm.finish_s is not None]
+        if len(finishes) < len(self.timings):
             raise RuntimeError("simulation stalled: the pipeline went idle before every request finished")
         # Let stages see the Finish messages so their caches are released.
         for _, _, node, msg in sorted(self.queue, key=lambda e: e[:2]):
             if isinstance(msg, Finish) and node > 0 and node not in self.down:
                 self.nodes[node].receive(msg)
-        return MultiResult(self.timings, max(tm.finish_s for tm in self.timings.values()), self.trace)
+        return MultiResult(self.timings, max(finishes), self.trace)
 
     def _fault(self, t: float, notice: _Notice) -> None:
         """A stage dies (everything it held is gone) or a fresh one takes its slot; node 0 hears of it."""

@@ -123,8 +123,9 @@ class LengthOnlyCache:
 class ShapeOnlyStage:
     """Stands in for a stage's StageModel under oracle verification: same interface, no arithmetic.
 
-    `forward_layers` (`forward_packed`) appends the segment (each request's rows) to the length-only cache and passes the (placeholder) hidden
-    states on unchanged, so message sizes and every Compute's token and context counts stay exact."""
+    `forward_layers` (`forward_packed`) appends the segment (each request's rows) to the length-only cache and
+    passes the (placeholder) hidden states on unchanged, so message sizes and every Compute's token and context
+    counts stay exact."""
 
     def __init__(self, config, start: int, end: int) -> None:
         self.config = config

@@ -79,7 +79,8 @@ class Cluster:
     def build(self, strategy_name: str, costs: CostModel | None = None) -> tuple[Head, list[StageWorker]]:
         make_head, _ = self.head_factory(strategy_name, costs, own_oracle=False)
         n = len(self.stage_models)
-        return make_head(None), [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+        stages = [StageWorker(i + 1, m, n, can_choose=i == n - 1) for i, m in enumerate(self.stage_models)]
+        return make_head(None), stages
 
     def head_factory(self, strategy_name: str, costs: CostModel | None = None, own_oracle: bool = True,
                      batcher: DraftBatcher | None = None) -> tuple[Callable, SpecConfig]:
@@ -112,7 +113,8 @@ class Cluster:
                    ) -> tuple[Scheduler, list[StageWorker], SpecConfig]:
         """Node 0's request scheduler (the daemon's) and fresh stage workers (per-request KV slots, batched
         forwards); the spec the heads run (a job's KV need follows from it)."""
-        drafts = make_strategy(strategy_name).needs_draft and self.draft_model is not None and not is_head(self.draft_model)
+        own_draft = self.draft_model is not None and not is_head(self.draft_model)
+        drafts = make_strategy(strategy_name).needs_draft and own_draft
         batcher = DraftBatcher(self.draft_model) if drafts and batch.batch_drafts else None
         make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)

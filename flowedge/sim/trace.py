@@ -96,14 +96,12 @@ class Trace:
 def _covered_s(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of intervals."""
     total_s = 0.0
-    cur_start, cur_end = None, None
+    cur: tuple[float, float] | None = None   # the union's interval being grown
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total_s += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total_s += cur_end - cur_start
-    return total_s
+        if cur is not None and start <= cur[1]:
+            cur = (cur[0], max(cur[1], end))
+            continue
+        if cur is not None:
+            total_s += cur[1] - cur[0]
+        cur = (start, end)
+    return total_s + (cur[1] - cur[0] if cur is not None else 0.0)

@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from flowedge.errors import ProtocolError
+from flowedge.errors import ProtocolError, Refused
 from flowedge.transport.buffers import frame_buffer
 from flowedge.transport.protocol import Hello, Message, Refuse, Welcome, check_version, decode
 
@@ -71,7 +71,7 @@ def check_welcome(reply: Message | None, timeout_s: float) -> Welcome:
             "and does this node have the cluster's keys (or do both run --insecure)?"
         )
     if isinstance(reply, Refuse):
-        raise ProtocolError(f"refused by peer: {reply.reason}")
+        raise Refused(f"refused by peer: {reply.reason}")
     if not isinstance(reply, Welcome):
         raise ProtocolError(f"expected WELCOME after HELLO, got {reply.TYPE}")
     check_version(reply.version)

@@ -18,7 +18,7 @@ import msgpack
 
 from flowedge import errors
 from flowedge.core.config import SEGMENT_PHASES
-from flowedge.errors import ProtocolError
+from flowedge.errors import ProtocolError, VersionMismatch
 from flowedge.transport.buffers import (
     TOKEN_WIRE_DTYPES,
     as_token_ids,
@@ -69,7 +69,7 @@ def version_text(version: Sequence[int]) -> str:
 def check_version(peer: Sequence[int]) -> None:
     """ProtocolError unless `peer` has our major version (minor differences are fine)."""
     if peer[0] != PROTOCOL_VERSION[0]:
-        raise ProtocolError(
+        raise VersionMismatch(
             f"peer speaks flowedge protocol {version_text(peer)}, "
             f"this node speaks {version_text(PROTOCOL_VERSION)}"
         )
@@ -313,7 +313,7 @@ def _read_header(frames: Sequence[Any]) -> dict[str, Any]:
         raise ProtocolError("header is not a map")
     v = header.get("v")
     if not isinstance(v, list) or len(v) != 2 or any(type(x) is not int or x < 0 for x in v):
-        raise ProtocolError("header carries no valid protocol version 'v'")
+        raise VersionMismatch("header carries no valid protocol version 'v'")
     if header.get("type") != REFUSE_TYPE:  # a REFUSE is readable across major versions
         check_version(v)
     return header
@@ -327,9 +327,9 @@ def decode(frames: Sequence[Any]) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {quote(kind)}")
     if header["v"][0] == PROTOCOL_VERSION[0] and header["v"][1] < cls.MIN_MINOR:
-        raise ProtocolError(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}: this "
-                            f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
-                            f"(upgrade every node of the cluster together)")
+        raise VersionMismatch(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}: this "
+                              f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
+                              f"(upgrade every node of the cluster together)")
     return cls._from_header(header, frames[1:])
 
 

@@ -15,8 +15,8 @@ it is decoded whatever the major version and a refused peer can always read why.
 
 Topology: the head (node 0) feeds stage 1; stage k forwards to stage k+1; the last stage returns
 hidden states to the head, or (1.2, when it holds the lm_head and the request's prefill carried
-sampling params) the base model's chosen token per node. Control messages (HELLO/ASSIGN/SHARD/READY/HEARTBEAT) go stage <-> head,
-client messages client <-> head, pre-draft jobs and their answers (1.5) head <-> drafter.
+sampling params) the base model's chosen token per node. Control messages (HELLO/ASSIGN/SHARD/READY/HEARTBEAT)
+go stage <-> head, client messages client <-> head, pre-draft jobs and their answers (1.5) head <-> drafter.
 
 Round restarts are folded into `Prune` (there is no NewRound): a Prune whose round_id is newer than
 the stage's current round commits `commit_ids` into the prefix and keeps only `keep_ids` of the tree.

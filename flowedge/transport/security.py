@@ -31,6 +31,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from flowedge.errors import ConfigError
+from flowedge.home import flowedge_home
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class ClusterKeys:
 
 
 def default_keys_dir() -> Path:
-    home = os.environ.get("FLOWEDGE_HOME") or "~/.cache/flowedge"
-    return Path(home).expanduser() / "keys"
+    """$FLOWEDGE_HOME/keys (default ~/.cache/flowedge/keys)."""
+    return flowedge_home() / "keys"
 
 
 def key_paths(directory: Path | str | None = None) -> KeyPaths:

@@ -181,7 +181,8 @@ def table(out: Path, strategy: str = "auto") -> str:
                      f"{_cell(got['llama-md'])} | {_cell(ratio)} | {sum(same)}/{len(same)} |")
     sims = sim_rates(out, strategy)
     if sims:
-        lines += ["", "| devices | preset | flowedge wall tok/s | simulator | sim / measured |", "|---|---|---|---|---|"]
+        lines += ["", "| devices | preset | flowedge wall tok/s | simulator | sim / measured |",
+                  "|---|---|---|---|---|"]
         for n, preset in keys:
             wall, sim = pooled(pick(n, preset, "flowedge"), "wall_tokens_per_s"), sims.get((n, preset))
             off = f"{sim / wall:.2f}" + (" (off > 15%)" if abs(sim / wall - 1) > 0.15 else "") if wall and sim else "-"

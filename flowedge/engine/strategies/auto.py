@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flowedge.core.tree import DraftTree
 from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, PIPEDEC, AutoPolicy, Chooser, Prediction
+from flowedge.engine.events import Stats
 from flowedge.engine.round_view import RoundView
 from flowedge.engine.strategies.ar_pp import ArPP
 from flowedge.engine.strategies.base import Strategy
@@ -30,7 +31,7 @@ class Auto(Strategy):
             raise AssertionError("auto's strategies must choose tokens in the same place")
         self.active: Strategy = self.inner[FLOWSPEC]
         self.chooser: Chooser | None = None
-        self._stats = None   # the request being measured (Head.start makes a new Stats per request)
+        self._stats: Stats | None = None   # the request being measured (Head.start makes a new Stats per request)
         self._last = (0.0, 0)
 
     @property
@@ -38,25 +39,23 @@ class Auto(Strategy):
         return self.active.predrafts
 
     # ---- measurement ------------------------------------------------------------------------------
-    def _tick(self, view: RoundView) -> None:
-        """Charge the tokens and time since the last tick to the strategy that ran them."""
+    def _tick(self, view: RoundView) -> Chooser:
+        """Charge the tokens and time since the last tick to the strategy that ran them: the answer's chooser."""
         now, emitted = view.clock(), view.emitted
-        if self._stats is not view.stats:
+        if self.chooser is None or self._stats is not view.stats:
             self._stats = view.stats   # a new answer: fresh measurements (prompts differ)
             self.chooser = Chooser(self.prediction, self.policy, load=view.running_requests)
             view.stats.auto = self.chooser.report()
         else:
             self.chooser.observe(emitted - self._last[1], now - self._last[0])
         self._last = (now, emitted)
-
-    def _report(self, view: RoundView) -> None:
-        view.stats.auto = self.chooser.report()
+        return self.chooser
 
     # ---- the strategy interface -------------------------------------------------------------------
     def build_round(self, view: RoundView) -> DraftTree:
-        self._tick(view)
-        self.active = self.inner[self.chooser.decide(view.tokens_left)]
-        self._report(view)
+        chooser = self._tick(view)
+        self.active = self.inner[chooser.decide(view.tokens_left)]
+        view.stats.auto = chooser.report()
         return self.active.build_round(view)
 
     def initial_segments(self, view: RoundView) -> list:
@@ -64,11 +63,11 @@ class Auto(Strategy):
 
     def on_output(self, view: RoundView, live_nodes: int) -> list:
         actions = self.active.on_output(view, live_nodes)
-        self._tick(view)
+        chooser = self._tick(view)
         speculating = not (view.finished or view.round_ended or self.active is self.inner[AR_PP])
-        if speculating and self.chooser.decide(view.tokens_left) != self.active.name:
-            actions += view.restart_round(reason=self.chooser.reason)   # measured slower than ar-pp: end it now
-        self._report(view)   # the answer's stats count every token, the last ones included
+        if speculating and chooser.decide(view.tokens_left) != self.active.name:
+            actions += view.restart_round(reason=chooser.reason)   # measured slower than ar-pp: end it now
+        view.stats.auto = chooser.report()   # the answer's stats count every token, the last ones included
         return actions
 
     def expand(self, view: RoundView, accepted: bool) -> list:

@@ -1,0 +1,84 @@
+"""The tests' fakes stand for real seams: each subclasses the interface it plays (or, for a class of
+another library, matches the methods it imitates), and its methods take the interface's parameters, so
+a change to a seam breaks the fakes too instead of passing unnoticed."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import psutil
+import pytest
+from interface_check import signature_drift
+from test_daemon_lifecycle import ChainEngine, FakeEngine, FakePort
+from test_daemon_live_figures import FakeProcess
+from test_daemon_node_base import FakeRepair
+from test_daemon_shrink import FakeMembers, FakeRequests
+from test_engine_fair_queue import Echo as QueueEcho
+from test_engine_predraft import _IdleEngine
+from test_engine_scheduler import Echo as SchedulerEcho
+
+from flowedge.daemon.head_engines import HeadEngines
+from flowedge.daemon.head_ports import HeadOutbox
+from flowedge.daemon.membership import Membership
+from flowedge.daemon.requests import EnginePort, HeadRequests, OutPort
+from flowedge.daemon.shard_fetch import CacheRepair
+from flowedge.engine.head import Head
+from flowedge.engine.jobs import RequestEngine
+
+TESTS = Path(__file__).resolve().parent
+SUBCLASSING = [(FakeEngine, RequestEngine), (ChainEngine, RequestEngine), (QueueEcho, RequestEngine),
+               (SchedulerEcho, RequestEngine), (_IdleEngine, RequestEngine), (FakePort, EnginePort),
+               (FakePort, OutPort)]
+IMITATING = [(FakeRepair, CacheRepair, ("repair",)), (FakeProcess, psutil.Process, ("cpu_percent",)),
+             (FakeMembers, Membership, ("cluster_ready", "admit", "assign_all")),
+             (FakeRequests, HeadRequests, ("fail_waiting", "extend_deadlines"))]
+REAL = [(Head, RequestEngine), (HeadEngines, EnginePort), (HeadOutbox, OutPort)]
+
+
+@pytest.mark.parametrize("fake, interface", SUBCLASSING, ids=lambda c: c.__name__)
+def test_a_fake_subclasses_its_interface_and_takes_its_parameters(fake, interface):
+    assert interface in fake.__mro__   # (issubclass refuses a Protocol that is not runtime_checkable)
+    assert signature_drift(fake, interface) == []
+
+
+@pytest.mark.parametrize("fake, real, names", IMITATING, ids=lambda c: getattr(c, "__name__", ""))
+def test_a_fake_of_a_concrete_class_takes_its_parameters(fake, real, names):
+    assert signature_drift(fake, real, names) == []
+
+
+@pytest.mark.parametrize("real, interface", REAL, ids=lambda c: c.__name__)
+def test_the_real_parts_match_the_interfaces_the_fakes_play(real, interface):
+    assert signature_drift(real, interface) == []
+
+
+def test_every_fake_in_the_tests_is_checked_here():
+    """A class named Fake* in tests/ must appear above (add a row when adding a fake)."""
+    checked = {c.__name__ for c, *_ in SUBCLASSING + IMITATING}
+    fakes = {node.name for path in TESTS.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ClassDef) and node.name.startswith("Fake")}
+    assert fakes - checked <= {"FakeTTY", "FakeHead"}, fakes - checked   # an io.StringIO; a real zmq head
+
+
+def test_a_stale_fake_is_caught():
+    class Renamed(RequestEngine):
+        def start(self, request_id, prompt, max_new_tokens, params):
+            return []
+
+        def receive(self, event):
+            return []
+
+    class Missing(RequestEngine):
+        def start(self, request_id, prompt_ids, max_new_tokens, params):
+            return []
+
+    class Loose(RequestEngine):
+        def start(self, *args, **kwargs):
+            return []
+
+        def receive(self, event, extra=None):
+            return []
+
+    assert [d.split("(")[0] for d in signature_drift(Renamed, RequestEngine)] == ["Renamed.start"]
+    assert signature_drift(Missing, RequestEngine) == [
+        "Missing.receive: missing (the interface RequestEngine has it)"]
+    assert len(signature_drift(Loose, RequestEngine)) == 2
