@@ -122,16 +122,20 @@ def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
 @click.option("--drafter", is_flag=True, help="Join as a drafter: hold the head's draft model and pre-draft for "
               "node 0 (the head runs with predraft = \"drafter\"); takes no stage slot.")
+@click.option("--standby", is_flag=True, help="Join as a standby head: follow the head at HEAD_ADDR and take "
+              "over, serving at --listen, when it is lost (daemon/standby.py).")
+@click.option("--listen", default=None, help="With --standby: HOST:PORT to serve at once it takes over.")
+@click.option("--heads", default=None, help="The head and its standbys, HOST:PORT,HOST:PORT: tried in turn.")
 @liveness_options(head=False)
 @KEYS_OPTION
 @INSECURE_OPTION
 def join(head_addr, cluster, discover_timeout, config_path, node_id, device, threads, stage, data_port, advertise,
-         same_host, drafter, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
+         same_host, drafter, standby, listen, heads, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
     its shard and serves its layers (or, with --drafter, a drafter node)."""
     daemon_logging()
     search = None
-    if not head_addr:   # found by mDNS: looked for again if it does not answer (an address given is kept)
+    if not head_addr and not heads:   # found by mDNS: looked for again if it does not answer (an address given is kept)
         try:
             from flowedge.daemon.discovery import browse
         except ImportError:
@@ -139,11 +143,13 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
                                    "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
         search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
-    cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id, device=device,
+    cfg = load_node_config(config_path, role="standby" if standby else "drafter" if drafter else None,
+                           head=head_addr or (heads.split(",")[0] if heads else None), listen=listen,
+                           heads=heads.split(",") if heads else None, node_id=node_id, device=device,
                            threads=threads, stage=stage, data_port=data_port, advertise=advertise, same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)
-    _run_node(cfg, search)
+    _run_node(cfg if cfg.role != "head" else cfg.with_(role="stage"), search)
 
 
 @click.command()

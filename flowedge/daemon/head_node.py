@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from flowedge.allocator import settle
 from flowedge.daemon import memdebug
@@ -34,9 +33,10 @@ from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
 from flowedge.daemon.kv_budget import with_budgets
-from flowedge.daemon.live_figures import CpuLoad, flowedge_version
+from flowedge.daemon.live_figures import CpuLoad, flowedge_version, model_created
 from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
+from flowedge.daemon.replication import Replicator, RequestLog, resume
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.daemon.timeline import Timeline, sample
@@ -62,6 +62,8 @@ class HeadParts:
     requests: HeadRequests
     drops: DropLog
     drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
+    replica: Replicator | None = None     # the request log to standby heads (daemon/replication.py)
+    resumes: RequestLog | None = None     # a head that took over: the log it resumes requests from
 
 
 class HeadNode:
@@ -73,7 +75,7 @@ class HeadNode:
         self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
         self.control, self.outbox = parts.port, parts.outbox
         self.members, self.engines, self.requests, self.drops = parts.members, parts.engines, parts.requests, parts.drops
-        self.drafts = parts.drafts
+        self.drafts, self.replica, self.resumes = parts.drafts, parts.replica, parts.resumes
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -92,7 +94,7 @@ class HeadNode:
         try:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")
-            plan = self.members.plan = prepare_plan(self.config, flowedge_home())
+            plan = self.members.plan = self.members.plan or prepare_plan(self.config, flowedge_home())
             self._sync_plan()
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in plan.ranges])
@@ -206,11 +208,14 @@ class HeadNode:
         if peer is None:
             try:
                 with self.control.lock:
-                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), self.members.admit)
+                    hello = answer_hello(self.ctrl, identity, body, self.control.stamp(self.members.welcome()),
+                                         self.members.admit)
             except PeerUnreachable:   # the peer hung up before our answer
                 return
             if hello is not None:
                 self._events(self.members.register(identity, hello))
+                if self.replica is not None:
+                    self.replica.joined(identity, hello)
             return
         try:
             msg = proto.decode(body)
@@ -267,8 +272,11 @@ class HeadNode:
         if peer.hello.role != "client":
             log.warning("prompt from non-client %s ignored", peer.name)
             return
-        self.requests.submit(peer.identity, msg, time.monotonic(), self.members.cluster_ready(),
-                             self.members.missing())
+        args = (time.monotonic(), self.members.cluster_ready(), self.members.missing())
+        if msg.resumed >= 0:   # a request moved here from a head that was lost
+            resume(self.requests, peer, msg, self.resumes or RequestLog(), *args, self._send)
+            return
+        self.requests.submit(peer.identity, msg, *args)
 
     def _on_cancel(self, peer: Peer, msg: proto.Cancel) -> None:
         self.requests.cancel(peer.identity, msg.request_id)
@@ -370,6 +378,8 @@ class HeadNode:
             self.members.assign_all()
         self.members.ping(self.requests.busy_clients())
         self.members.retry_refused()
+        if self.replica is not None:
+            self.replica.tick()
         if self.drafts is not None:
             self.drafts.expire()
         self._sample()
@@ -385,13 +395,4 @@ class HeadNode:
         for identity in self.members.stage_identities() + [p.identity for p in self.members.peers.values() if p.drafter]:
             self._send(identity, proto.Shutdown(reason=reason))
         time.sleep(0.05)   # let the Shutdown messages leave before the sockets close
-
-
-def model_created(model: str, started_unix: float) -> int:
-    """When the served model was made, for /v1/models: its files' modification time when the model is
-    a path here, else (a registry name) when this head started."""
-    try:
-        return int(Path(model).stat().st_mtime)
-    except (OSError, ValueError):
-        return int(started_unix)
 

@@ -10,6 +10,7 @@ import importlib.metadata
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -69,3 +70,13 @@ def flowedge_version() -> str:
         return importlib.metadata.version("flowedge")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def model_created(model: str, started_unix: float) -> int:
+    """When the served model was made, for /v1/models: its files' modification time when the model is
+    a path here, else (a registry name) when this head started."""
+    try:
+        return int(Path(model).stat().st_mtime)
+    except (OSError, ValueError):
+        return int(started_unix)
+

@@ -42,6 +42,9 @@ class PromptRequest(Message):
     1.7: `client` names whom the request is for, when a gateway (the HTTP API) asks on behalf of many:
     the head queues each client's requests in a lane of its own and caps each lane (empty: the
     connection is the client). Any node with the cluster's keys may set it.
+    1.8: `resumed` >= 0 sends again a request the client began with a head that was lost: the client
+    already holds that many of its tokens, and the new head continues after its committed ones
+    (daemon/replication.py). -1: a new request.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -59,10 +62,12 @@ class PromptRequest(Message):
     stop: list[str] = field(default_factory=list)
     raw: bool = False
     client: str = ""
+    resumed: int = -1
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
         _ints(self, "max_new_tokens", lo=1, hi=1 << 20)
+        _ints(self, "resumed", lo=-1, hi=1 << 20)
         _str(self, "client", max_len=MAX_CLIENT_CHARS)
         if sum(x is not None for x in (self.text, self.token_ids, self.messages)) != 1:
             raise ProtocolError("prompt carries exactly one of text, token_ids or messages")
