@@ -251,7 +251,7 @@ class Client:
                         self.addr, len(pending.tokens))
             pending.last_s = time.monotonic()
             self.core.open[request.request_id] = pending
-            self._socket.send(replace(request, resumed=len(pending.tokens)))
+            self._socket.send(replace(request, resumed=len(pending.tokens), held_ids=tuple(pending.tokens) or None))
             return
         raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
                        f"after the head was lost ({last})")

@@ -14,6 +14,7 @@ by events without a socket (tests/test_daemon_client_core.py).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,7 +164,8 @@ class ClientCore:
         self.addr, self.client = addr, client
         self.timeout_s = timeout_s
         self.head_timeout_s = head_timeout_s
-        self.node_id = node_id or f"client-{os.getpid()}"
+        # unique per connection: a new head matches a request sent again by (node id, request id)
+        self.node_id = node_id or f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.welcomed = False
         self.open: dict[int, Pending] = {}    # request id -> its answer so far, for unfinished requests
         self.control: _Control | None = None

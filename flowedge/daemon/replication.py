@@ -142,18 +142,21 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
            missing: list[str], send) -> None:
     """A request a client sends again after the head was lost: continued after its logged tokens (those
     the client lacks are sent first); one the log cannot continue ends with an error naming the failover."""
-    have, fresh = msg.resumed, replace(msg, resumed=-1)
-    committed = entries.committed(peer.hello.node_id, msg.request_id)
-    if committed is None or have > len(committed):
-        if have == 0:   # never started (or never logged before it had tokens): it simply starts here
-            requests.submit(peer.identity, fresh, now, ready, missing)
-            return
-        held = "none" if committed is None else len(committed)
+    have, fresh = msg.resumed, replace(msg, resumed=-1, held_ids=None)
+    key = (peer.hello.node_id, msg.request_id)
+    committed = _committed(entries.committed(*key), list(msg.held_ids or ()), have)
+    if committed is None:
+        logged = entries.committed(*key)
         send(peer.identity, proto.ErrorReply(request_id=msg.request_id, message=(
-            f"head failover: request {msg.request_id} cannot be resumed (the new head's log holds {held} of its "
-            f"tokens, the client {have}); send it again")))
+            f"head failover: request {msg.request_id} cannot be resumed (the new head's log holds "
+            f"{'none' if logged is None else len(logged)} of its tokens, the client {have}, and they disagree "
+            f"or the client's are missing); send it again")))
         return
-    if (peer.hello.node_id, msg.request_id) in entries.done or len(committed) >= msg.max_new_tokens:
+    if not committed:   # never started (or never logged before it had tokens): it simply starts here
+        requests.submit(peer.identity, fresh, now, ready, missing)
+        return
+    if (key in entries.done and len(committed) == len(entries.committed(*key) or ())) or \
+            len(committed) >= msg.max_new_tokens:
         # answered in full before the head was lost: only the end of the answer is missing here
         send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=committed[have:], text="",
                                              done=True, stats={"finish_reason": "length"}))
@@ -171,3 +174,13 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         client.text(committed[have:])
         send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=committed[have:],
                                              text=client.take_pieces(), done=False))
+
+
+def _committed(logged: list[int] | None, held: list[int], have: int) -> list[int] | None:
+    """The request's committed tokens: the longer of the log's and the client's (the old head sent both,
+    the log first, but a kill may deliver either last); None if they disagree or neither covers `have`."""
+    if len(held) != have and (logged is None or len(logged) < have):
+        return None
+    if logged is not None and logged[:len(held)] != held[:len(logged)]:
+        return None
+    return logged if logged is not None and len(logged) >= len(held) else held

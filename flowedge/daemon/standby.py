@@ -176,6 +176,9 @@ class StandbyNode:
     def _take_over(self) -> None:
         term = next_term(self.fence.highest)
         self.head.control.term = term
+        # the cluster served before: requests that come back before the stages do wait for them (recovery_s)
+        # instead of being refused as at a head that never had its stages
+        self.head.requests.scheduler.ever_ready = True
         if self.follower is not None:
             self.follower.close()
         log.warning("standby: TAKING OVER as the head at %s under fencing term %d (the last term was %d); %d "
