@@ -31,7 +31,7 @@ from flowedge.transport.zmq_link import ZmqLink
 
 log = logging.getLogger(__name__)
 
-FAILOVER_HELLO_S = 0.5   # following the head to a standby: each address's HELLO waits this long
+FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
 
 __all__ = ["Answer", "Chunk", "Client", "RequestFailed", "prompt_request", "wait_ready"]
 
@@ -162,9 +162,34 @@ class Client:
                     raise ev.error
 
     def _hello(self) -> None:
-        if not self.core.welcomed:
-            self._control(self.core.hello(time.monotonic()))
+        if self.core.welcomed:
+            return
+        if len(self.heads) > 1:
+            self._reach_head(move=False)
+            return
+        self._control(self.core.hello(time.monotonic()))
+        self._socket.forget_disconnects()
+
+    def _reach_head(self, move: bool) -> None:
+        """Each head address in turn (from the next one when `move`: this one was lost) until one WELCOMEs
+        this client, for up to `failover_s`; HeadLost naming them all if none does."""
+        deadline, last = time.monotonic() + self.failover_s, None
+        while time.monotonic() < deadline:
+            if move:
+                self.addr = self.heads[(self.heads.index(self.addr) + 1) % len(self.heads)]
+                self.core.addr, self.core.welcomed, self.core.control = self.addr, False, None
+                self._socket = self._socket.moved(self.addr)
+            move = True
+            try:
+                self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
+            except FlowedgeError as err:
+                last = err
+                time.sleep(0.1)
+                continue
             self._socket.forget_disconnects()
+            return
+        raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
+                       f"({last})")
 
     # ---- requests -------------------------------------------------------------------------------
     def chunks(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
@@ -235,26 +260,12 @@ class Client:
         """The head was lost mid-answer: find the head that took over (each address in turn, for up to
         `failover_s`) and send it the request again with the tokens held so far; FlowedgeError naming
         the failover if none answers."""
-        deadline, last = time.monotonic() + self.failover_s, None
-        while time.monotonic() < deadline:
-            self.addr = self.heads[(self.heads.index(self.addr) + 1) % len(self.heads)]
-            self.core.addr, self.core.welcomed, self.core.control = self.addr, False, None
-            self._socket = self._socket.moved(self.addr)
-            try:
-                self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
-            except FlowedgeError as err:
-                last = err
-                time.sleep(0.1)
-                continue
-            self._socket.forget_disconnects()
-            log.warning("head failover: request %d follows the head to %s, holding %d tokens", request.request_id,
-                        self.addr, len(pending.tokens))
-            pending.last_s = time.monotonic()
-            self.core.open[request.request_id] = pending
-            self._socket.send(replace(request, resumed=len(pending.tokens), held_ids=tuple(pending.tokens) or None))
-            return
-        raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
-                       f"after the head was lost ({last})")
+        self._reach_head(move=True)
+        log.warning("head failover: request %d follows the head to %s, holding %d tokens", request.request_id,
+                    self.addr, len(pending.tokens))
+        pending.last_s = time.monotonic()
+        self.core.open[request.request_id] = pending
+        self._socket.send(replace(request, resumed=len(pending.tokens), held_ids=tuple(pending.tokens) or None))
 
     def status(self, timeline: bool = False) -> list[dict[str, Any]]:
         """One map per node, as `flowedge status --json`; `timeline`: the head's row carries its recent
