@@ -12,6 +12,7 @@ Figures (one run): `takeover_s` kill -> the standby's status says ready (its sta
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowedge.core.sampling import SamplingParams
+from flowedge.daemon.async_client import AsyncClient
 from flowedge.daemon.client import Client, wait_ready
 from flowedge.errors import FlowedgeError
 
@@ -46,19 +48,31 @@ class Asker:
     done: bool = False
     error: str | None = None
     first: threading.Event = field(default_factory=threading.Event)
+    use_async: bool = False   # the asyncio client (the HTTP front's) instead of the sync one
 
     def run(self) -> None:
         try:
-            with Client(self.heads, timeout_s=120, failover_s=30) as c:
-                for chunk in c.chunks(self.prompt, max_new_tokens=self.max_new, strategy=self.strategy):
-                    self.tokens += chunk.token_ids
-                    self.times.append(time.monotonic())
-                    if len(self.tokens) >= 8:   # well into its answer when the head is killed
-                        self.first.set()
-                self.done = True
+            if self.use_async:
+                asyncio.run(self._run_async())
+            else:
+                with Client(self.heads, timeout_s=120, failover_s=30) as c:
+                    for chunk in c.chunks(self.prompt, max_new_tokens=self.max_new, strategy=self.strategy):
+                        self._took(chunk.token_ids)
+            self.done = True
         except FlowedgeError as err:
             self.error = str(err)
         finally:
+            self.first.set()
+
+    async def _run_async(self) -> None:
+        async with AsyncClient(self.heads, timeout_s=120, failover_s=30) as c:
+            async for chunk in c.chunks(self.prompt, max_new_tokens=self.max_new, strategy=self.strategy):
+                self._took(chunk.token_ids)
+
+    def _took(self, token_ids) -> None:
+        self.tokens += token_ids
+        self.times.append(time.monotonic())
+        if len(self.tokens) >= 8:   # well into its answer when the head is killed
             self.first.set()
 
 
@@ -160,7 +174,8 @@ def serving(addr: str) -> bool:
 
 def drill(nodes: Nodes, refs: list[list[int]], ps: list[list[int]], max_new: int, strategy: str) -> dict:
     """One kill -9 of the head under len(ps) clients; the figures."""
-    askers = [Asker(f"{nodes.a},{nodes.b}", p, max_new, strategy) for p in ps]
+    askers = [Asker(f"{nodes.a},{nodes.b}", p, max_new, strategy, use_async=k == len(ps) - 1 and k > 0)
+              for k, p in enumerate(ps)]   # the last one on the asyncio client, as the HTTP front
     threads = [threading.Thread(target=a.run, daemon=True) for a in askers]
     for t in threads:
         t.start()

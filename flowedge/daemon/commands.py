@@ -22,7 +22,7 @@ from flowedge.threads import set_threads
 log = logging.getLogger("flowedge")
 
 HEAD_OPTION = click.option("--head", "head", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True,
-                           help="The head's HOST:PORT.")
+                           help="The head's HOST:PORT (or a head and its standbys: A,B).")
 KEYS_OPTION = click.option("--keys", "keys_dir", default=None, help="Cluster keys directory "
                            "(default $FLOWEDGE_HOME/keys).")
 INSECURE_OPTION = click.option("--insecure", is_flag=True, help="No CurveZMQ (lab use only; logs a warning).")
