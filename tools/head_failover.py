@@ -194,7 +194,8 @@ def drill(nodes: Nodes, refs: list[list[int]], ps: list[list[int]], max_new: int
             "first_token_s": _round(min(after) - killed_at if after else None),
             "answered": verdicts.count("identical") + verdicts.count("wrong"), "identical": verdicts.count("identical"),
             "wrong": verdicts.count("wrong"), "errors": [a.error for a in askers if a.error],
-            "lost": verdicts.count("lost"), "chunks_before_kill": [sum(t <= killed_at for t in a.times) for a in askers],
+            "lost": verdicts.count("lost"),
+            "chunks_before_kill": [sum(t <= killed_at for t in a.times) for a in askers],
             "mismatches": [_mismatch(a.tokens, ref) for a, v, ref in zip(askers, verdicts, refs) if v == "wrong"]}
 
 

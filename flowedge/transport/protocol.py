@@ -1,5 +1,6 @@
 """Wire messages: one frozen, self-validating dataclass per message type, gathered here from their
-families (msg_control.py, msg_data.py, msg_client.py, msg_draft.py, msg_standby.py; codec in codec.py). Import messages from here:
+families (msg_control.py, msg_data.py, msg_client.py, msg_draft.py, msg_standby.py; codec in codec.py). Import
+messages from here:
 importing this module registers every type, which `decode` needs.
 
 Frame layout of every message (see frames.py for the tensor rules):
