@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,9 @@ def test_the_standby_takes_over_a_killed_head_under_4_clients_and_loses_nothing(
     assert fig["lost"] == 0 and fig["wrong"] == 0, (fig, nodes.logs())
     assert all("failover" in e for e in fig["errors"]), fig
     assert fig["identical"] + len(fig["errors"]) == 4, fig
-    assert fig["identical"] >= 3, (fig, nodes.logs())   # an error is the rare kill between log and client
+    # an error naming the failover is allowed by the contract, but nothing here should need one: the log's
+    # account and the client's agree, so every answer (the asyncio client's too) completes
+    assert fig["identical"] == 4, (fig, nodes.logs())
     assert all(n >= 1 for n in fig["chunks_before_kill"]), fig   # the kill did land mid-answer
     assert fig["takeover_s"] is not None and fig["takeover_s"] <= TAKEOVER_LIMIT_S, fig
     assert "TAKING OVER" in nodes.log_text("standby") and "fencing term 2" in nodes.log_text("standby")
@@ -72,7 +75,6 @@ def test_the_standby_takes_over_a_killed_head_under_4_clients_and_loses_nothing(
 def test_a_client_with_one_head_address_is_told_the_head_is_gone(nodes):
     """Without a standby address the client does not wait: the head's loss is its error at once."""
     asker = hf.Asker(nodes.a, hf.prompts(1)[0], MAX_NEW, "ar-pp")
-    import threading
     t = threading.Thread(target=asker.run, daemon=True)
     t.start()
     asker.first.wait(60)

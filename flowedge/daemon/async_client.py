@@ -179,7 +179,8 @@ class AsyncClient:
                 self.core.addr, self.core.welcomed, self.core.control = self.addr, False, None
                 self._socket = self._socket.moved(self.addr)
                 if self._reader is not None:
-                    self._reader.cancel()
+                    self._reader.cancel()   # it read the old socket (a cancelled task is not done at once)
+                    self._reader = None
                 self._start_reader()
             move = True
             try:
