@@ -1,7 +1,8 @@
 """Head failover on real processes (tiny pair, loopback, CurveZMQ on), driven by the drill script
-`tools/head_failover.py`: a head, a standby head and two stages; 4 clients stream answers through both head
-addresses and the head is kill -9'ed mid-answer. The standby must serve within 5 s, no request may be lost,
-and every answer must be plain one-process greedy decoding's (or end with an error naming the failover)."""
+`tools/head_failover.py`: a head, a standby head and two stages; 4 clients (one on the asyncio client, as the
+HTTP front) stream answers through both head addresses and the head is kill -9'ed mid-answer. The standby
+must serve within 5 s, no request may be lost, and every answer must be plain one-process greedy
+decoding's (or end with an error naming the failover)."""
 from __future__ import annotations
 
 import importlib.util
