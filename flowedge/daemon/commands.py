@@ -123,7 +123,7 @@ def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage
 @click.option("--drafter", is_flag=True, help="Join as a drafter: hold the head's draft model and pre-draft for "
               "node 0 (the head runs with predraft = \"drafter\"); takes no stage slot.")
 @click.option("--standby", is_flag=True, help="Join as a standby head: follow the head at HEAD_ADDR and take "
-              "over, serving at --listen, when it is lost (daemon/standby.py).")
+              "over, serving at --listen, when it is lost (docs/operations.md).")
 @click.option("--listen", default=None, help="With --standby: HOST:PORT to serve at once it takes over.")
 @click.option("--heads", default=None, help="The head and its standbys, HOST:PORT,HOST:PORT: tried in turn.")
 @liveness_options(head=False)
