@@ -136,6 +136,24 @@ class StageLost(FlowedgeError):
         return f"StageLost({self.stage!r}, {self.node_id!r}, {self.why!r})"
 
 
+class StaleTerm(ProtocolError):
+    """A head spoke with a fencing term lower than one this node has already obeyed: it was replaced by
+    a standby (daemon/fencing.py), and this node does not take its orders."""
+
+    PREFIX = "StaleTerm: "
+
+    def __init__(self, term: int, highest: int, head: str = "") -> None:
+        self.term, self.highest = term, highest
+        who = f"head {head} " if head else "a head "
+        super().__init__(f"{self.PREFIX}{who}speaks with fencing term {term}, but this node obeys term "
+                         f"{highest} (a newer head took over)")
+
+
+class HeadLost(FlowedgeError):
+    """A client lost its head (the connection closed, or it went silent): with other head addresses it
+    may follow the cluster to the standby that takes over (daemon/client.py)."""
+
+
 class Rejoin(FlowedgeError):
     """A stage node's head went away or re-planned: the node starts its join sequence again."""
 

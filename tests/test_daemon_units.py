@@ -27,7 +27,7 @@ def test_example_config_parses_and_overrides_apply():
 @pytest.mark.parametrize("text, match", [
     ('rol = "head"\n', r"f\.toml: unknown key 'rol' \(did you mean 'role'\?\)$"),
     ('[flowedge]\nheartbeat = 100\n', r"f\.toml: unknown key 'heartbeat' \(did you mean 'heartbeat_ms'\?\)$"),
-    ('role = "boss"\n', r"f\.toml: role must be one of 'head', 'stage' or 'drafter'; got 'boss'$"),
+    ('role = "boss"\n', r"f\.toml: role must be one of 'head', 'stage', 'drafter' or 'standby'; got 'boss'$"),
     ('wire_dtype = "int8"\n', "f\\.toml: wire_dtype must be one of"),
     ('stages = "2"\n', r"f\.toml: stages should be a valid integer; got '2'$"),
     ('stages = 0\n', r"f\.toml: stages must be >= 1; got 0$"),

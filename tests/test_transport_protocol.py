@@ -68,6 +68,11 @@ SAMPLES = [
     draft_job(),
     draft_answer(),
     p.DraftDeclined(request_id=3, seq=2, why="behind", detail="no replica"),
+    p.LogEntry(term=2, client="client-1-ab", request_id=4, start=3, tokens=(5, 6, 7)),
+    p.LogEntry(term=2, client="client-1-ab", request_id=4, start=10, done=True),
+    p.HeadState(term=2, head_id="head", stages=["stage-1", ""], ready=True),
+    p.PromptRequest(request_id=5, max_new_tokens=9, token_ids=[1, 2], resumed=2, held_ids=[7, 8]),
+    p.Welcome(node_id="standby", heartbeat_interval_ms=100, term=3),
 ]
 
 
@@ -98,12 +103,12 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 7]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 8]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
 def test_message_types_are_unique_and_complete() -> None:
-    assert len(p.MESSAGE_TYPES) == 24
+    assert len(p.MESSAGE_TYPES) == 26
     assert {type(m) for m in SAMPLES} == set(p.MESSAGE_TYPES.values())
 
 
@@ -226,7 +231,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.7"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.8"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

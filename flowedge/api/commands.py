@@ -7,7 +7,8 @@ import threading
 
 import click
 
-from flowedge.daemon.commands import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, daemon_logging
+from flowedge.daemon.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION
+from flowedge.daemon.commands import daemon_logging
 from flowedge.daemon.config import split_addr
 from flowedge.errors import ConfigError
 
@@ -65,7 +66,8 @@ def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limi
 
     limit_arenas()
     host, port = split_listen(listen)
-    split_addr(head)   # a URL or a typo is one line now, not a server that answers 500 to everything
+    for addr in head.split(","):   # a head and its standbys, A,B: the client follows the head that answers
+        split_addr(addr)   # a URL or a typo is one line now, not a server that answers 500 to everything
     settings = ApiSettings(head=head, keys_dir=keys_dir, insecure=insecure,
                            api_keys=load_api_keys(api_keys, api_key_file), **limits)
     from flowedge.api.server import build_server

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,13 @@ from flowedge.daemon.client_answer import Answer, Chunk
 from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
                                          Turns, Welcomed)
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import FlowedgeError, LinkError, ProtocolError
+from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.async_link import AsyncLink, ZmqAsyncLink
 from flowedge.transport.link import Inbound
+
+log = logging.getLogger(__name__)
+FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
 
 
 class _AsyncSocket:
@@ -61,6 +66,11 @@ class _AsyncSocket:
         if self.own_link:
             self.link.close()
 
+    def moved(self, addr: str) -> _AsyncSocket:
+        """A socket to another head on the same link."""
+        self.dealer.close()
+        return _AsyncSocket(addr, self.link, self.own_link)
+
 
 def client_link(keys_dir: str | Path | None = None, insecure: bool = False) -> AsyncLink:
     """The link AsyncClients of one process share (ZeroMQ, the cluster's client keys unless `insecure`)."""
@@ -70,13 +80,18 @@ def client_link(keys_dir: str | Path | None = None, insecure: bool = False) -> A
 class AsyncClient:
     """A connection to a head for asyncio code; several requests may be in flight on it at once.
     The protocol is `ClientCore`'s; this face only awaits the socket and routes events to tasks. `client`
-    names whom the requests are for, for the head's fair queue (a gateway sets it; `ClientCore`)."""
+    names whom the requests are for, for the head's fair queue (a gateway sets it; `ClientCore`).
+    Several heads (`addr` = "A,B"): as `Client`, it finds the one that answers and follows the head to a
+    standby that takes over, sending unfinished requests again with the tokens they hold."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 client: str = "", link: AsyncLink | None = None) -> None:
-        self.addr = addr
-        split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
+                 client: str = "", link: AsyncLink | None = None, failover_s: float = 15.0) -> None:
+        self.heads = [a.strip() for a in addr.split(",") if a.strip()] or [addr]
+        self.addr, self.failover_s = self.heads[0], failover_s
+        for one in self.heads:
+            split_addr(one)   # an address mistake is named before a missing key (the link loads the keys)
+        addr = self.addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
         self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
@@ -149,8 +164,45 @@ class AsyncClient:
     async def _hello(self) -> None:
         self._start_reader()
         async with self._control_lock:
-            if not self.core.welcomed:
+            if not self.core.welcomed and len(self.heads) > 1:
+                await self._reach_head(move=False)
+            elif not self.core.welcomed:
                 await self._control(self.core.hello(time.monotonic()))
+
+    async def _reach_head(self, move: bool) -> None:
+        """Each head address in turn (from the next one when `move`) until one WELCOMEs this client, for up
+        to `failover_s`; HeadLost naming them all if none does. Called under the control lock."""
+        deadline, last = time.monotonic() + self.failover_s, None
+        while time.monotonic() < deadline:
+            if move:
+                self.addr = self.heads[(self.heads.index(self.addr) + 1) % len(self.heads)]
+                self.core.addr, self.core.welcomed, self.core.control = self.addr, False, None
+                self._socket = self._socket.moved(self.addr)
+                if self._reader is not None:
+                    self._reader.cancel()   # it read the old socket (a cancelled task is not done at once)
+                    self._reader = None
+                self._start_reader()
+            move = True
+            try:
+                await self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
+                return
+            except FlowedgeError as err:
+                last = err
+                await asyncio.sleep(0.1)
+        raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
+                       f"({last})")
+
+    async def _follow_head(self, request: proto.PromptRequest, pending, lost_at: str) -> None:
+        """The head was lost mid-answer: reach the one that took over (unless another request already has)
+        and send it the request again with the tokens held so far."""
+        async with self._control_lock:
+            if self.addr == lost_at or not self.core.welcomed:
+                await self._reach_head(move=True)
+        log.warning("head failover: request %d follows the head to %s, holding %d tokens", request.request_id,
+                    self.addr, len(pending.tokens))
+        pending.last_s = time.monotonic()
+        self.core.open[request.request_id] = pending
+        await self._socket.send(replace(request, resumed=len(pending.tokens), held_ids=tuple(pending.tokens) or None))
 
     # ---- requests ---------------------------------------------------------------------------------
     def chunks(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
@@ -199,8 +251,13 @@ class AsyncClient:
         self._queues[rid] = asyncio.Queue()
         try:
             await self._socket.send(self.core.start(request, time.monotonic()))
+            pending, addr = self.core.open[rid], self.addr
             while True:
                 ev = await self._next(rid)
+                if isinstance(ev, Failed) and isinstance(ev.error, HeadLost) and len(self.heads) > 1:
+                    await self._follow_head(request, pending, addr)
+                    addr = self.addr
+                    continue
                 if isinstance(ev, Piece):
                     yield Chunk(ev.text, ev.token_ids)
                 elif isinstance(ev, Done):

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,15 @@ from flowedge.daemon.client_answer import Answer, Chunk
 from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
                                          Turns, Welcomed, prompt_request)
 from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
-from flowedge.errors import FlowedgeError, LinkError, ProtocolError, RequestFailed
+from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
 from flowedge.transport.link import Event as LinkEvent
 from flowedge.transport.link import Inbound, Kind, Link, PeerEvent
 from flowedge.transport.zmq_link import ZmqLink
 
 log = logging.getLogger(__name__)
+
+FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
 
 __all__ = ["Answer", "Chunk", "Client", "RequestFailed", "prompt_request", "wait_ready"]
 
@@ -76,6 +79,11 @@ class _Socket:
         if self.own_link:
             self.link.close()
 
+    def moved(self, addr: str) -> _Socket:
+        """A socket to another head on the same link (this one's connection closed)."""
+        self.dealer.close()
+        return _Socket(addr, self.link, self.own_link)
+
 
 class Client:
     """A connection to a head. Not thread-safe: one per thread.
@@ -87,13 +95,20 @@ class Client:
     the wait for any answer. Closing the client (or the stream) mid-answer cancels the request.
     The protocol is `ClientCore`'s; this face only blocks on the link (its own ZeroMQ link with the
     cluster's keys, unless given one: a `MemoryLink` puts it in an in-process cluster). `client` names
-    whom the requests are for, for the head's fair queue (`ClientCore`)."""
+    whom the requests are for, for the head's fair queue (`ClientCore`).
+
+    Several heads (`addr` = "A,B": a head and its standbys): when the head is lost mid-answer, the client
+    tries the addresses in turn for up to `failover_s` and sends the request again to the one that took
+    over, saying how many tokens it holds; the new head continues after them (daemon/replication.py)."""
 
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
-                 client: str = "", link: Link | None = None) -> None:
-        self.addr = addr
-        split_addr(addr)   # an address mistake is named before a missing key (the link loads the keys)
+                 client: str = "", link: Link | None = None, failover_s: float = 15.0) -> None:
+        self.heads = [a.strip() for a in addr.split(",") if a.strip()] or [addr]
+        self.addr, self.failover_s = self.heads[0], failover_s
+        for one in self.heads:
+            split_addr(one)   # an address mistake is named before a missing key (the link loads the keys)
+        addr = self.addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
         self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
@@ -147,9 +162,34 @@ class Client:
                     raise ev.error
 
     def _hello(self) -> None:
-        if not self.core.welcomed:
-            self._control(self.core.hello(time.monotonic()))
+        if self.core.welcomed:
+            return
+        if len(self.heads) > 1:
+            self._reach_head(move=False)
+            return
+        self._control(self.core.hello(time.monotonic()))
+        self._socket.forget_disconnects()
+
+    def _reach_head(self, move: bool) -> None:
+        """Each head address in turn (from the next one when `move`: this one was lost) until one WELCOMEs
+        this client, for up to `failover_s`; HeadLost naming them all if none does."""
+        deadline, last = time.monotonic() + self.failover_s, None
+        while time.monotonic() < deadline:
+            if move:
+                self.addr = self.heads[(self.heads.index(self.addr) + 1) % len(self.heads)]
+                self.core.addr, self.core.welcomed, self.core.control = self.addr, False, None
+                self._socket = self._socket.moved(self.addr)
+            move = True
+            try:
+                self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
+            except FlowedgeError as err:
+                last = err
+                time.sleep(0.1)
+                continue
             self._socket.forget_disconnects()
+            return
+        raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
+                       f"({last})")
 
     # ---- requests -------------------------------------------------------------------------------
     def chunks(self, prompt: Prompt | None = None, *, messages: Turns | None = None, system: str | None = None,
@@ -194,6 +234,7 @@ class Client:
         self._hello()
         self._socket.send(self.core.start(request, time.monotonic()))
         self._streaming = rid
+        pending = self.core.open[rid]
         try:
             while rid in self.core.open:
                 for ev in self._events():
@@ -202,6 +243,8 @@ class Client:
                     elif isinstance(ev, Done) and ev.request_id == rid:
                         self.last_result = ev.answer
                         yield Chunk("", answer=ev.answer)
+                    elif isinstance(ev, Failed) and ev.request_id == rid and self._can_follow(ev.error):
+                        self._follow_head(request, pending)
                     elif isinstance(ev, Failed) and ev.request_id in (rid, CONTROL):
                         raise ev.error
         finally:
@@ -209,6 +252,20 @@ class Client:
             cancel = self.core.cancel(rid)   # None when the head finished or failed it
             if cancel is not None:
                 self._socket.send_nowait(cancel)
+
+    def _can_follow(self, error: FlowedgeError) -> bool:
+        return isinstance(error, HeadLost) and len(self.heads) > 1
+
+    def _follow_head(self, request: proto.PromptRequest, pending) -> None:
+        """The head was lost mid-answer: find the head that took over (each address in turn, for up to
+        `failover_s`) and send it the request again with the tokens held so far; FlowedgeError naming
+        the failover if none answers."""
+        self._reach_head(move=True)
+        log.warning("head failover: request %d follows the head to %s, holding %d tokens", request.request_id,
+                    self.addr, len(pending.tokens))
+        pending.last_s = time.monotonic()
+        self.core.open[request.request_id] = pending
+        self._socket.send(replace(request, resumed=len(pending.tokens), held_ids=tuple(pending.tokens) or None))
 
     def status(self, timeline: bool = False) -> list[dict[str, Any]]:
         """One map per node, as `flowedge status --json`; `timeline`: the head's row carries its recent

@@ -14,12 +14,13 @@ by events without a socket (tests/test_daemon_client_core.py).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowedge.daemon.client_answer import Answer, answer_from
-from flowedge.errors import FlowedgeError, HeadUnreachable, ProtocolError, Refused, refusal
+from flowedge.errors import FlowedgeError, HeadLost, HeadUnreachable, ProtocolError, Refused, refusal
 from flowedge.transport import protocol as proto
 
 # A head answers HELLO from its event loop at once; silence this long means no head there. Short, so
@@ -163,7 +164,8 @@ class ClientCore:
         self.addr, self.client = addr, client
         self.timeout_s = timeout_s
         self.head_timeout_s = head_timeout_s
-        self.node_id = node_id or f"client-{os.getpid()}"
+        # unique per connection: a new head matches a request sent again by (node id, request id)
+        self.node_id = node_id or f"client-{os.getpid()}-{secrets.token_hex(4)}"
         self.welcomed = False
         self.open: dict[int, Pending] = {}    # request id -> its answer so far, for unfinished requests
         self.control: _Control | None = None
@@ -176,9 +178,9 @@ class ClientCore:
         self._next_id += 1
         return prompt_request(self._next_id, prompt, client=self.client, **kwargs)
 
-    def hello(self, now: float) -> proto.Hello:
-        """The HELLO to send; Welcomed or Failed(CONTROL) follows."""
-        self.control = _Control("hello", now, min(self.timeout_s, HELLO_TIMEOUT_S))
+    def hello(self, now: float, limit_s: float = HELLO_TIMEOUT_S) -> proto.Hello:
+        """The HELLO to send; Welcomed or Failed(CONTROL) follows (after `limit_s` at most without an answer)."""
+        self.control = _Control("hello", now, min(self.timeout_s, limit_s))
         return proto.Hello(node_id=self.node_id, role="client", device="client", free_memory_bytes=0,
                            capabilities={"heartbeat": True})
 
@@ -244,8 +246,8 @@ class ClientCore:
         if not self.welcomed:
             return []
         self.welcomed = False
-        return self._fail_all(FlowedgeError(f"lost the connection to the head at {self.addr} "
-                                            "(did it stop or restart?)"))
+        return self._fail_all(HeadLost(f"lost the connection to the head at {self.addr} "
+                                       "(did it stop or restart?)"))
 
     def next_deadline(self) -> float | None:
         """When `expire` next has something to say (None: nobody waits)."""
@@ -265,9 +267,9 @@ class ClientCore:
             if now >= self._deadline(answer):
                 del self.open[rid]
                 quiet_s = now - max(self.last_heard_s, answer.started_s)
-                why = (f"went silent for {quiet_s:.1f} s" if now - answer.last_s < self.timeout_s
-                       else f"gave no answer for {self.timeout_s:.0f} s")
-                events.append(Failed(rid, FlowedgeError(f"the head at {self.addr} {why}")))
+                silent = now - answer.last_s < self.timeout_s
+                why = f"went silent for {quiet_s:.1f} s" if silent else f"gave no answer for {self.timeout_s:.0f} s"
+                events.append(Failed(rid, (HeadLost if silent else FlowedgeError)(f"the head at {self.addr} {why}")))
         return events
 
     # ---- internals -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import click
 
 from flowedge.core.config import DRAFT_QUANTS
+from flowedge.daemon.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, liveness_options
 from flowedge.daemon.client_answer import Answer
 from flowedge.daemon.config import DEFAULT_CONFIG_PATH, DEFAULT_PORT, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES
 from flowedge.daemon.head_search import HeadSearch, search_lan
@@ -19,12 +20,6 @@ from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
 log = logging.getLogger("flowedge")
-
-HEAD_OPTION = click.option("--head", "head", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True,
-                           help="The head's HOST:PORT.")
-KEYS_OPTION = click.option("--keys", "keys_dir", default=None, help="Cluster keys directory "
-                           "(default $FLOWEDGE_HOME/keys).")
-INSECURE_OPTION = click.option("--insecure", is_flag=True, help="No CurveZMQ (lab use only; logs a warning).")
 
 
 def daemon_logging() -> None:
@@ -56,33 +51,6 @@ def _run_node(cfg, search: HeadSearch | None = None) -> None:
     from flowedge.daemon.roots import build_node
 
     build_node(cfg, stop, search=search).run()
-
-
-def liveness_options(head: bool):
-    """--heartbeat-ms and --stage-timeout (every node); the head's request deadlines too."""
-    opts = [click.option("--heartbeat-ms", type=int, default=None,
-                         help="Heartbeat period, both ways (default 500)."),
-            click.option("--stage-timeout", type=float, default=None,
-                         help="Seconds of silence before a peer (stage, or the head seen from a stage) is dead "
-                              "(default 2 = 4 heartbeats).")]
-    if head:
-        opts += [click.option("--client-timeout", type=float, default=None,
-                              help="Seconds of silence before a client with a request in progress has left (10)."),
-                 click.option("--recovery", type=float, default=None,
-                              help="Seconds a request waits for a lost stage's slot to be filled (30)."),
-                 click.option("--stall-timeout", type=float, default=None,
-                              help="Seconds without pipeline output before a request is replayed (120)."),
-                 click.option("--max-concurrent", type=int, default=None,
-                              help="Requests in the pipeline at once, batched on every stage (4); the rest queue."),
-                 click.option("--kv-budget-tokens", type=int, default=None,
-                              help="KV tokens each stage holds for all its requests (default 0: from each "
-                                   "stage's free memory); a request waits until it fits.")]
-
-    def apply(fn):
-        for opt in reversed(opts):
-            fn = opt(fn)
-        return fn
-    return apply
 
 
 @click.command()
@@ -122,16 +90,20 @@ def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage
 @click.option("--same-host", is_flag=True, default=None, help="Read the head's shard files directly (same machine).")
 @click.option("--drafter", is_flag=True, help="Join as a drafter: hold the head's draft model and pre-draft for "
               "node 0 (the head runs with predraft = \"drafter\"); takes no stage slot.")
+@click.option("--standby", is_flag=True, help="Join as a standby head: follow the head at HEAD_ADDR and take "
+              "over, serving at --listen, when it is lost (docs/operations.md).")
+@click.option("--listen", default=None, help="With --standby: HOST:PORT to serve at once it takes over.")
+@click.option("--heads", default=None, help="The head and its standbys, HOST:PORT,HOST:PORT: tried in turn.")
 @liveness_options(head=False)
 @KEYS_OPTION
 @INSECURE_OPTION
 def join(head_addr, cluster, discover_timeout, config_path, node_id, device, threads, stage, data_port, advertise,
-         same_host, drafter, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
+         same_host, drafter, standby, listen, heads, heartbeat_ms, stage_timeout, keys_dir, insecure) -> None:
     """Start a stage node that joins the head at HEAD_ADDR (or the one found on the LAN by mDNS), fetches
     its shard and serves its layers (or, with --drafter, a drafter node)."""
     daemon_logging()
     search = None
-    if not head_addr:   # found by mDNS: looked for again if it does not answer (an address given is kept)
+    if not head_addr and not heads:   # found by mDNS: looked for again if it does not answer (an address given is kept)
         try:
             from flowedge.daemon.discovery import browse
         except ImportError:
@@ -140,12 +112,14 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
         search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
         head_addr = search.head.addr
     from flowedge.daemon.config_file import load_node_config
-    cfg = load_node_config(config_path, role="drafter" if drafter else "stage", head=head_addr, node_id=node_id,
-                           device=device, threads=threads, stage=stage, data_port=data_port, advertise=advertise,
+    cfg = load_node_config(config_path, role="standby" if standby else "drafter" if drafter else None,
+                           head=head_addr or (heads.split(",")[0] if heads else None), listen=listen,
+                           heads=heads.split(",") if heads else None, node_id=node_id, device=device,
+                           threads=threads, stage=stage, data_port=data_port, advertise=advertise,
                            same_host=same_host,
                            heartbeat_ms=heartbeat_ms, stage_timeout_s=stage_timeout, keys_dir=keys_dir,
                            insecure=insecure or None)
-    _run_node(cfg, search)
+    _run_node(cfg if cfg.role != "head" else cfg.with_(role="stage"), search)
 
 
 @click.command()

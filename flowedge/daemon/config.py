@@ -21,7 +21,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/flowedge/flowedge.toml")
 # the commented example, package data (ships in the wheel): copy it to DEFAULT_CONFIG_PATH and edit
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "data" / "flowedge.toml.example"
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
-ROLES = ("head", "stage", "drafter")
+ROLES = ("head", "stage", "drafter", "standby")
 WIRE_DTYPES = ("float16", "bfloat16", "float32")
 # hidden states on the wire: the stages' activation dtype, so a pipelined answer is the one-process answer;
 # float16/bfloat16 halve the bytes but round the residual stream between stages
@@ -93,6 +93,10 @@ class NodeConfig:
     same_host: bool = False                   # read the head's shard files directly (flowedge up)
     memory_offer_gib: float = 0.0             # memory this node offers the cluster (what the planner may fill);
                                               # 0 = what the OS reports free when it joins
+    # a standby head (daemon/standby.py) and the nodes that follow it
+    heads: list[str] = field(default_factory=list)   # stage/drafter: the head and its standbys, tried in turn
+    listen: str = ""                          # standby: where it serves once it takes over (host:port)
+    failover_s: float = 1.5                   # standby: the head silent this long is lost, and it takes over
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -136,7 +140,9 @@ class NodeConfig:
         if self.device not in list_devices() and not Path(self.device).suffix == ".toml":
             raise ConfigError(f"device must be a profile ({', '.join(list_devices())}) or a .toml file; "
                               f"got {self.device!r}")
-        if self.role == "head":
+        for addr in self.heads + ([self.listen] if self.listen else []):
+            split_addr(addr)
+        if self.role in ("head", "standby"):
             check_model("model", self.model)
             check_draft(self.draft, self.predraft)
         split_addr(self.head)

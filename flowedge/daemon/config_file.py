@@ -72,6 +72,9 @@ class NodeFile(BaseModel):
     advertise: str = _D["advertise"]
     same_host: bool = _D["same_host"]
     memory_offer_gib: float = Field(_D["memory_offer_gib"], ge=0)
+    heads: list[str] = Field(default_factory=list)
+    listen: str = _D["listen"]
+    failover_s: Seconds = _D["failover_s"]
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -22,47 +22,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from flowedge.allocator import settle
 from flowedge.daemon import memdebug
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
-from flowedge.daemon.draft_dispatch import DraftDispatch
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.head_engines import HeadEngines
-from flowedge.daemon.head_ports import ControlPort, HeadOutbox
 from flowedge.daemon.kv_budget import with_budgets
 from flowedge.daemon.live_figures import CpuLoad, flowedge_version, model_created
 from flowedge.daemon.membership import ClientGone, DrafterLost, Membership, Peer
 from flowedge.daemon.plan import prepare_plan
-from flowedge.daemon.requests import HeadRequests
+from flowedge.daemon.head_parts import HeadParts
+from flowedge.daemon.replication import RequestLog, resume
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.daemon.shrink import Shrinker
 from flowedge.daemon.timeline import Timeline, sample
 from flowedge.errors import PeerUnreachable, ProtocolError, StageLost
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import answer_hello
-from flowedge.transport.link import Endpoint, Event, Inbound, Link, PeerEvent
+from flowedge.transport.link import Endpoint, Event, Inbound, PeerEvent
 from flowedge.transport.validate import InvalidMessage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class HeadParts:
-    """Everything a head runs with, built from the config by `roots.build_head`."""
-    link: Link
-    ctrl: Endpoint          # ROUTER: stages' and clients' control connections
-    ret: Endpoint           # INBOUND: the last stage's returns
-    port: ControlPort
-    outbox: HeadOutbox
-    members: Membership
-    engines: HeadEngines
-    requests: HeadRequests
-    drops: DropLog
-    shrink: Shrinker | None = None     # re-plans onto the survivors of a board lost for good
-    drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
 
 
 class HeadNode:
@@ -75,6 +54,7 @@ class HeadNode:
         self.control, self.outbox = parts.port, parts.outbox
         self.members, self.engines, self.requests = parts.members, parts.engines, parts.requests
         self.drops, self.drafts, self.shrink = parts.drops, parts.drafts, parts.shrink
+        self.replica, self.resumes = parts.replica, parts.resumes
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -93,7 +73,7 @@ class HeadNode:
         try:
             log.info("head %s listening on %s (pipeline return on port %d)%s", self.node_id, self.config.head,
                      self.port + 1, "" if self.config.insecure else ", CurveZMQ on")
-            plan = self.members.plan = prepare_plan(self.config, flowedge_home())
+            plan = self.members.plan = self.members.plan or prepare_plan(self.config, flowedge_home())
             self._sync_plan()
             log.info("plan: %d stages, layers %s; waiting for stages to join",
                      self.config.stages, [list(r) for r in plan.ranges])
@@ -204,16 +184,21 @@ class HeadNode:
     # ---- control plane --------------------------------------------------------------------------
     def _on_ctrl(self, got: Inbound) -> None:
         identity, body = got.peer, got.frames
+        if identity is None:   # a ROUTER always names the sender
+            return
         peer = self.members.seen(identity)
         if peer is None:
             admit = (self.shrink or self.members).admit   # the shrinker's: a board back after a re-plan is a spare
             try:
                 with self.control.lock:
-                    hello = answer_hello(self.ctrl, identity, body, self.members.welcome(), admit)
+                    hello = answer_hello(self.ctrl, identity, body, self.control.stamp(self.members.welcome()),
+                                         admit)
             except PeerUnreachable:   # the peer hung up before our answer
                 return
             if hello is not None:
                 self._events(self.members.register(identity, hello))
+                if self.replica is not None:
+                    self.replica.joined(identity, hello)
             return
         try:
             msg = proto.decode(body)
@@ -270,8 +255,11 @@ class HeadNode:
         if peer.hello.role != "client":
             log.warning("prompt from non-client %s ignored", peer.name)
             return
-        self.requests.submit(peer.identity, msg, time.monotonic(), self.members.cluster_ready(),
-                             self.members.missing())
+        args = (time.monotonic(), self.members.cluster_ready(), self.members.missing())
+        if msg.resumed >= 0:   # a request moved here from a head that was lost
+            resume(self.requests, peer, msg, self.resumes or RequestLog(), *args, self._send)
+            return
+        self.requests.submit(peer.identity, msg, *args)
 
     def _on_cancel(self, peer: Peer, msg: proto.Cancel) -> None:
         self.requests.cancel(peer.identity, msg.request_id)
@@ -376,6 +364,8 @@ class HeadNode:
         self.members.retry_refused()
         if self.shrink is not None:
             self.shrink.tick()
+        if self.replica is not None:
+            self.replica.tick()
         if self.drafts is not None:
             self.drafts.expire()
         self._sample()

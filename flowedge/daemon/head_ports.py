@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
+from typing import TypeVar
 
 from flowedge.daemon import wire
 from flowedge.daemon.membership import Membership
@@ -16,16 +18,24 @@ from flowedge.transport.link import Endpoint, Kind, Link
 log = logging.getLogger(__name__)
 
 
+M = TypeVar("M", bound=proto.Message)
+
 class ControlPort:
     """Sends to one peer over the control ROUTER. The loop's heartbeats and the engine turn's answers
     share a lock; a peer that has gone is not an error here (liveness deals with it)."""
 
-    def __init__(self, ctrl: Endpoint, counter: wire.WireCounter) -> None:
+    def __init__(self, ctrl: Endpoint, counter: wire.WireCounter, term: int = 1) -> None:
         self.ctrl, self.counter = ctrl, counter
         self.lock = threading.Lock()
+        self.term = term   # the head's fencing term, on every WELCOME and HEARTBEAT it sends (daemon/fencing.py)
+
+    def stamp(self, msg: M) -> M:
+        """`msg` with the head's term, if it is a message that carries one."""
+        return replace(msg, term=self.term) if isinstance(msg, (proto.Welcome, proto.Heartbeat)) else msg
 
     def send(self, identity: bytes, msg: proto.Message, counted: bool = False) -> None:
         """`counted` adds it to the data-plane byte counters (prune sets, resets)."""
+        msg = self.stamp(msg)
         try:
             with self.lock:
                 if counted:

@@ -29,9 +29,10 @@ from flowedge.daemon import shard_fetch
 from flowedge.daemon.beating import BeatingWorker
 from flowedge.daemon.config import NodeConfig, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.fencing import TermGuard
 from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.sd_notify import Notifier
-from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin, StaleTerm
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import welcome_from
 from flowedge.transport.link import Endpoint, Inbound, Kind, Link
@@ -40,6 +41,7 @@ T = TypeVar("T")
 
 HELLO_TIMEOUT_S = 5.0   # the first HELLO's wait for the WELCOME; each unanswered one doubles the next wait
 HELLO_MAX_WAIT_S = 30.0   # ... up to this: a head that comes up answers the HELLO waiting for it at once
+HEADS_HELLO_WAIT_S = 1.0  # with several head addresses (`heads`): each HELLO's wait before the next address
 LOAD_BEAT_S = 0.2       # how often a load on the compute thread lets this thread beat
 WAIT_SLICE_S = 0.2      # a wait for the head checks `stop` (and feeds systemd's watchdog) this often
 
@@ -76,6 +78,8 @@ class NodeBase(ABC):
         self.stats: dict[str, Any] = {}   # the last heartbeat's stats (re-sent as they were while a step runs)
         self.compute = BeatingWorker(f"{self.ROLE}-compute")
         self.log = logging.getLogger(type(self).__module__)
+        self.fence = TermGuard()   # the highest head term obeyed (daemon/fencing.py)
+        self.heads = list(config.heads) if config.heads else [config.head]   # a head and its standbys
 
     # ---- what a node kind says ------------------------------------------------------------------
     @abstractmethod
@@ -104,6 +108,7 @@ class NodeBase(ABC):
                 except Rejoin as why:
                     self.log.warning("rejoining: %s", why)
                     self.phase = f"rejoining: {why}"
+                    self._next_head()
         finally:
             self.notifier.stopping()
             self.close()
@@ -120,13 +125,15 @@ class NodeBase(ABC):
         node says why it waits; a head found by mDNS that never answers is given up for another one."""
         tries = 0
         while not self.stop.is_set():
-            wait_s = min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries)
+            wait_s = HEADS_HELLO_WAIT_S if len(self.heads) > 1 else min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries)
             tries += 1
             self._connect_ctrl()   # a fresh socket: no stale HELLOs queued from earlier tries
             hello = proto.Hello(node_id=self.node_id, role=self.ROLE, device=self.config.device,
                                 free_memory_bytes=offered_bytes(self.config), capabilities=capabilities())
             try:
                 welcome = self._await_welcome(hello, wait_s)
+                if welcome is not None:
+                    self._obey(welcome)
                 if welcome is not None and self.search is not None:
                     self.search.answered()
                 if welcome is None or self._welcome_ok(welcome):
@@ -134,7 +141,7 @@ class NodeBase(ABC):
             except (ProtocolError, PeerUnreachable) as err:
                 self._hello_refused(str(err))
                 self._waiting_for_head(err, tries, min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries))
-                if not isinstance(err, Refused) and self._unanswered():   # Refused: a head with the keys said no
+                if (not isinstance(err, Refused) or len(self.heads) > 1) and self._unanswered():
                     tries = 0   # another head: its first HELLO waits the shortest again
         if self.stop.is_set():
             return None
@@ -145,13 +152,34 @@ class NodeBase(ABC):
     def _unanswered(self) -> bool:
         """A HELLO nobody answered: a head found by mDNS may be given up for another one announced
         (whether the node now dials another address)."""
-        found = self.search.missed() if self.search is not None else None
+        if self.search is None:
+            return self._next_head()
+        found = self.search.missed()
         if found is None:
             return False
         self.config = replace(self.config, head=found.addr)
         self.head_host, self.head_port = found.host, found.port
         self.phase = f"joining the head at {found.addr} (found by mDNS)"
         return True
+
+    def _next_head(self) -> bool:
+        """With several head addresses (`heads`: a head and its standbys), dial the next one (whether it did)."""
+        if len(self.heads) < 2:
+            return False
+        addr = self.heads[(self.heads.index(self.config.head) + 1) % len(self.heads)] \
+            if self.config.head in self.heads else self.heads[0]
+        self.config = replace(self.config, head=addr)
+        self.head_host, self.head_port = split_addr(addr)
+        self.phase = f"joining the head at {addr}"
+        return True
+
+    def _obey(self, welcome: proto.Welcome) -> None:
+        """The fencing rule on a WELCOME: a head under a lower term than one obeyed is refused (StaleTerm)."""
+        try:
+            self.fence.obey(welcome.term, welcome.node_id)
+        except StaleTerm as err:
+            self._to_head(proto.Refuse(reason=str(err)))
+            raise
 
     def _await_welcome(self, hello: proto.Hello, wait_s: float) -> proto.Welcome | None:
         """Send HELLO and wait up to `wait_s` for the answer (None: stopped meanwhile); ProtocolError for
@@ -175,7 +203,7 @@ class NodeBase(ABC):
         self.phase = f"waiting for the head at {self.config.head}: {err}"
         self.log.warning("joining %s (try %d): %s; asking again, waiting up to %g s for an answer",
                          self.config.head, tries, err, next_wait_s)
-        if isinstance(err, Refused):   # an answer that will not change at once
+        if isinstance(err, Refused) and len(self.heads) < 2:   # an answer that will not change at once
             self._pause(min(next_wait_s, 2.0 * tries))
 
     def _pause(self, seconds: float) -> None:
@@ -234,6 +262,12 @@ class NodeBase(ABC):
         if isinstance(msg, proto.Shutdown):
             self.log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
+        if isinstance(msg, proto.Heartbeat):
+            try:
+                self.fence.obey(msg.term, msg.node_id)
+            except StaleTerm as err:
+                self._to_head(proto.Refuse(reason=str(err)))
+                raise Rejoin(str(err)) from None
         return msg
 
     def _on_other(self, msg: proto.Message | None) -> None:

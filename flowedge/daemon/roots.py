@@ -7,6 +7,7 @@ The link is the one thing a caller may give: `ZmqLink` (the default: real socket
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from flowedge.daemon import drafter_node, head_node, stage_node, wire
 from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr
@@ -15,15 +16,18 @@ from flowedge.daemon.draft_dispatch import DraftDispatch
 from flowedge.daemon.drafter_node import DrafterNode
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.head_engines import HeadEngines
-from flowedge.daemon.head_node import HeadNode, HeadParts
+from flowedge.daemon.head_node import HeadNode
+from flowedge.daemon.head_parts import HeadParts
 from flowedge.daemon.head_ports import ControlPort, HeadOutbox
 from flowedge.daemon.head_search import HeadSearch
 from flowedge.daemon.membership import Membership
 from flowedge.daemon.node_base import NodeParts
 from flowedge.daemon.plan import Replanner
+from flowedge.daemon.replication import ReplicatingOut, Replicator, RequestLog
 from flowedge.daemon.requests import HeadRequests
 from flowedge.daemon.shrink import Shrinker
 from flowedge.daemon.stage_node import StageNode, StageNodeParts
+from flowedge.daemon.standby import StandbyNode
 from flowedge.engine.jobs import Limits
 from flowedge.errors import AddressInUse, ConfigError
 from flowedge.transport.link import Endpoint, Kind, Link
@@ -35,8 +39,10 @@ def node_link(config: NodeConfig) -> Link:
     return ZmqLink(config.keys_path, config.insecure)
 
 
-def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> HeadNode:
-    """A head listening at `config.head` (control) and the port after it (the pipeline's return)."""
+def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
+               resumes: RequestLog | None = None) -> HeadNode:
+    """A head listening at `config.head` (control) and the port after it (the pipeline's return); `resumes`:
+    a standby's request log, for the head it becomes (daemon/standby.py)."""
     if config.role != "head":
         raise ConfigError("a head needs role = 'head'")
     link = link or node_link(config)
@@ -53,13 +59,14 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     engines = HeadEngines(config, members, drops)
     drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops)
     outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)
-    requests = HeadRequests(engines, outbox, Limits(
+    replica = Replicator(control, members, config.name, config.heartbeat_ms / 1000)
+    requests = HeadRequests(engines, ReplicatingOut(outbox, replica), Limits(
         recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
         max_queued_per_client=config.max_queued_per_client), client_weights=config.client_weights)
     drafts.deliver = requests.deliver
     shrink = Shrinker(config, members, engines, requests, flowedge_home())
     return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, shrink,
-                                      drafts), stop)
+                                      drafts, replica, resumes), stop)
 
 
 def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:
@@ -91,9 +98,22 @@ def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link:
     return DrafterNode(config, parts, stop)
 
 
+def build_standby(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> StandbyNode:
+    """A standby head (daemon/standby.py): the head it may become, built now (its address listens, its models
+    load before it follows the head), and the request log they share."""
+    if not config.listen:
+        raise ConfigError("a standby needs `listen` (HOST:PORT, or `join --standby --listen`): where it serves "
+                          "once it takes over")
+    entries = RequestLog()
+    head = build_head(replace(config, role="head", head=config.listen), stop, link, resumes=entries)
+    return StandbyNode(config, head, entries, stop)
+
+
 def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
                search: HeadSearch | None = None):
     """The node `config.role` names; `search` only for a stage or drafter that found its head by mDNS."""
     if config.role == "head":
         return build_head(config, stop, link)
+    if config.role == "standby":
+        return build_standby(config, stop, link)
     return {"stage": build_stage, "drafter": build_drafter}[config.role](config, stop, link, search)

@@ -72,7 +72,7 @@ class StageNode(NodeBase):
         log.info("waiting for the head at %s to answer (HELLO, waiting %g s for an answer, then twice as long "
                  "each time up to %g s; start it with `flowedge serve` or `flowedge up`)", self.config.head,
                  HELLO_TIMEOUT_S, HELLO_MAX_WAIT_S)
-        welcome = self._hello(lambda: {"data_addr": self.data_addr, "want_stage": self.config.stage,
+        welcome = self._hello(lambda: {"data_addr": self.data_addr, "want_stage": self._slot(),
                                        "cached_shards": shard_fetch.cached_shas(self.home),
                                        **model_check.held(self.model_sha256)})
         if welcome is None:
@@ -85,6 +85,10 @@ class StageNode(NodeBase):
             if isinstance(msg, proto.Refuse):   # our slot went to another node (we could not serve it)
                 raise Rejoin(f"the head gave this node's slot away: {msg.reason}")
             self._beat()
+
+    def _slot(self) -> int:
+        """The slot to ask for: the one whose layers this node holds (a new head keeps them), else the config's."""
+        return self.assign.stage_index if self.assign is not None else self.config.stage
 
     def _hello_refused(self, reason: str) -> None:
         """The head serves another model than the layers held here: drop them, and join holding none."""

@@ -28,7 +28,7 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)   # 1.2: token segments from the last stage, head file;
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last stage, head file;
 #                                               1.3: prompt messages/stop/raw, Cancel;
 #                                               1.4: segment ids unshifted, root_rows (no -1 / +1);
 #                                               1.5: the drafter role (msg_draft.py);
@@ -36,13 +36,16 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 7)   # 1.2: token segments from the last
 #                                                    run), Assign.model_sha256 (the model's content key);
 #                                               1.7: PromptRequest.client (whom a gateway asks for:
 #                                                    the head's fair queue has one lane per client),
-#                                                    StatusRequest.timeline (the head's recent past)
+#                                                    StatusRequest.timeline (the head's recent past);
+#                                               1.8: the standby role (msg_standby.py: the request log),
+#                                                    a fencing term on Welcome and Heartbeat,
+#                                                    PromptRequest.resumed (a request moved to a new head)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
 MAX_LIST_ITEMS = 4096
 MAX_TEXT_CHARS = 4096        # free-text fields (reasons, error messages): longer text is cut, not refused
-ROLES = ("head", "stage", "client", "drafter")
+ROLES = ("head", "stage", "client", "drafter", "standby")
 # The engine's segment phases (flowedge.engine.events.Segment.phase), one list for both sides.
 SEGMENT_KINDS = SEGMENT_PHASES
 # float32 exists for exactness tests: 16-bit rounding between stages can flip a greedy near-tie.

@@ -42,10 +42,13 @@ class PromptRequest(Message):
     1.7: `client` names whom the request is for, when a gateway (the HTTP API) asks on behalf of many:
     the head queues each client's requests in a lane of its own and caps each lane (empty: the
     connection is the client). Any node with the cluster's keys may set it.
+    1.8: `resumed` >= 0 sends again a request the client began with a head that was lost: the client
+    already holds that many of its tokens (`held_ids`), and the new head continues after the committed
+    ones (daemon/replication.py). -1: a new request.
     """
 
     TYPE: ClassVar[str] = "prompt"
-    WIRE: ClassVar[dict[str, str]] = {"token_ids": TOKENS}
+    WIRE: ClassVar[dict[str, str]] = {"token_ids": TOKENS, "held_ids": TOKENS}
     request_id: int
     max_new_tokens: int
     text: str | None = None
@@ -59,10 +62,16 @@ class PromptRequest(Message):
     stop: list[str] = field(default_factory=list)
     raw: bool = False
     client: str = ""
+    resumed: int = -1
+    held_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _ints(self, "request_id")
         _ints(self, "max_new_tokens", lo=1, hi=1 << 20)
+        _ints(self, "resumed", lo=-1, hi=1 << 20)
+        _tokens(self, "held_ids", optional=True)
+        if self.held_ids is not None and len(self.held_ids) != self.resumed:
+            raise _fail(self, "held_ids", f"the {self.resumed} tokens `resumed` counts")
         _str(self, "client", max_len=MAX_CLIENT_CHARS)
         if sum(x is not None for x in (self.text, self.token_ids, self.messages)) != 1:
             raise ProtocolError("prompt carries exactly one of text, token_ids or messages")

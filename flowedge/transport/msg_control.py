@@ -57,11 +57,13 @@ class Welcome(Message):
     node_id: str
     heartbeat_interval_ms: int
     version: tuple[int, int] = PROTOCOL_VERSION
+    term: int = 0   # 1.8: the head's fencing term (daemon/fencing.py; 0: an older head)
 
     def __post_init__(self) -> None:
         _str(self, "node_id", max_len=256)
         _ints(self, "heartbeat_interval_ms", lo=1)
         _version(self)
+        _ints(self, "term")
 
 
 @dataclass(**MESSAGE_OPTIONS)
@@ -183,12 +185,14 @@ class Heartbeat(Message):
     load: float
     rss_bytes: int
     stats: dict[str, Any] = field(default_factory=dict)  # e.g. steps, step_ms_median
+    term: int = 0   # 1.8: from a head, its fencing term (daemon/fencing.py); 0 from other nodes
 
     def __post_init__(self) -> None:
         _str(self, "node_id", max_len=256)
         _float(self, "load", 0.0, 1e6)
         _ints(self, "rss_bytes")
         _map(self, "stats")
+        _ints(self, "term")
 
 
 @dataclass(**MESSAGE_OPTIONS)

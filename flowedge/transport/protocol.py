@@ -1,5 +1,6 @@
 """Wire messages: one frozen, self-validating dataclass per message type, gathered here from their
-families (msg_control.py, msg_data.py, msg_client.py, msg_draft.py; codec in codec.py). Import messages from here:
+families (msg_control.py, msg_data.py, msg_client.py, msg_draft.py, msg_standby.py; codec in codec.py). Import
+messages from here:
 importing this module registers every type, which `decode` needs.
 
 Frame layout of every message (see frames.py for the tensor rules):
@@ -16,7 +17,8 @@ it is decoded whatever the major version and a refused peer can always read why.
 Topology: the head (node 0) feeds stage 1; stage k forwards to stage k+1; the last stage returns
 hidden states to the head, or (1.2, when it holds the lm_head and the request's prefill carried
 sampling params) the base model's chosen token per node. Control messages (HELLO/ASSIGN/SHARD/READY/HEARTBEAT)
-go stage <-> head, client messages client <-> head, pre-draft jobs and their answers (1.5) head <-> drafter.
+go stage <-> head, client messages client <-> head, pre-draft jobs and their answers (1.5) head <-> drafter,
+the request log and head state (1.8) head -> standby.
 
 Round restarts are folded into `Prune` (there is no NewRound): a Prune whose round_id is newer than
 the stage's current round commits `commit_ids` into the prefix and keeps only `keep_ids` of the tree.
@@ -92,6 +94,7 @@ from flowedge.transport.msg_control import (  # noqa: F401
     Welcome,
 )
 from flowedge.transport.msg_data import Prune, Reset, Segment  # noqa: F401
+from flowedge.transport.msg_standby import HeadState, LogEntry  # noqa: F401
 from flowedge.transport.msg_draft import (  # noqa: F401
     DraftAnswer,
     DraftDeclined,

@@ -1,0 +1,103 @@
+"""The request log a standby follows (daemon/replication.py): the head's tap sends every committed token to
+the standbys before the client sees it, the standby's log rebuilds each request from the entries (a gap
+makes it unresumable, a failure forgets it, a full answer is kept), and a resumed request continues after
+the longer of the log's and the client's tokens (or ends with an error naming the failover)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flowedge.daemon.replication import ReplicatingOut, Replicator, RequestLog, _committed
+from flowedge.transport import protocol as p
+
+
+class FakePort:
+    def __init__(self) -> None:
+        self.term, self.sent = 2, []
+
+    def send(self, identity: bytes, msg: p.Message) -> None:
+        self.sent.append((identity, msg))
+
+
+@dataclass
+class FakePeer:
+    hello: p.Hello
+    identity: bytes = b""
+
+    @property
+    def name(self) -> str:
+        return self.hello.node_id
+
+
+@dataclass
+class FakeMembers:
+    peers: dict = field(default_factory=dict)
+    slots: list = field(default_factory=list)
+
+    def cluster_ready(self) -> bool:
+        return True
+
+
+def _hello(name: str, role: str = "client") -> p.Hello:
+    return p.Hello(node_id=name, role=role, device="x", free_memory_bytes=0)
+
+
+def _replicator() -> tuple[Replicator, FakePort, FakeMembers]:
+    port, members = FakePort(), FakeMembers()
+    members.peers = {b"c": FakePeer(_hello("client-1"), b"c"), b"s": FakePeer(_hello("sb", "standby"), b"s")}
+    rep = Replicator(port, members, "head", 0.1)
+    rep.joined(b"s", _hello("sb", "standby"))
+    return rep, port, members
+
+
+class Inner:
+    def __init__(self, port: FakePort) -> None:
+        self.port = port
+
+    def to_client(self, identity: bytes, msg: p.Message) -> None:
+        self.port.send(identity, msg)
+
+
+def test_every_committed_token_goes_to_the_standby_before_the_client():
+    rep, port, _ = _replicator()
+    out = ReplicatingOut(Inner(port), rep)
+    out.to_client(b"c", p.TokenChunk(request_id=7, token_ids=[1, 2], text="ab", done=False))
+    out.to_client(b"c", p.TokenChunk(request_id=7, token_ids=[3], text="c", done=False))
+    out.to_client(b"c", p.TokenChunk(request_id=7, token_ids=[], text="", done=True, stats={}))
+    to = [(who, type(m).__name__) for who, m in port.sent]
+    assert to == [(b"s", "LogEntry"), (b"c", "TokenChunk")] * 3
+    entries = [m for who, m in port.sent if who == b"s"]
+    assert [(e.client, e.request_id, e.start, e.tokens, e.done, e.term) for e in entries] == [
+        ("client-1", 7, 0, (1, 2), False, 2), ("client-1", 7, 2, (3,), False, 2), ("client-1", 7, 3, (), True, 2)]
+    assert rep.committed == {}
+
+
+def test_a_standby_that_joins_late_gets_the_log_so_far():
+    rep, port, members = _replicator()
+    rep.tap(b"c", p.TokenChunk(request_id=1, token_ids=[4, 5], text="", done=False))
+    members.peers[b"t"] = FakePeer(_hello("sb2", "standby"), b"t")
+    rep.joined(b"t", _hello("sb2", "standby"))
+    late = [m for who, m in port.sent if who == b"t"]
+    assert [(m.request_id, m.tokens) for m in late] == [(1, (4, 5))]
+
+
+def test_the_log_rebuilds_requests_and_forgets_failed_ones():
+    log = RequestLog()
+    log.apply(p.LogEntry(term=1, client="a", request_id=1, start=0, tokens=(1, 2)))
+    log.apply(p.LogEntry(term=1, client="a", request_id=1, start=2, tokens=(3,)))
+    log.apply(p.LogEntry(term=1, client="b", request_id=1, start=0, tokens=(9,)))
+    assert log.committed("a", 1) == [1, 2, 3] and log.committed("b", 1) == [9]
+    log.apply(p.LogEntry(term=1, client="a", request_id=1, start=3, done=True))
+    assert log.committed("a", 1) == [1, 2, 3] and ("a", 1) in log.done and log.live() == 1
+    log.apply(p.LogEntry(term=1, client="b", request_id=1, start=1, failed=True))
+    assert log.committed("b", 1) is None
+    log.apply(p.LogEntry(term=1, client="c", request_id=2, start=5, tokens=(1,)))   # entries 0..4 never came
+    assert log.committed("c", 2) is None
+
+
+def test_resumed_tokens_are_the_longer_agreeing_account():
+    assert _committed([1, 2, 3], [1, 2], 2) == [1, 2, 3]      # a token was lost on the way to the client
+    assert _committed([1, 2], [1, 2, 3], 3) == [1, 2, 3]      # ... or on the way to the standby
+    assert _committed(None, [1, 2], 2) == [1, 2]
+    assert _committed(None, [], 0) == []                      # queued only: starts afresh
+    assert _committed([1, 2], [1, 5], 2) is None              # they disagree: not resumable
+    assert _committed(None, [], 3) is None                    # nobody has the tokens the client counts
