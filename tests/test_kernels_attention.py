@@ -110,3 +110,13 @@ def test_fused_rope_attention_gives_the_bits_of_the_separate_steps(rows, threads
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     finally:
         torch.set_num_threads(1)
+
+
+def test_fused_call_declines_what_it_cannot_take():
+    x = torch.randn(2, 64)
+    assert attention.fusable(x, x, x)
+    assert not attention.fusable(x.double(), x, x)
+    assert not attention.fusable(x.t(), x, x)                          # rows not contiguous
+    assert not attention.fusable(x.requires_grad_(), x, x)             # no backward through the C call
+    with torch.no_grad():
+        assert attention.fusable(x, x, x)

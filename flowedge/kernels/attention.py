@@ -70,8 +70,13 @@ def fused_wanted() -> bool:
 
 
 def fusable(*tensors: torch.Tensor) -> bool:
-    """Whether rope_attend takes these q, k, v, cos and sin (with a float32 KVCache)."""
-    return _native() is not None and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+    """Whether rope_attend takes these q, k, v, cos and sin (with a float32 KVCache): float32 CPU tensors
+    with contiguous rows, nothing to differentiate (the call has no backward), not under torch.compile."""
+    if _native() is None or torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
+                            for t in tensors)
 
 
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
