@@ -107,6 +107,7 @@ def main() -> None:
                 for label in order:
                     tokens[label], rate = runs[label](ids, args.max_new_tokens)
                     rates[label][ds].append(rate)
+                    print(f"  {ds} {label}: {rate:.2f} tok/s", flush=True)   # a run cut short keeps these
                 same &= len({tuple(t) for t in tokens.values()}) == 1
                 order.reverse()
         report(rates, args, same)
