@@ -70,3 +70,53 @@ def test_torch_fallback_when_switched_off(monkeypatch):
     monkeypatch.setattr(attention, "_lib_tried", True)
     got = attention.attend(q, k, v, mask)
     assert torch.allclose(got, attention._attend_torch(q, k, v, mask))
+
+
+def _separate_steps(q, k, v, rotary, cache, layer, mask):
+    """What the decoder does without the fused call: RoPE, the cache write, attention."""
+    n, d = rotary.cos.shape
+    q = rotary.apply(q.reshape(n, -1, d))
+    k = rotary.apply(k.reshape(n, -1, d))
+    keys, values = cache.update(k.transpose(0, 1)[None], v.reshape(n, -1, d).transpose(0, 1)[None], layer)
+    return attention.attend(q, keys[0], values[0], mask)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_rope_attention_gives_the_bits_of_the_separate_steps(rows, threads):
+    """RoPE + cache write + attention in one call: the same output and cache bits, for a cache that grows."""
+    from flowedge.models.decoder import Rotary
+    from flowedge.models.kv_cache import KVCache
+
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        hq, hkv, d, past = 6, 2, 64, 23
+        qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen) * 3   # q, k, v as strided views of one call
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        rotary = Rotary.at(torch.arange(past, past + rows), d, 1e6, torch.float32)
+        mask = torch.zeros(rows, past + rows)
+        mask[:, past:] = torch.where(torch.eye(rows, dtype=torch.bool), 0.0, MIN)   # siblings: each sees itself
+        caches = [KVCache(range(3, 4), hkv, d, torch.float32, capacity=past) for _ in range(2)]
+        for c in caches:
+            c.update(*(torch.randn(1, hkv, past, d, generator=torch.Generator().manual_seed(9)),) * 2, 3)
+        assert attention.fusable(q, k, v, rotary.cos, rotary.sin)
+        fused = attention.rope_attend(q, k, v, rotary.cos, rotary.sin, caches[0], 3, mask)
+        plain = _separate_steps(q, k, v, rotary, caches[1], 3, mask)
+        assert torch.equal(fused, plain)
+        assert caches[0].length == caches[1].length == past + rows and caches[0].capacity > past
+        empty = torch.empty(1, hkv, 0, d)
+        (k0, v0), (k1, v1) = (c.update(empty, empty, 3) for c in caches)
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_fused_call_declines_what_it_cannot_take():
+    x = torch.randn(2, 64)
+    assert attention.fusable(x, x, x)
+    assert not attention.fusable(x.double(), x, x)
+    assert not attention.fusable(x.t(), x, x)                          # rows not contiguous
+    assert not attention.fusable(x.requires_grad_(), x, x)             # no backward through the C call
+    with torch.no_grad():
+        assert attention.fusable(x, x, x)

@@ -22,7 +22,8 @@ KINDS = tuple(KERNELS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n,k", [(64, 256), (208, 512)])   # 208: 13 tiles, not a multiple of the wide step
+# 208: 13 tiles, not a multiple of the wide step; 400: 25 tiles, three 1-row steps of 8 (AVX-512) and one over
+@pytest.mark.parametrize("n,k", [(64, 256), (208, 512), (400, 256)])
 def test_each_row_equals_the_row_alone_for_1_to_64_rows(level, kind, n, k):
     _, weight, x, bias, linear = make(kind, n, k)
     alone = torch.cat([linear(x[i:i + 1], weight, bias) for i in range(64)])
@@ -42,8 +43,9 @@ def test_a_row_ignores_its_neighbours(level, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 2, 5, 19])   # each row-pass width splits the tiles its own way
-def test_thread_count_does_not_change_a_bit(level, kind, m):
-    _, weight, x, bias, linear = make(kind, 208, 512)
+@pytest.mark.parametrize("n", [208, 400])
+def test_thread_count_does_not_change_a_bit(level, kind, m, n):
+    _, weight, x, bias, linear = make(kind, n, 512)
     one = linear(x[:m], weight, bias, threads=1)
     for threads in (2, 3, 5, 64):
         assert torch.equal(linear(x[:m], weight, bias, threads=threads), one)

@@ -176,6 +176,41 @@ def test_fused_projections_give_the_same_bits(w4a16, monkeypatch):
     assert torch.equal(*outs)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_attention_gives_the_same_bits(w4a16, monkeypatch, threads):
+    """RoPE + cache write + attention as one native call (the default) against the separate steps
+    (FLOWEDGE_FUSED_ATTENTION=0): the same logits for a prefill, one-row decode steps and a tree level."""
+    from flowedge.kernels import attention
+
+    models = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv(attention.FUSED_ENV, value)
+        models[value] = StageModel.load(w4a16)
+    _native_or_skip(models["1"])
+    assert models["1"].layers[0].self_attn.fused_attention and not models["0"].layers[0].self_attn.fused_attention
+    calls = []
+    monkeypatch.setattr("flowedge.models.decoder.rope_attend",
+                        lambda *a: calls.append(1) or attention.rope_attend(*a))
+    torch.set_num_threads(threads)
+    try:
+        outs = {}
+        for value, model in models.items():
+            cache, got = _context(model), []
+            for token in range(40, 46):   # one row a step
+                past = cache.length
+                got.append(model.logits(model.forward_layers(model.embed(torch.tensor([token])), torch.tensor([past]),
+                                                             bool_to_float_mask(causal_mask(1, past)), cache)))
+            allowed = torch.cat([torch.ones(4, cache.length, dtype=torch.bool), torch.eye(4, dtype=torch.bool)], 1)
+            got.append(model.logits(model.forward_layers(model.embed(torch.arange(50, 54)),
+                                                         torch.full((4,), cache.length), bool_to_float_mask(allowed),
+                                                         cache)))
+            outs[value] = torch.cat(got)
+    finally:
+        torch.set_num_threads(1)
+    assert calls, "the fused call never ran"
+    assert torch.equal(outs["1"], outs["0"])
+
+
 def test_w4a16_lm_head_is_8_bit_where_the_kernel_runs_else_4_bit(w4a16):
     from flowedge.kernels import w8a16
     from flowedge.models.quant import Int4Linear

@@ -11,6 +11,11 @@
  * k, v [hkv, *, d]              cache buffers, head h at k + h * head_stride, column j at + j * d
  * mask [n, len] additive        0 where allowed
  * out  [n, hq, d]
+ *
+ * flowedge_rope_attend_f32 is the same attention with the steps before it in one call (what a decode step
+ * at one row otherwise spends in a dozen torch ops a layer): RoPE on the new rows' q and k, the new k and v
+ * written into the cache, then attention. The RoPE is torch's x * cos + rotate_half(x) * sin with the same
+ * roundings (built with -ffp-contract=off: two products, one sum), so its results are bit-identical.
  */
 #include <stdlib.h>
 
@@ -85,6 +90,49 @@ int flowedge_attend_f32(const float *q, const float *k, const float *v, const fl
                 int i = (int)(w / hq), h = (int)(w % hq), g = h / group;
                 one_row(q + w * d, k + g * head_stride, v + g * head_stride, mask + (long)i * len,
                         out + w * d, d, len, scale, scores);
+            }
+            free(scores);
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+/* x [d] -> dst: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]) */
+static void rope(const float *x, const float *cos, const float *sin, float *dst, int d) {
+    int half = d / 2;
+    for (int t = 0; t < half; t++) dst[t] = x[t] * cos[t] + (-x[t + half]) * sin[t];
+    for (int t = half; t < d; t++) dst[t] = x[t] * cos[t] + x[t - half] * sin[t];
+}
+
+/* q, k, v: the new rows (row i of each at + i * its row stride, heads contiguous within a row); cos, sin
+ * [n, d]; kbuf, vbuf: the cache buffers, head h at + h * head_stride; the new rows go to columns
+ * at .. at + n - 1 and attention reads columns 0 .. at + n - 1; mask [n, at + n]; out [n, hq, d]. */
+int flowedge_rope_attend_f32(const float *q, long q_stride, const float *k, long k_stride, const float *v,
+                             long v_stride, const float *cos, const float *sin, float *kbuf, float *vbuf,
+                             long head_stride, int at, const float *mask, float *out, int n, int hq, int hkv,
+                             int d, float scale, int threads) {
+    if (n <= 0 || hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 2 || d > 1024 || at < 0) return -1;
+    int len = at + n, group = hq / hkv, failed = 0;
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < hkv; h++) {
+            long slot = h * head_stride + (long)(at + i) * d;
+            rope(k + i * k_stride + h * d, cos + (long)i * d, sin + (long)i * d, kbuf + slot, d);
+            for (int t = 0; t < d; t++) vbuf[slot + t] = v[i * v_stride + h * d + t];
+        }
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * len);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float qr[1024];
+#pragma omp for schedule(static)
+            for (long w = 0; w < (long)n * hq; w++) {
+                int i = (int)(w / hq), h = (int)(w % hq), g = h / group;
+                rope(q + i * q_stride + h * d, cos + (long)i * d, sin + (long)i * d, qr, d);
+                one_row(qr, kbuf + g * head_stride, vbuf + g * head_stride, mask + (long)i * len, out + w * d, d,
+                        len, scale, scores);
             }
             free(scores);
         }

@@ -10,16 +10,20 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from flowedge.kernels import build
 
 log = logging.getLogger(__name__)
 
 _SIGNATURE = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_FUSED_SIGNATURE = [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _I, _I, _I, _I, ctypes.c_float, _I]
+FUSED_ENV = "FLOWEDGE_FUSED_ATTENTION"   # "0": RoPE, cache write and attention as separate steps (A/B)
+SOURCE = Path(__file__).with_name("attention.c")
 _lib = None
 _lib_tried = False
 
@@ -28,10 +32,12 @@ def _native():
     global _lib, _lib_tried
     if not _lib_tried:
         _lib_tried = True
-        built = build.load(Path(__file__).with_name("attention.c"))
+        built = build.load(SOURCE)
         if built is not None:
             built.lib.flowedge_attend_f32.argtypes = _SIGNATURE
             built.lib.flowedge_attend_f32.restype = ctypes.c_int
+            built.lib.flowedge_rope_attend_f32.argtypes = _FUSED_SIGNATURE
+            built.lib.flowedge_rope_attend_f32.restype = ctypes.c_int
             _lib = built.lib
     return _lib
 
@@ -55,6 +61,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                  n, hq, hkv, d, length, k.stride(0), 1.0 / math.sqrt(d), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"native attention failed ({rc}) for q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return out
+
+
+def fused_wanted() -> bool:
+    """Whether a model loading now should run RoPE + cache write + attention as one native call."""
+    return os.environ.get(FUSED_ENV, "1") != "0" and available()
+
+
+def fusable(*tensors: torch.Tensor) -> bool:
+    """Whether rope_attend takes these q, k, v, cos and sin (with a float32 KVCache): float32 CPU tensors
+    with contiguous rows, nothing to differentiate (the call has no backward), not under torch.compile."""
+    if _native() is None or torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
+                            for t in tensors)
+
+
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache, layer: int, mask: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, k and v appended to `cache` (a KVCache) at `layer`, attention over it: one call,
+    bit-identical to Rotary.apply + cache.update + attend. q [n, Hq * D], k, v [n, Hkv * D] (rows may be
+    strided views, each row contiguous); cos, sin [n, D]; mask [n, length + n] -> [n, Hq, D].
+    Only where `fusable` says so."""
+    lib = _native()
+    n, d = cos.shape
+    hq, hkv = q.shape[1] // d, k.shape[1] // d
+    kbuf, vbuf, at = cache.reserve(layer, n)
+    cos, sin, mask = cos.contiguous(), sin.contiguous(), mask.to(torch.float32).contiguous()
+    out = torch.empty(n, hq, d)
+    rc = lib.flowedge_rope_attend_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                                      v.stride(0), cos.data_ptr(), sin.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(),
+                                      kbuf.stride(1), at, mask.data_ptr(), out.data_ptr(), n, hq, hkv, d,
+                                      1.0 / math.sqrt(d), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"native fused attention failed ({rc}) for q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
 
 

@@ -9,7 +9,7 @@
  *
  * Tile code (TILES_ISA), the highest the compiler's target allows (build.py sets the target per ISA level):
  *   TILES_AVX512  the including file defined AVX512_TILES (its own AVX-512 extensions are there): kernels
- *                 of up to 12 rows by 4 tiles, 32 registers of 16 lanes;
+ *                 of up to 12 rows, or of 1 row by 8 tiles, 32 registers of 16 lanes;
  *   TILES_AVX2    AVX2 + FMA (tiles_avx2.h): up to 4 rows by 4 tiles, 16 registers of 8 lanes;
  *   TILES_NEON    aarch64, the including file defined NEON_TILES (tiles_neon.h): the AVX2 shapes in
  *                 32 registers of 4 lanes;
@@ -80,12 +80,12 @@ static inline int64_t pass_of(int64_t m, int64_t M, int64_t rb, int64_t *m0) {
 #if TILES_ISA == TILES_AVX512
 #include <immintrin.h>
 
-#define MAX_T 4    /* tiles a wide kernel runs at once */
+#define MAX_T 8    /* tiles a wide kernel runs at once (one row) */
 #define MAX_R 12   /* rows a kernel runs at once */
 
 /* The (R rows, T tiles) kernels a file instantiates from its template: TILE_SHAPES(KERNEL) */
 #define TILE_SHAPES(X)                                                                            \
-    X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(3, 1) X(3, 4) X(4, 1) X(4, 2) X(5, 1) X(5, 2) X(6, 1) X(6, 2) \
+    X(1, 1) X(1, 8) X(2, 1) X(2, 4) X(3, 1) X(3, 4) X(4, 1) X(4, 2) X(5, 1) X(5, 2) X(6, 1) X(6, 2) \
     X(7, 1) X(8, 1) X(9, 1) X(10, 1) X(11, 1) X(12, 1)
 
 /* Rows per pass: 12 rows x (accumulator + group accumulator) fill 24 of the 32 vector registers
@@ -94,13 +94,16 @@ static inline int64_t pass_of(int64_t m, int64_t M, int64_t rb, int64_t *m0) {
 
 /* [R][wide?]: the kernels named k_R_T of TILE_SHAPES; the wide one runs WIDE_T[R] tiles at once */
 #define ROWS_OF(k)                                                                                        \
-    {{0, 0}, {k##_1_1, k##_1_4}, {k##_2_1, k##_2_4}, {k##_3_1, k##_3_4}, {k##_4_1, k##_4_2},              \
+    {{0, 0}, {k##_1_1, k##_1_8}, {k##_2_1, k##_2_4}, {k##_3_1, k##_3_4}, {k##_4_1, k##_4_2},              \
      {k##_5_1, k##_5_2}, {k##_6_1, k##_6_2}, {k##_7_1, k##_7_1}, {k##_8_1, k##_8_1}, {k##_9_1, k##_9_1}, \
      {k##_10_1, k##_10_1}, {k##_11_1, k##_11_1}, {k##_12_1, k##_12_1}}
 
 /* Independent accumulator chains for few rows (T x R x 2 accumulators stay within the 32 registers;
- * measured 5-10% faster at 2-3 rows than half as wide). */
-static const int WIDE_T[ROW_BLOCK + 1] = {0, 4, 4, 4, 2, 2, 2, 1, 1, 1, 1, 1, 1};
+ * measured 5-10% faster at 2-3 rows than half as wide). One row runs 8 tiles: with 4, its 4 chains of
+ * `vdpbf16ps` waited on each other's latency (the W4A16 tile streamed ~26 GB/s from DRAM, 8 tiles ~33;
+ * W8A16 ~29 -> ~35; 12 tiles spilled W8A16's registers; tools/bench_kernel_ab.py). Each output's
+ * operations stay the same: the tiles of a kernel call are independent. */
+static const int WIDE_T[ROW_BLOCK + 1] = {0, 8, 4, 4, 2, 2, 2, 1, 1, 1, 1, 1, 1};
 
 /* 16 bf16 -> fp32 (the W4A16 tiles' scales and zeros) */
 static inline __m512 load_bf16x16(const uint8_t *p) {

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowedge.kernels.attention import attend
+from flowedge.kernels.attention import attend, fusable, fused_wanted, rope_attend
 from flowedge.models.config import ModelConfig
+from flowedge.models.kv_cache import KVCache
 from flowedge.models.quant import fuse_native
 
 
@@ -84,6 +85,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
         self.qkv: nn.Module | None = None     # q, k and v in one call, once loaded (see `fuse`)
+        self.fused_attention = fused_wanted()  # RoPE, cache write and attention in one native call
 
     def fuse(self) -> None:
         """Stack q/k/v into one native W4A16 call when all three are native (same bits, fewer calls)."""
@@ -101,6 +103,14 @@ class Attention(nn.Module):
         # x: [n, H] (normed) -> [n, H]
         n = x.shape[0]
         q, k, v = self._project(x)
+        if self._can_fuse(q, k, v, rotary, requests):
+            outs = []
+            for r in requests:
+                rows = slice(r.start, r.start + r.n)
+                outs.append(rope_attend(q[rows], k[rows], v[rows], rotary.cos[rows], rotary.sin[rows], r.cache,
+                                        layer, r.mask))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            return self.o_proj(out.reshape(n, self.heads * self.head_dim))
         q = rotary.apply(q.reshape(n, self.heads, self.head_dim))
         k = rotary.apply(k.reshape(n, self.kv_heads, self.head_dim))
         v = v.reshape(n, self.kv_heads, self.head_dim)
@@ -111,6 +121,11 @@ class Attention(nn.Module):
             outs.append(attend(q[rows], keys[0], values[0], r.mask))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+    def _can_fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: Rotary,
+                  requests: list[RequestRows]) -> bool:
+        return (self.fused_attention and fusable(q, k, v, rotary.cos, rotary.sin)
+                and all(isinstance(r.cache, KVCache) and r.cache.dtype == torch.float32 for r in requests))
 
 
 class FeedForward(nn.Module):

@@ -41,6 +41,10 @@ class KVCache:
         return self._len[self._first] if len(self.layer_ids) else 0
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self._k[self._first].dtype
+
+    @property
     def capacity(self) -> int:
         return self._k[self._first].shape[2] if len(self.layer_ids) else 0
 
@@ -63,6 +67,15 @@ class KVCache:
         self._v[layer_idx][:, :, n0:n0 + n] = v
         self._len[layer_idx] = n0 + n
         return self._k[layer_idx][:, :, :n0 + n], self._v[layer_idx][:, :, :n0 + n]
+
+    def reserve(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for n new entries that the caller writes itself (the fused attention kernel): the whole
+        buffers [1, H_kv, capacity, D] and the first new column; the length already counts them."""
+        n0 = self._len[layer_idx]
+        if n0 + n > self._k[layer_idx].shape[2]:
+            self._grow(layer_idx, n0 + n)
+        self._len[layer_idx] = n0 + n
+        return self._k[layer_idx], self._v[layer_idx], n0
 
     @torch.inference_mode()
     def keep(self, idx: torch.Tensor) -> None:
