@@ -5,7 +5,8 @@
 
 `--base`: the revision's tiled matmul kernels (flowedge/kernels extracted to a temporary directory, built
 once) and the tree's serve the same loaded model in turns (their sources are switched between calls; the
-rest, attention included, is the tree's). `--env`: the model is loaded once per value with the variable set while it loads. Each repeat
+rest, attention included, is the tree's). `--env`: the model is loaded once per value with the variable set
+while it loads. Each repeat
 decodes the first prompt of 4 datasets (code, writing, math, extraction; chat template, T=0, 128 new tokens)
 on both sides, the order flipped every repeat; prints the median decode tok/s per side and kind (and over
 all) and checks that both sides' tokens are identical (exit 1 otherwise). Made for a busy machine: the sides

@@ -3,7 +3,8 @@
     python tools/bench_kernel_ab.py [--base main] [--rows 1] [--threads 1] [--rounds 15]
 
 Both builds go to a temporary directory (tools/kernel_bits_ab.py builds them the same way). Per kernel
-(W4A16 and W8A16; `--kernels` adds the int8-activation W4A8, W8A8) and shape of the 1.5B model: each round times one call of each build, in turns whose order
+(W4A16 and W8A16; `--kernels` adds the int8-activation W4A8, W8A8) and shape of the 1.5B model: each round
+times one call of each build, in turns whose order
 flips every round, on the next of several copies of the weight (so weights come from DRAM as in a decode
 step); prints the median time and the weight GB/s streamed. For a busy machine: medians of interleaved
 calls, never one build's calls in a row.
