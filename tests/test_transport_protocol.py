@@ -226,7 +226,7 @@ def test_other_major_version_is_refused_with_a_clear_message() -> None:
     frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.7"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.8"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:

@@ -28,7 +28,7 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)   # 1.2: token segments from the last stage, head file;
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last stage, head file;
 #                                               1.3: prompt messages/stop/raw, Cancel;
 #                                               1.4: segment ids unshifted, root_rows (no -1 / +1);
 #                                               1.5: the drafter role (msg_draft.py);
