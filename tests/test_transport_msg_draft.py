@@ -35,7 +35,7 @@ def test_draft_messages_came_with_1_5_and_older_peers_reading_a_job_are_told_to_
     frames = draft_job().to_frames()
     import msgpack
     header = msgpack.unpackb(bytes(frames[0]), raw=False)
-    assert header["v"] == [1, 7]
+    assert header["v"] == [1, 8]
     header["v"] = [1, 4]
     with pytest.raises(ProtocolError, match="1.5 or newer"):
         p.decode([msgpack.packb(header), *frames[1:]])

@@ -98,7 +98,7 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 7]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 8]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 

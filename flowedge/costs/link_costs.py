@@ -45,6 +45,24 @@ def expected_rtt_s(link: LinkProfile, nbytes: int = 0) -> float:
     return 2.0 * expected_s(link, nbytes)
 
 
+def ring_s_for_link(link: LinkProfile, n_stages: int, nbytes: int = 0) -> float:
+    """One trip around an `n_stages` pipeline (node 0 -> stage 1 -> ... -> stage n -> node 0) on `link`:
+    the links' share, n + 1 messages of `nbytes` (a one-token segment is a few KB: latency dominates)."""
+    return (n_stages + 1) * expected_s(link, nbytes)
+
+
+def ring_s_from_rtts(rtts_ms: list[float | None], n_stages: int) -> float:
+    """One trip's link time from the round trips the head measures to each stage (daemon/link_rtt.py):
+    n + 1 one-way hops at half the median round trip. A stage without a figure yet (an older peer, no
+    heartbeat echoed so far) counts as the others; none at all: 0 (the profiles' view, links free)."""
+    known = sorted(r for r in rtts_ms if r is not None and r >= 0)
+    if not known:
+        return 0.0
+    mid = len(known) // 2
+    median_ms = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    return (n_stages + 1) * median_ms / 2e3
+
+
 @dataclass(frozen=True, slots=True)
 class Crossing:
     """One message on a link: the wire was busy [start_s, wire_end_s); it arrived at arrive_s."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flowedge.core.config import SpecConfig
+from flowedge.costs.link_costs import ring_s_for_link
 from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
                                   resolve_path, shape_of_layers, transfer_time_s)
 from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
@@ -86,7 +87,8 @@ def profile_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[in
     costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
     if draft_config is not None:   # for sized_spec
         costs.tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
-                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
+                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max,
+                                topk=topk).over_links(ring_s_for_link(lnk, len(ranges)))
     return costs
 
 
