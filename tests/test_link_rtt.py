@@ -155,14 +155,15 @@ def test_a_relay_adding_delay_shows_in_that_stages_round_trip(tiny_pair, tmp_pat
         wait_ready(addr, 150, alive=lambda: all(p.poll() is None for p in procs))
         rtt = _rtts(addr, home / "keys")
         print("round trips (ms):", rtt)
-        assert rtt["near"] < 15.0, rtt
-        assert 2 * DELAY_MS <= rtt["far"] < 2 * DELAY_MS + 40.0, rtt
+        # the relay's 2 x 40 ms, on top of what loopback and a busy box cost the near stage too
+        assert 2 * DELAY_MS <= rtt["far"] < 2 * DELAY_MS + 80.0, rtt
+        assert rtt["near"] < DELAY_MS and rtt["far"] - rtt["near"] >= 1.5 * DELAY_MS, rtt
         table = subprocess.run([sys.executable, "-m", "flowedge", "status", "--head", addr, *keys], capture_output=True,
                                text=True, timeout=60, check=True).stdout
         header, *rows = table.splitlines()
         end = header.index("rtt ms") + len("rtt ms")
         shown = {row.split()[0]: row[end - 7:end].strip() for row in rows if row.split()[:1] in (["near"], ["far"])}
-        assert float(shown["far"]) >= 2 * DELAY_MS and float(shown["near"]) < 15.0, table
+        assert float(shown["far"]) >= 2 * DELAY_MS and float(shown["near"]) < DELAY_MS, table
     except BaseException:
         print(logs(tmp_path))
         raise
