@@ -2,7 +2,7 @@
 simulate flowedge on the same prompts with the preset's link profile (`flowedge bench --driver sim --link
 PRESET`), and write predicted vs measured wall tok/s with the error per case. Needs no root: nothing real runs.
 
-    python -m tools.testbed.sim_check docs/bench/testbed --out /tmp/sim-check
+    python -m tools.testbed.sim_check docs/bench/testbed --out /tmp/sim-check [--cases 3:wifi] [--reuse]
 """
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def simulate(bench: Path, n: int, preset: str, out: Path, args) -> dict:
     prompts.write_text("".join(json.dumps({"prompt": c["text"]}) + "\n"
                                for c in json.loads((bench / "cases.json").read_text())))
     folder = out / f"{n}-{preset}"
+    if args.reuse and (folder / "results.json").is_file():
+        done = json.loads((folder / "results.json").read_text())
+        if len(done.get("runs", [])) == len(json.loads((bench / "cases.json").read_text())):
+            return done
     subprocess.run([sys.executable, "-m", "flowedge", "bench", "--driver", "sim", "--strategies", "auto",
                     "--prompts", str(prompts), "--nodes", str(n), "--profile", "x86-cpu", "--link", preset,
                     "--max-new-tokens", str(args.max_new_tokens), "--verify", "oracle",
@@ -43,6 +47,8 @@ def compare(bench: Path, out: Path, args) -> list[dict]:
     mine = [r for r in rows if r["side"] == "flowedge"]
     cases = []
     for n, preset in sorted({(r["devices"], r["preset"]) for r in mine}):
+        if args.cases and f"{n}:{preset}" not in args.cases.split(","):
+            continue
         measured = pooled([r for r in mine if (r["devices"], r["preset"]) == (n, preset)], "wall_tokens_per_s")
         predicted = sim_rate(simulate(bench, n, preset, out, args))
         cases.append({"devices": n, "preset": preset, "measured": measured, "predicted": predicted,
@@ -66,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--cases", default="", help="only these, e.g. 3:wifi,3:lan (default: every measured one)")
+    p.add_argument("--reuse", action="store_true", help="keep a case's finished simulation from an earlier run")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cases = compare(args.bench, args.out, args)
