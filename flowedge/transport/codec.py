@@ -36,7 +36,9 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last
 #                                                    run), Assign.model_sha256 (the model's content key);
 #                                               1.7: PromptRequest.client (whom a gateway asks for:
 #                                                    the head's fair queue has one lane per client),
-#                                                    StatusRequest.timeline (the head's recent past)
+#                                                    StatusRequest.timeline (the head's recent past);
+#                                               1.8: Heartbeat.ping/echo/held_ms (link round trips;
+#                                                    optional fields, so 1.7 peers still interwork)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
