@@ -65,6 +65,21 @@ def table(cases: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def link_table(cases: list[dict]) -> str:
+    """What each preset adds to a token over `lan` at the same device count, in ms (wall, prefill in): the
+    links' own share, free of the compute profile's error and of box load common to a device count."""
+    lines = ["| devices | preset | measured +ms/token over lan | simulated | sim - measured |", "|---|---|---|---|---|"]
+    lan = {c["devices"]: c for c in cases if c["preset"] == "lan"}
+    for c in cases:
+        base = lan.get(c["devices"])
+        if base is None or c is base:
+            continue
+        got = 1e3 / c["measured"] - 1e3 / base["measured"]
+        sim = 1e3 / c["predicted"] - 1e3 / base["predicted"]
+        lines.append(f"| {c['devices']} | {c['preset']} | {got:+.1f} | {sim:+.1f} | {sim - got:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bench", type=Path, help="a testbed bench folder (raw.jsonl, cases.json)")
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cases = compare(args.bench, args.out, args)
     (args.out / "sim-check.json").write_text(json.dumps(cases, indent=1) + "\n")
-    print(table(cases), end="")
+    print(table(cases) + "\n" + link_table(cases), end="")
     return 0
 
 
