@@ -93,6 +93,8 @@ def test_status_and_metrics_show_each_links_round_trip():
     out = m.render().decode()
     assert 'flowedge_stage_rtt_ms{node="far",stage="1"} 61.25' in out
     assert 'node="old"' not in "".join(line for line in out.splitlines() if "rtt" in line)
+    js = (ROOT / "flowedge" / "api" / "static" / "dashboard.js").read_text()
+    assert '["rtt", num(n.rtt_ms)' in js   # each card shows its link's round trip
 
 
 # ---- from outside: a real head, one stage near, one behind a relay ------------------------------------
