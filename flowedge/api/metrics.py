@@ -55,6 +55,8 @@ class ApiMetrics:
                                registry=r)
         self.stage_requests = Gauge("flowedge_stage_requests", "Requests the stage holds state for",
                                     ["stage", "node"], registry=r)
+        self.rtt_ms = Gauge("flowedge_stage_rtt_ms", "Round trip of the head's link to the node, median of its "
+                            "recent heartbeats", ["stage", "node"], registry=r)
         self.rss = Gauge("flowedge_node_rss_bytes", "Resident memory of each node", ["stage", "node"], registry=r)
 
     def answered(self, result: dict) -> None:
@@ -76,7 +78,8 @@ class ApiMetrics:
 
     def cluster(self, nodes: list[dict] | None) -> None:
         """Refresh the gauges read from the head's status (None: the head did not answer)."""
-        for gauge in (self.busy, self.step_ms, self.kv_tokens, self.stage_requests, self.rss, self.head_served):
+        for gauge in (self.busy, self.step_ms, self.kv_tokens, self.stage_requests, self.rss, self.head_served,
+                      self.rtt_ms):
             gauge.clear()
         self.head_up.set(nodes is not None)
         if not nodes:
@@ -97,6 +100,8 @@ class ApiMetrics:
             labels = (str(n.get("stage", 0)), str(n.get("node_id") or "-"))
             if isinstance(n.get("rss_bytes"), (int, float)):
                 self.rss.labels(*labels).set(n["rss_bytes"])
+            if isinstance(n.get("rtt_ms"), (int, float)):   # stages and drafters
+                self.rtt_ms.labels(*labels).set(n["rtt_ms"])
             if n.get("role") != "stage" or n.get("missing"):
                 continue
             self.busy.labels(*labels).set(n.get("load") or 0.0)

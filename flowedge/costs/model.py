@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flowedge.costs.link_costs import expected_s
 from flowedge.costs.profiles import ComputePath, DeviceProfile, LinkProfile
 from flowedge.errors import ConfigError
 
@@ -224,7 +225,6 @@ def decode_time_s(device: DeviceProfile, config: Any, context: int, path: str | 
 
 
 def transfer_time_s(link: LinkProfile, nbytes: int) -> float:
-    """One message over the link: latency plus serialisation at the link's goodput."""
-    if nbytes < 0:
-        raise ConfigError(f"nbytes must be >= 0, got {nbytes}")
-    return link.latency_s + 8.0 * nbytes / link.bandwidth_bps
+    """One message over the link, on average: latency, serialisation at the link's goodput, its share of
+    stalls and the per-message cost (costs/link_costs.py)."""
+    return expected_s(link, nbytes)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flowedge.core.config import SpecConfig
+from flowedge.costs.link_costs import ring_s_for_link
 from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_ratio, lm_head_time_s,
                                   resolve_path, shape_of_layers, transfer_time_s)
-from flowedge.costs.profiles import DeviceProfile, load_device, load_link
+from flowedge.costs.profiles import DeviceProfile, LinkProfile, load_device, load_link
 from flowedge.costs.sizing import TreeCosts, tree_costs
 
 
@@ -39,6 +40,8 @@ class CostModel:
     transfer_s: Callable[[int, int, int], float]
     lm_head_segment_ratio: float | None = None   # last stage's l_max-token / 1-token lm_head (placement)
     tree: TreeCosts | None = None                # what flowspec's tree is sized from (None: no draft)
+    link: LinkProfile | None = None              # every link's profile: the simulator's link clocks (None: transfer_s)
+    link_seed: int = 0                           # the links' jitter and stalls, per directed link
 
     @staticmethod
     def free() -> "CostModel":
@@ -88,11 +91,12 @@ def profile_costs(base_config: Any, draft_config: Any, ranges: Sequence[tuple[in
             return 0.0
         return forward_time_s(dev, stage_shapes[node - 1], c.tokens, c.context, stage_path, c.attended)
 
-    costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n))
+    costs = CostModel(compute_s, lambda a, b, n: transfer_time_s(lnk, n), link=lnk)
     costs.lm_head_segment_ratio = lm_head_segment_ratio(dev, base_config, l_max, stage_path)
     if draft_config is not None:   # for sized_spec
         costs.tree = tree_costs(base_config, draft_config, ranges, [dev] * len(ranges), dev, stage_path=stage_path,
-                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max, topk=topk)
+                                draft_path=draft_path, draft_quantized=draft_quantized, l_max=l_max,
+                                topk=topk).over_links(ring_s_for_link(lnk, len(ranges)))
     return costs
 
 

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 PROFILES_ENV = "FLOWEDGE_PROFILES"
 LINKS_FILE = "links.toml"
+TESTBED_PREFIX = "testbed-"   # the testbed presets' entries in LINKS_FILE
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +109,22 @@ class DeviceProfile:
 
 @dataclass(frozen=True, slots=True)
 class LinkProfile:
-    """A point-to-point link: one-way latency per message and goodput."""
+    """A point-to-point link: one-way latency and goodput, and the impairments the testbed relay adds
+    (costs/link_costs.py says how each is charged)."""
 
     name: str
     latency_s: float
     bandwidth_bps: float  # bits per second
+    jitter_s: float = 0.0     # uniform +- around latency_s, per chunk
+    stall_prob: float = 0.0   # per chunk of up to 64 KiB
+    stall_s: float = 0.0
+    message_s: float = 0.0    # fixed cost per message (a forwarding hop)
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_bps <= 0:
             raise ConfigError(f"link {self.name}: latency must be >= 0 and bandwidth > 0")
+        if min(self.jitter_s, self.stall_prob, self.stall_s, self.message_s) < 0 or self.stall_prob > 1:
+            raise ConfigError(f"link {self.name}: jitter, stalls and message cost must be >= 0, stall_prob <= 1")
 
 
 def profiles_dir() -> Path:
@@ -159,7 +167,10 @@ def load_device(name_or_path: str | Path) -> DeviceProfile:
 
 
 def load_link(name: str) -> LinkProfile:
+    """A link by name; a testbed preset's own name (`lan`, `wifi`, `bad-wifi`) names its `testbed-` entry."""
     links = _read_links()
+    if name not in links and TESTBED_PREFIX + name in links:
+        name = TESTBED_PREFIX + name
     if name not in links:
         raise ConfigError(f"unknown link {name!r}; known: {', '.join(sorted(links))}")
     return links[name]
@@ -189,15 +200,22 @@ def _read_links() -> dict[str, LinkProfile]:
     data = _read_toml(path)
     try:
         return {
-            name: LinkProfile(
-                name=name,
-                latency_s=float(entry["latency_ms"]) / 1e3,
-                bandwidth_bps=float(entry["bandwidth_mbps"]) * 1e6,
-            )
-            for name, entry in data.get("links", {}).items()
+            name: _link_from_dict(name, entry) for name, entry in data.get("links", {}).items()
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: bad link entry ({exc!r})") from exc
+
+
+def _link_from_dict(name: str, entry: dict[str, Any]) -> LinkProfile:
+    return LinkProfile(
+        name=name,
+        latency_s=float(entry["latency_ms"]) / 1e3,
+        bandwidth_bps=float(entry["bandwidth_mbps"]) * 1e6,
+        jitter_s=float(entry.get("jitter_ms", 0.0)) / 1e3,
+        stall_prob=float(entry.get("stall_prob", 0.0)),
+        stall_s=float(entry.get("stall_ms", 0.0)) / 1e3,
+        message_s=float(entry.get("message_ms", 0.0)) / 1e3,
+    )
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

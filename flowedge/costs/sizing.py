@@ -81,6 +81,15 @@ class TreeCosts:
     ar_batch_s: tuple[float, ...] = ()      # the slowest stage's ar-pp step (the last with its lm_head)
     draft_batch_s: tuple[float, ...] = ()   # one draft call (`draft_width` rows per request)
     flow_batch_s: tuple[float, ...] = ()    # the slowest stage on their mean flowspec segments
+    ring_s: float = 0.0           # the links' share of one trip around the pipeline (in both latencies above)
+
+    def over_links(self, ring_s: float) -> "TreeCosts":
+        """These costs with one trip's link time `ring_s` added to each trip through the pipeline (ar-pp's
+        token, flowspec's round restart, pipedec's miss), so slow links deepen the tree and move `auto`
+        towards speculation (costs/link_costs.ring_s_from_rtts: from the round trips the head measures)."""
+        extra = max(0.0, ring_s) - self.ring_s
+        return replace(self, ring_s=self.ring_s + extra, token_latency_s=self.token_latency_s + extra,
+                       pipeline_latency_s=self.pipeline_latency_s + extra)
 
 
 FLOW_SEGMENT = 32   # mean tokens per flowspec segment: 16-node initial segments and 64-node expansions

@@ -44,4 +44,4 @@ def drafter_row(config: NodeConfig, p, now: float) -> dict:
     return {**p.stats, "node_id": p.name, "role": "drafter", "stage": None, "address": "", "layers": "draft",
             "model": config.draft, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
             "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
-            "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {})}
+            "rtt_ms": p.rtt.median_ms(), "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {})}

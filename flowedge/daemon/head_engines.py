@@ -106,7 +106,8 @@ class HeadEngines:
         placement are worked out once per strategy and set of stage devices."""
         ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
         devices = self.members.stage_devices()
-        key = (strategy, ratio, devices)
+        ring_s = link_ring_s(self.members)
+        key = (strategy, ratio, devices, ring_s)
         if key not in self.builders:
             from flowedge.engine.local import stop_ids
 
@@ -117,6 +118,7 @@ class HeadEngines:
                 costs = assembly.profile_tree_costs(plan.base_config, plan.draft_model.config, plan.ranges,
                                                     cfg.device, list(devices), spec, cfg.draft_quant != "none",
                                                     quant=cfg.quant)
+                costs = costs.over_links(ring_s) if costs is not None else None
             sizing = cfg.tree_size == "profile" and not cfg.tree_nodes
             self.builders[key] = partial(assembly.build_head, plan.head_model, plan.draft_model, strategy,
                                         cfg.stages, spec, stop_ids(plan.base_config),
@@ -165,3 +167,15 @@ class HeadEngines:
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
         return None
+
+
+RING_STEP_S = 0.005   # the measured ring is rounded to this: a new one rebuilds the heads' sizing and prediction
+
+
+def link_ring_s(members) -> float:
+    """One trip's link time around the pipeline from the round trips the head measures to its stages
+    (daemon/link_rtt.py), rounded so that heartbeat noise does not rebuild the engines' sizing each request."""
+    from flowedge.costs.link_costs import ring_s_from_rtts
+
+    rtts = [members.peers[i].rtt.median_ms() for i in members.stage_identities() if i in members.peers]
+    return round(ring_s_from_rtts(rtts, len(rtts)) / RING_STEP_S) * RING_STEP_S

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from flowedge.daemon import draft_members, model_check, shard_fetch
 from flowedge.daemon.config import NodeConfig
 from flowedge.daemon.droplog import DropLog
+from flowedge.daemon.link_rtt import RttProbe, RttSamples
 from flowedge.daemon.peer_stats import clean_stats
 from flowedge.errors import ProtocolError, StageLost
 from flowedge.transport import protocol as proto
@@ -48,6 +49,7 @@ class Peer:
     load: float = 0.0
     rss: int = 0
     stats: dict = field(default_factory=dict)
+    rtt: RttSamples = field(default_factory=RttSamples)   # the link's round trips (link_rtt.py)
 
     @property
     def data_addr(self) -> str:
@@ -95,6 +97,7 @@ class Membership:
         self.slots: list[bytes | None] = [None] * config.stages
         self.sent_assign: dict[int, tuple[bytes, str]] = {}
         self.last_ping = 0.0
+        self.rtt = RttProbe(clock)
 
     # ---- joining ----------------------------------------------------------------------------------
     def welcome(self) -> proto.Welcome:
@@ -239,6 +242,7 @@ class Membership:
             self.drops.drop("peer_stats", f"from {peer.name}: {len(refused)} heartbeat stats dropped "
                                           f"({', '.join(refused[:5])}{', …' if len(refused) > 5 else ''})")
         peer.load, peer.rss, peer.stats = msg.load, msg.rss_bytes, stats
+        peer.rtt.add(self.rtt.sample_ms(msg.echo, msg.held_ms))
 
     def on_ready(self, peer: Peer, msg: proto.Ready) -> None:
         if msg.stage_index != peer.stage:
@@ -321,7 +325,7 @@ class Membership:
         now = self.clock()
         if now - self.last_ping >= self.config.heartbeat_ms / 1000:
             self.last_ping = now
-            beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0)
+            beat = proto.Heartbeat(node_id=self.node_id, load=0.0, rss_bytes=0, ping=self.rtt.stamp())
             drafters = [p.identity for p in self.peers.values() if p.drafter]
             for identity in self.stage_identities() + drafters + [c for c in busy_clients if c in self.peers]:
                 self.send(identity, beat)
@@ -373,7 +377,7 @@ class Membership:
                 **p.stats, "node_id": p.name, "role": "stage", "stage": k, "address": p.data_addr, "layers": layers,
                 "model": self.config.model, "device": p.hello.device, "free_memory_bytes": p.hello.free_memory_bytes,
                 "rss_bytes": p.rss, "load": round(p.load, 3), "last_seen_s": round(now - p.last_seen, 3),
-                "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
+                "rtt_ms": p.rtt.median_ms(), "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
             })
         return rows + [draft_members.drafter_row(self.config, p, now) for p in self.peers.values() if p.drafter]
 

@@ -31,6 +31,7 @@ from flowedge.daemon.config import NodeConfig, split_addr, tcp
 from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.fencing import TermGuard
 from flowedge.daemon.head_search import HeadSearch
+from flowedge.daemon.link_rtt import Echo
 from flowedge.daemon.sd_notify import Notifier
 from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin, StaleTerm
 from flowedge.transport import protocol as proto
@@ -74,6 +75,7 @@ class NodeBase(ABC):
         self.phase = "starting"     # what STATUS= (and a drafter's heartbeat) says the node is doing
         self.heartbeat_s = config.heartbeat_ms / 1000   # the head's own period once it WELCOMEd us
         self.last_beat = self.last_head = time.monotonic()
+        self.echo = Echo()   # the head's latest heartbeat number, returned with ours (link_rtt.py)
         self.busy_s = 0.0
         self.stats: dict[str, Any] = {}   # the last heartbeat's stats (re-sent as they were while a step runs)
         self.compute = BeatingWorker(f"{self.ROLE}-compute")
@@ -262,12 +264,13 @@ class NodeBase(ABC):
         if isinstance(msg, proto.Shutdown):
             self.log.info("shutdown requested by the head%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
-        if isinstance(msg, proto.Heartbeat):
+        elif isinstance(msg, proto.Heartbeat):
             try:
                 self.fence.obey(msg.term, msg.node_id)
             except StaleTerm as err:
                 self._to_head(proto.Refuse(reason=str(err)))
                 raise Rejoin(str(err)) from None
+            self.echo.read(msg.ping)
         return msg
 
     def _on_other(self, msg: proto.Message | None) -> None:
@@ -290,7 +293,8 @@ class NodeBase(ABC):
         if not busy:
             self.stats = self._stats()
         self._to_head(proto.Heartbeat(node_id=self.node_id, load=min(load, 1e6),
-                                      rss_bytes=psutil.Process().memory_info().rss, stats=self.stats))
+                                      rss_bytes=psutil.Process().memory_info().rss, stats=self.stats,
+                                      **self.echo.fields()))
         if not busy:
             self.busy_s = 0.0
         self.last_beat = now

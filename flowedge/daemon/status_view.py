@@ -16,11 +16,11 @@ def node_table(nodes: list[dict]) -> list[str]:
     """One row per node. `model`: the first digits of the content key of the model whose layers the node
     holds (the head: the model it serves), so a stage of another model stands out."""
     lines = [f"{'node':<18} {'role':<7} {'layers':<12} {'model':<12} {'address':<22} {'rss MB':>7} {'load':>5} "
-             f"{'seen s':>6} {'step ms':>8}  state"]
+             f"{'seen s':>6} {'step ms':>8} {'rtt ms':>7}  state"]
     for n in nodes:
         layers = n.get("layers")
         layers = f"[{layers[0]}, {layers[1]})" if isinstance(layers, list) and layers else str(layers or "")
-        step = n.get("step_ms_median")
+        step, rtt = n.get("step_ms_median"), n.get("rtt_ms")   # rtt: the head's link to the node
         state = "missing" if n.get("missing") else ("ready" if n.get("ready") else "not ready")
         if n.get("error"):   # e.g. a stage that could not take its assignment
             state += f"; {n['error']}"
@@ -32,7 +32,8 @@ def node_table(nodes: list[dict]) -> list[str]:
         lines.append(f"{n.get('node_id') or '-':<18} {n['role']:<7} {layers[:12]:<12} {model:<12} "
                      f"{n.get('address', ''):<22} "
                      f"{(n.get('rss_bytes') or 0) / 1e6:>7.0f} {n.get('load', 0) or 0:>5.2f} "
-                     f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8}  {state}")
+                     f"{n.get('last_seen_s', 0) or 0:>6.1f} {step if step is not None else '-':>8} "
+                     f"{rtt if rtt is not None else '-':>7}  {state}")
     return lines
 
 

@@ -1,8 +1,9 @@
 """The simulated cluster: the real engine and real model math in one process, on a virtual clock.
 
 Each node handles its messages in arrival order, one at a time; a `Compute` action advances the node's
-clock by the cost model's time for that work, a `Send` occupies the directed link for latency + bytes /
-bandwidth. Noise-free and repeatable, so strategies can be compared on devices we do not have.
+clock by the cost model's time for that work, a `Send` crosses the directed link as costs/link_costs.py
+prices it (serialisation, latency, jitter and stalls drawn from a seeded stream per link). Repeatable,
+so strategies can be compared on devices we do not have.
 
 Node 0 runs the request scheduler the daemon's head runs (engine/scheduler.py): admission, KV budget,
 draft batching, cancel, and on a stage loss (a `StageFault` in the plan) pause and replay.
@@ -17,6 +18,7 @@ from typing import Callable
 
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
+from flowedge.costs.link_costs import LinkClocks
 from flowedge.costs.pipeline import CostModel
 from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind
 from flowedge.engine.events import Compute, Done, Finish, Offload, Prune, Segment, Send, Stats
@@ -199,6 +201,7 @@ class _SimRun:
         self.trace = Trace()
         self.busy_until = [0.0] * len(self.nodes)
         self.link_free: dict[tuple[int, int], float] = {}
+        self.links = LinkClocks(self.costs.link, self.costs.link_seed) if self.costs.link is not None else None
         self.queue: list = []
         self.order = itertools.count()
         self.timings = {r.request_id: RequestTiming(r.arrival_s) for r in requests}
@@ -343,17 +346,23 @@ class _SimRun:
 
     def _over_link(self, link: tuple[int, int], t: float, nbytes: int) -> float:
         """When `nbytes` sent at `t` have crossed `link` (-1: the drafter), after what it already carries."""
-        start = max(t, self.link_free.get(link, 0.0))
-        end = self.link_free[link] = start + self.costs.transfer_s(link[0], link[1], nbytes)
-        return end
+        return self._cross(link[0], link[1], t, nbytes)[1]
+
+    def _cross(self, src: int, dst: int, t: float, nbytes: int) -> tuple[float, float]:
+        """(start, arrival) of a message: on the link clocks (costs/link_costs.py) where the costs name a
+        link profile, else each link carries one message at a time for `transfer_s`."""
+        if self.links is not None:
+            c = self.links.send(src, dst, t, nbytes)
+            return c.start_s, c.arrive_s
+        start = max(t, self.link_free.get((src, dst), 0.0))
+        end = self.link_free[(src, dst)] = start + self.costs.transfer_s(src, dst, nbytes)
+        return start, end
 
     def _send(self, node: int, t: float, a: Send) -> None:
         if node in self.down:
             return   # a dead stage sends nothing
         nbytes = message_bytes(a.message)
-        start = max(t, self.link_free.get((node, a.to), 0.0))
-        end = start + self.costs.transfer_s(node, a.to, nbytes)
-        self.link_free[(node, a.to)] = end
+        start, end = self._cross(node, a.to, t, nbytes)
         if end > start:
             phase = getattr(a.message, "phase", type(a.message).__name__.lower())
             self.trace.add(TraceEvent(f"link{node}->{a.to}", "transfer", phase, start, end,

@@ -39,7 +39,8 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last
 #                                                    StatusRequest.timeline (the head's recent past);
 #                                               1.8: the standby role (msg_standby.py: the request log),
 #                                                    a fencing term on Welcome and Heartbeat,
-#                                                    PromptRequest.resumed (a request moved to a new head)
+#                                                    PromptRequest.resumed (a request moved to a new head),
+#                                                    Heartbeat.ping/echo/held_ms (link round trips)
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20

@@ -178,7 +178,11 @@ class Ready(Message):
 
 @dataclass(**MESSAGE_OPTIONS)
 class Heartbeat(Message):
-    """Liveness plus load: `load` is busy time over wall time since the last heartbeat."""
+    """Liveness plus load: `load` is busy time over wall time since the last heartbeat.
+
+    Round trips (1.8): the head numbers its heartbeats (`ping`); a peer's next heartbeat echoes the latest
+    number it read (`echo`) and how long it held it (`held_ms`), so the head times the link without either
+    clock crossing it (daemon/link_rtt.py). Older peers neither send nor read these fields: no round trip."""
 
     TYPE: ClassVar[str] = "heartbeat"
     node_id: str
@@ -186,6 +190,9 @@ class Heartbeat(Message):
     rss_bytes: int
     stats: dict[str, Any] = field(default_factory=dict)  # e.g. steps, step_ms_median
     term: int = 0   # 1.8: from a head, its fencing term (daemon/fencing.py); 0 from other nodes
+    ping: int | None = None     # head -> peer: this heartbeat's number
+    echo: int | None = None     # peer -> head: the latest number read
+    held_ms: float = 0.0        # peer -> head: from reading `echo` to sending this
 
     def __post_init__(self) -> None:
         _str(self, "node_id", max_len=256)
@@ -193,6 +200,8 @@ class Heartbeat(Message):
         _ints(self, "rss_bytes")
         _map(self, "stats")
         _ints(self, "term")
+        _ints(self, "ping", "echo", optional=True)
+        _float(self, "held_ms", 0.0, 1e9)
 
 
 @dataclass(**MESSAGE_OPTIONS)

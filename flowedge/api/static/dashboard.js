@@ -232,7 +232,8 @@ function card(n, i) {
     bar("bar", load, "busy"),
     facts([["busy", (100 * load).toFixed(0) + " %"], ["step", step],
            ["memory", MB(rss) + " used" + (free != null ? ", " + MB(free) + " free" : "")],
-           ["link", (text(n.address) || "-") + ", " + linkRate(n, i)], ["heartbeat", seen], ...kvFacts(n)]));
+           ["link", (text(n.address) || "-") + ", " + linkRate(n, i)],
+           ["rtt", num(n.rtt_ms) != null ? n.rtt_ms + " ms" : "-"], ["heartbeat", seen], ...kvFacts(n)]));
   node.dataset.node = i;
   if (memFrac) node.append(bar("bar mem", memFrac, "memory used"));
   if (kvFrac(n) != null) node.append(bar("bar kv", kvFrac(n), "KV cache used of its budget"));
