@@ -83,3 +83,31 @@ def test_health_is_answered_every_time_under_a_flood_of_slow_connections(small_a
         attacker.join(10)
     assert opened[0] > 5 * OPEN_AT_ONCE   # the flood was one: its sockets were closed and reopened many times
     assert len(answers) >= 20 and answers.count(200) == len(answers), answers
+
+
+def test_a_burst_of_new_connections_from_one_address_is_answered_not_cut():
+    """64 connections opened at once from one address, 4 allowed to wait for their heads: the admission
+    once closed the oldest waiting one for each newcomer, so a burst of a legitimate client's requests saw
+    its connections cut (ReadError). Now the newcomers wait their turn and every request is answered."""
+    import asyncio
+
+    settings = ApiSettings(head="127.0.0.1:9", insecure=True, max_connections=128, max_connections_per_address=4,
+                           header_timeout_s=5.0)
+    server = build_server(settings, "127.0.0.1", 0, log_level="critical")
+
+    async def ready():
+        return [{"node_id": "head", "role": "head", "ready": True}]
+
+    server.config.app.state.routes.head_status = ready
+
+    async def burst(port: int) -> list:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=10, limits=limits) as web:
+            got = await asyncio.gather(*(web.get(f"http://127.0.0.1:{port}/health") for _ in range(64)),
+                                       return_exceptions=True)
+        return [r.status_code if isinstance(r, httpx.Response) else type(r).__name__ for r in got]
+
+    with serving(server) as port:
+        for _ in range(3):
+            answers = asyncio.run(burst(port))
+            assert answers == [200] * 64, answers

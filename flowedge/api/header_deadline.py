@@ -14,9 +14,10 @@ it fires, the connection is closed. Once the head is parsed the timer is off, so
 is never cut. Passed to uvicorn as its `http` protocol class (a documented `Config` option).
 
 The same waits feed the server's `Admission` (admission.py): a connection waiting for its head is
-counted for its client address, and the connections it names (the oldest waiting ones, of an address
-or of all, past the limits) are closed. A connection this module closes leaves uvicorn's count of
-connections (what `limit_concurrency` weighs) at once, not when asyncio later reports it lost (`cut`).
+counted for its client address; the connections it names (ones that waited past its grace, of a full
+address or of all) are closed, and a newcomer it queues is left unread and uncounted by uvicorn until it
+lets it in. A connection this module closes leaves uvicorn's count of connections (what
+`limit_concurrency` weighs) at once, not when asyncio later reports it lost (`cut`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class HeaderDeadlineH11(H11Protocol):
     header_timeout_s: float = HEADER_TIMEOUT_S
     admission: Admission | None = None   # shared by the server's connections
     _head_timer: asyncio.TimerHandle | None = None
+    _retry_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -49,8 +51,9 @@ class HeaderDeadlineH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
-        if self.admission is not None:
-            self.admission.done(self)
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._release()
         super().connection_lost(exc)
 
     def _waiting_for_head(self) -> bool:
@@ -68,19 +71,49 @@ class HeaderDeadlineH11(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-            if self.admission is not None:
-                self.admission.done(self)
+            self._release()
+
+    def _release(self) -> None:
+        """This wait is over: let in the queued connections the admission names."""
+        if self.admission is not None:
+            for other in self.admission.done(self):
+                other.let_in()
 
     def _admit(self) -> None:
-        """Count this wait for a head; close the waiting connections the admission gives up."""
+        """Count this wait for a head; close the waiting connections the admission gives up, or hold this
+        one back (unread, uncounted by uvicorn) while its address's room is full of a burst."""
         if self.admission is None:
             return
-        for other in self.admission.waits(self, self.client[0] if self.client else "?"):
-            if self.admission.evicted % 100 == 1:   # once, then every 100th: a flood must not flood the log
-                log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
-                            "from one address or in all); the latest from %s", self.admission.evicted,
+        self._obey(self.admission.waits(self, self.client[0] if self.client else "?"))
+
+    def _obey(self, verdict) -> None:
+        for other in verdict.close:
+            if (self.admission.evicted + self.admission.refused) % 100 == 1:   # a flood must not flood the log
+                log.warning("closed %d connections that sent no complete request head in %g s and %d past the "
+                            "queue (too many from one address or in all); the latest from %s",
+                            self.admission.evicted, self.admission.grace_s, self.admission.refused,
                             other.client[0] if other.client else "?")
             other.cut()
+        if verdict.queued and not self.transport.is_closing():
+            self.transport.pause_reading()
+            self.connections.discard(self)
+            self._retry_timer = self.loop.call_later(self.admission.grace_s, self._retry)
+        elif not verdict.queued and self not in self.connections and not self.transport.is_closing():
+            self.let_in()
+
+    def _retry(self) -> None:
+        self._retry_timer = None
+        if self.admission is not None and not self.transport.is_closing():
+            self._obey(self.admission.retry(self))
+
+    def let_in(self) -> None:
+        """A queued connection's turn: read it and count it again."""
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+        if not self.transport.is_closing():
+            self.connections.add(self)
+            self.transport.resume_reading()
 
     def _head_overdue(self) -> None:
         self._head_timer = None
