@@ -187,10 +187,8 @@ def start(args, home: Path) -> Processes:
         raise
 
 
-def soak(args, procs: Processes) -> dict:
+def soak(args, procs: Processes, faults: Schedule) -> dict:
     addr = procs.cluster.spec.addr
-    faults = Schedule(schedule(args), seed=args.seed)
-    faults.check(procs)   # a fault this cluster cannot take refuses before any load
     tally, readiness = Tally(), Readiness(addr)
     load = Load(addr, procs.base, tally, readiness, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
     load.references()
@@ -254,7 +252,7 @@ def report(fig: dict) -> None:
               f"over {p['span_s']} s")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     ap.add_argument("--real", action="store_true", help="the real pair (--model/--draft) instead of the tiny one")
@@ -289,7 +287,17 @@ def main() -> None:
     ap.add_argument("--memdebug-every", type=float, default=60.0)
     ap.add_argument("--memdebug-heap-only", action="store_true",
                     help="with --memdebug: glibc's heap figures only, no tracemalloc (cheap enough for an hour)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    faults = Schedule(schedule(args), seed=args.seed)
+    try:
+        faults.check(standby=False)   # this soak starts no standby head (yet): a head kill is refused here
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line a request
     home = Path(args.home or tempfile.mkdtemp(prefix="flowedge-soak-"))   # kept: the nodes' logs are there
@@ -301,10 +309,7 @@ def main() -> None:
             os.environ["FLOWEDGE_MEMDEBUG_PYTHON"] = "0"
     procs = start(args, home)
     try:
-        fig = soak(args, procs)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fig = soak(args, procs, faults)
     finally:
         procs.http.send_signal(signal.SIGTERM)
         procs.http.wait(20)

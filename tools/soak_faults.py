@@ -23,8 +23,8 @@ class Fault:
     first_s: float = 0.0
     every_s: float = 0.0
 
-    def check(self, procs) -> None:
-        """Raise ConfigError when this cluster cannot take this fault."""
+    def check(self, standby: bool) -> None:
+        """Raise ConfigError when the cluster (with a standby head or not) cannot take this fault."""
 
     def apply(self, procs, rng: random.Random) -> str:
         """Do it; returns what was done, for the log and the counts."""
@@ -102,8 +102,8 @@ class HeadKill(Fault):
     def __post_init__(self) -> None:
         self.first_s = self.first_s or self.every_s
 
-    def check(self, procs) -> None:
-        if not getattr(procs, "standby", None):
+    def check(self, standby: bool) -> None:
+        if not standby:
             raise ConfigError("a head kill needs a standby head to take over, and this cluster has none; "
                               "drop --head-kill-every or run the soak with a standby")
 
@@ -134,9 +134,9 @@ class Schedule:
     counts: dict = field(default_factory=dict)
     done: list = field(default_factory=list)   # (s since start, what)
 
-    def check(self, procs) -> None:
+    def check(self, standby: bool) -> None:
         for f in self.faults:
-            f.check(procs)
+            f.check(standby)
 
     def run(self, procs, readiness, stop: threading.Event) -> None:
         rng, t0 = random.Random(self.seed), time.monotonic()
