@@ -247,9 +247,9 @@ def report(fig: dict) -> None:
             print(f"  {name:8s} {p['note']}")
             continue
         print(f"  {name:8s} rss {p['rss_mb'][0]:.1f}->{p['rss_mb'][1]:.1f} MB ({p['rss_mb_per_h']:+.2f} MB/h, "
-              f"{p['rss_pct_per_h']:+.2f}%/h)  fds {p['fds'][0]}->{p['fds'][1]} ({p['fds_per_h']:+.1f}/h)  "
-              f"({p['fds_pct_per_h']:+.1f}%/h)  threads {p['threads'][0]}->{p['threads'][1]} ({p['threads_per_h']:+.1f}/h)  "
-              f"over {p['span_s']} s")
+              f"{p['rss_pct_per_h']:+.2f}%/h)  fds {p['fds'][0]}->{p['fds'][1]} ({p['fds_per_h']:+.1f}/h, "
+              f"{p['fds_pct_per_h']:+.1f}%/h)  threads {p['threads'][0]}->{p['threads'][1]} "
+              f"({p['threads_per_h']:+.1f}/h)  over {p['span_s']} s")
 
 
 def parse_args() -> argparse.Namespace:
