@@ -74,25 +74,31 @@ async def flood_then_polite(addr: str, base: str, args) -> dict:
             http_tasks = [asyncio.create_task(timed(web.post(
                 "/v1/chat/completions", json=http_body(args.flood_tokens),
                 headers={"Authorization": f"Bearer {FLOOD_KEY}"}), wait_s)) for _ in range(args.flood)]
-            queue_full = await refused(zmq_tasks, http_tasks, args.flood - args.cap - args.running, wait_s)
+            queue_full = await refused(zmq_tasks, http_tasks, wait_s)
             during = await polite_pair(addr, web, args.polite_tokens, wait_s)
             zmq_flood, http_flood = await asyncio.gather(*zmq_tasks), await asyncio.gather(*http_tasks)
-    return summary(idle, during, zmq_flood, http_flood) | {"queue_full_before_polite": queue_full}
+    fig = summary(idle, during, zmq_flood, http_flood) | {"queue_full_before_polite": queue_full}
+    fig["ok"] = fig["ok"] and queue_full
+    return fig
 
 
-async def refused(zmq_tasks: list, http_tasks: list, enough: int, timeout_s: float) -> bool:
-    """Until most of each flood has ended without an answer (refused, or failed otherwise: counted in the
-    summary): then the head holds the flood's full queue. False if that did not happen in `timeout_s`."""
-    def count(tasks, answered) -> int:
-        return sum(t.done() and not answered(t.result()[0]) for t in tasks)
+async def refused(zmq_tasks: list, http_tasks: list, timeout_s: float, settle_s: float = 2.0) -> bool:
+    """Until each flood has had requests refused and no more for `settle_s` (the refusals come as the
+    flood arrives, past the cap): then the head holds the flood's full queue. False if that did not
+    happen within `timeout_s` (a flood smaller than the cap, or one that never got in)."""
+    def count() -> tuple[int, int]:
+        return (sum(t.done() and not answered("zmq", t.result()[0]) for t in zmq_tasks),
+                sum(t.done() and not answered("http", t.result()[0]) for t in http_tasks))
 
-    give_up = time.monotonic() + timeout_s
-    while (count(zmq_tasks, lambda r: not isinstance(r, Exception)) < enough
-           or count(http_tasks, lambda r: isinstance(r, httpx.Response) and r.status_code == 200) < enough):
-        if time.monotonic() > give_up:
-            return False
+    give_up, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < give_up:
+        now, seen = time.monotonic(), count()
+        if seen != last:
+            last, since = seen, now
+        elif min(seen) > 0 and now - since >= settle_s:
+            return True
         await asyncio.sleep(0.05)
-    return True
+    return False
 
 
 def answered(channel: str, got) -> bool:
@@ -150,8 +156,6 @@ def main() -> None:
     ap.add_argument("--flood", type=int, default=400, help="flood requests on each channel")
     ap.add_argument("--flood-tokens", type=int, default=64)
     ap.add_argument("--polite-tokens", type=int, default=8)
-    ap.add_argument("--cap", type=int, default=32, help="the head's max_queued_per_client (its default)")
-    ap.add_argument("--running", type=int, default=4, help="the head's max_concurrent (its default)")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds any one request may take")
     ap.add_argument("--deadline", type=float, default=1800.0, help="seconds the whole drill may take")
