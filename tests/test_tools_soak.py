@@ -143,3 +143,21 @@ def test_a_short_soak_of_a_tiny_cluster_loses_nothing(tmp_path):
     assert fig["sent"] == fig["answered_ok"], fig
     assert {"head", "stage-1", "stage-2", "http"} <= set(fig["processes"]), fig["processes"]
     assert all("fds_pct_per_h" in p for p in fig["processes"].values() if "rss_mb_per_h" in p), fig["processes"]
+
+
+def test_a_stream_that_ends_with_an_error_is_a_clear_error_not_a_wrong_answer(monkeypatch):
+    """A stream cut by a lost board ends with an `error` event after a few chunks: it was compared as a
+    short answer and counted wrong."""
+    import httpx
+
+    body = ('data: {"choices": [{"text": "Once"}]}\n\n'
+            'data: {"error": {"message": "stage 2 disconnected, and no node took its place"}}\n\ndata: [DONE]\n\n')
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    monkeypatch.setattr(soak_load.httpx, "stream", lambda *a, **k: httpx.Client(transport=transport).stream(*a, **k))
+    tally = soak_load.Tally()
+    load = soak_load.Load("127.0.0.1:1", "http://127.0.0.1:1", tally, soak_load.Readiness("127.0.0.1:1"),
+                          concurrency=1, rate=1.0)
+    load.refs["http", 0] = "Once upon"
+    with pytest.raises(FlowedgeError, match="no node took its place"):
+        load._http_stream(0)
+    assert tally.wrong == []

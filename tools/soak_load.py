@@ -197,7 +197,10 @@ class Load:
                 if leave:
                     return True   # the connection closes under the answer
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    text += [c["text"] for c in json.loads(line[6:]).get("choices", [])]
+                    event = json.loads(line[6:])
+                    if "error" in event:   # the stream ended with an error it names: a clear error
+                        raise FlowedgeError(f"stream ended: {event['error'].get('message', '')}")
+                    text += [c["text"] for c in event.get("choices", [])]
         return self._check("http-stream", "http", i, "".join(text))
 
     def _http_disconnect(self, i: int) -> bool:
