@@ -87,6 +87,14 @@ class HeaderDeadlineH11(H11Protocol):
         self._obey(self.admission.waits(self, self.client[0] if self.client else "?"))
 
     def _obey(self, verdict) -> None:
+        """This connection first (held back, or let in), then the others closed: closing one can let this
+        one in, which must not be undone here afterwards."""
+        if verdict.queued and not self.transport.is_closing():
+            self.transport.pause_reading()
+            self.connections.discard(self)
+            self._retry_timer = self.loop.call_later(self.admission.grace_s, self._retry)
+        elif not verdict.queued and self not in self.connections and not self.transport.is_closing():
+            self.let_in()
         for other in verdict.close:
             if (self.admission.evicted + self.admission.refused) % 100 == 1:   # a flood must not flood the log
                 log.warning("closed %d connections that sent no complete request head in %g s and %d past the "
@@ -94,12 +102,6 @@ class HeaderDeadlineH11(H11Protocol):
                             self.admission.evicted, self.admission.grace_s, self.admission.refused,
                             other.client[0] if other.client else "?")
             other.cut()
-        if verdict.queued and not self.transport.is_closing():
-            self.transport.pause_reading()
-            self.connections.discard(self)
-            self._retry_timer = self.loop.call_later(self.admission.grace_s, self._retry)
-        elif not verdict.queued and self not in self.connections and not self.transport.is_closing():
-            self.let_in()
 
     def _retry(self) -> None:
         self._retry_timer = None
