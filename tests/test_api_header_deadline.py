@@ -146,3 +146,31 @@ def test_a_request_whose_answer_outlasts_the_deadline_is_answered(quick_api):
         s.sendall(b'{"prompt": "a"}')
         s.settimeout(5)
         assert s.recv(4096).startswith(b"HTTP/1.1 503")
+
+
+def test_a_burst_of_new_connections_from_one_address_is_answered_not_cut():
+    """64 connections opened at once from one address, 4 allowed to wait for their heads: the admission
+    once closed the oldest waiting one for each newcomer, so a burst of a legitimate client's requests saw
+    its connections cut (ReadError). Now the newcomers wait their turn and every request is answered."""
+    import asyncio
+
+    settings = ApiSettings(head="127.0.0.1:9", insecure=True, max_connections=128, max_connections_per_address=4,
+                           header_timeout_s=5.0)
+    server = build_server(settings, "127.0.0.1", 0, log_level="critical")
+
+    async def ready():
+        return [{"node_id": "head", "role": "head", "ready": True}]
+
+    server.config.app.state.routes.head_status = ready
+
+    async def burst(port: int) -> list:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=10, limits=limits) as web:
+            got = await asyncio.gather(*(web.get(f"http://127.0.0.1:{port}/health") for _ in range(64)),
+                                       return_exceptions=True)
+        return [r.status_code if isinstance(r, httpx.Response) else type(r).__name__ for r in got]
+
+    with serving(server) as port:
+        for _ in range(3):
+            answers = asyncio.run(burst(port))
+            assert answers == [200] * 64, answers

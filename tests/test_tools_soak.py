@@ -1,5 +1,7 @@
-"""tools/soak.py and tools/soak_load.py: the slopes (least squares per hour, a restarted process from its
-new pid, the warm-up left out), how a 503 is judged spurious, and a short soak of a real tiny cluster."""
+"""tools/soak.py, soak_load.py and soak_faults.py: the slopes (least squares per hour, a restarted process
+from its new pid, the warm-up left out), how a 503 is judged spurious and a failure lost or clear, the
+fault schedule (a stage kill restarted or not, a board lost once, a head kill refused without a standby),
+and a short soak of a real tiny cluster under HTTP and ZeroMQ load and scheduled faults (under 3 min)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import soak  # noqa: E402
+import soak_faults  # noqa: E402
 import soak_load  # noqa: E402
+from flowedge.errors import ConfigError, FlowedgeError  # noqa: E402
 
 
 def test_the_slope_is_per_hour_and_flat_is_zero():
@@ -54,13 +58,106 @@ def test_a_wrong_answer_is_counted():
     assert tally.as_dict()["wrong_at_t0"] == 1 and tally.wrong == [("zmq-stream", 0)]
 
 
+def test_a_failure_is_lost_only_when_nothing_said_what_happened():
+    import httpx
+
+    assert soak_load.is_lost(FlowedgeError("the head at x gave no answer for 120 s"))
+    assert soak_load.is_lost(httpx.ReadError("cut")) and soak_load.is_lost(httpx.ReadTimeout("slow"))
+    assert not soak_load.is_lost(FlowedgeError("stage 2 (stage-2) disconnected, and no node took its place"))
+    tally = soak_load.Tally()
+    tally.fail("zmq: no answer", lost=True, spurious=True)
+    tally.fail("http: HTTP 503", spurious=True)
+    tally.answered()
+    assert (tally.lost, tally.clear_errors, tally.spurious_errors, tally.answered_ok) == (1, 1, 1, 1)
+
+
+class FakeProcs:
+    """Three slots (head and two stages) recording what the faults did to them."""
+
+    def __init__(self) -> None:
+        self.cluster = type("C", (), {"procs": [None, None, None]})()
+        self.lost, self.did = set(), []
+
+    def kill_restart(self, k, gap_s):
+        self.did.append(("restart", k))
+
+    def stop_cont(self, k, stop_for_s):
+        self.did.append(("stop", k))
+
+    def kill_for_good(self, k):
+        self.did.append(("lost", k))
+        self.lost.add(k)
+
+    def kill_head(self):
+        self.did.append(("head", 0))
+
+
+def _run(faults, for_s: float) -> tuple[FakeProcs, soak_faults.Schedule]:
+    import threading
+
+    procs, sched, stop = FakeProcs(), soak_faults.Schedule(faults), threading.Event()
+    t = threading.Thread(target=sched.run, args=(procs, soak_load.Readiness("127.0.0.1:1"), stop))
+    t.start()
+    time.sleep(for_s)
+    stop.set()
+    t.join(5)
+    return procs, sched
+
+
+def test_stage_kills_come_on_schedule_and_a_board_is_lost_once_and_never_hurt_again():
+    procs, sched = _run([soak_faults.StageKill(every_s=0.1), soak_faults.BoardLost(first_s=0.25)], 1.0)
+    assert ("lost", 2) in procs.did and procs.did.count(("lost", 2)) == 1
+    after = procs.did[procs.did.index(("lost", 2)) + 1:]
+    assert after and all(k == 1 for _, k in after)              # the lost slot is never picked again
+    assert sched.counts["board-lost"] == 1 and sched.counts["stage-kill"] >= 6, sched.counts
+    procs, _ = _run([soak_faults.StageKill(every_s=0.1, restart=False)], 0.5)
+    assert procs.did == [("lost", 1), ("lost", 2)] or procs.did == [("lost", 2), ("lost", 1)]   # then none left
+
+
+def test_a_head_kill_is_refused_without_a_standby_and_the_schedule_is_built_from_the_command_line():
+    with pytest.raises(ConfigError, match="standby"):
+        soak_faults.Schedule([soak_faults.HeadKill(every_s=60)]).check(standby=False)
+    soak_faults.Schedule([soak_faults.HeadKill(every_s=60)]).check(standby=True)
+    args = type("A", (), dict(stage_kill_every=600.0, no_restart=True, gap=2.0, chaos_every=0.0, stop_for=3.0,
+                              board_lost_at=900.0, head_kill_every=0.0))()
+    faults = soak_faults.schedule(args)
+    assert [f.name for f in faults] == ["stage-kill", "board-lost"] and not faults[0].restart
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--head-kill-every", "60"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs a standby head" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_short_soak_of_a_tiny_cluster_loses_nothing(tmp_path):
+    """HTTP and ZeroMQ load, a stage kill every 20 s (restarted) and quick chaos every 9 s, for 50 s."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--duration", "25", "--chaos-every",
-                           "8", "--warmup", "5", "--sample-every", "2", "--json", str(out), "--home", str(tmp_path)],
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--duration", "50",
+                           "--stage-kill-every", "20", "--chaos-every", "9", "--warmup", "5", "--sample-every", "2",
+                           "--json", str(out), "--home", str(tmp_path)],
+                          capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(out.read_text())
-    assert fig["requests"] >= 10 and sum(fig["chaos"].values()) >= 2, fig
+    assert fig["requests"] >= 20 and fig["chaos"].get("stage-kill", 0) >= 2 and fig["chaos"].get("chaos"), fig
+    assert {"http", "zmq"} & set(fig["by_kind"]) == {"http", "zmq"}, fig["by_kind"]
     assert fig["failures"] == {} and fig["wrong_at_t0"] == 0 and fig["spurious_503"] == 0, fig
+    assert fig["lost"] == fig["clear_errors"] == fig["spurious_errors"] == 0, fig
+    assert fig["sent"] == fig["answered_ok"], fig
     assert {"head", "stage-1", "stage-2", "http"} <= set(fig["processes"]), fig["processes"]
+    assert all("fds_pct_per_h" in p for p in fig["processes"].values() if "rss_mb_per_h" in p), fig["processes"]
+
+
+def test_a_stream_that_ends_with_an_error_is_a_clear_error_not_a_wrong_answer(monkeypatch):
+    """A stream cut by a lost board ends with an `error` event after a few chunks: it was compared as a
+    short answer and counted wrong."""
+    import httpx
+
+    body = ('data: {"choices": [{"text": "Once"}]}\n\n'
+            'data: {"error": {"message": "stage 2 disconnected, and no node took its place"}}\n\ndata: [DONE]\n\n')
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    monkeypatch.setattr(soak_load.httpx, "stream", lambda *a, **k: httpx.Client(transport=transport).stream(*a, **k))
+    tally = soak_load.Tally()
+    load = soak_load.Load("127.0.0.1:1", "http://127.0.0.1:1", tally, soak_load.Readiness("127.0.0.1:1"),
+                          concurrency=1, rate=1.0)
+    load.refs["http", 0] = "Once upon"
+    with pytest.raises(FlowedgeError, match="no node took its place"):
+        load._http_stream(0)
+    assert tally.wrong == []

@@ -6,8 +6,13 @@ lost, what was wrong and how every process's memory, descriptors and threads mov
 
 Load (tools/soak_load.py): ZeroMQ and HTTP clients, whole and streaming answers, cancels and clients that
 vanish mid-stream, at most --concurrency at once and --rate a second, every T=0 answer compared with the
-undisturbed one. Chaos, every --chaos-every s: a stage kill -9'ed and restarted --gap s later, or
-SIGSTOPped for --stop-for s and continued. Every --sample-every s each process's RSS, open descriptors and
+undisturbed one. Faults (tools/soak_faults.py, a pluggable schedule): a random stage kill -9'ed every
+--stage-kill-every s (10 min) and restarted --gap s later (or never, --no-restart); optionally a quick
+--chaos-every (kill and restart, or SIGSTOP for --stop-for s), one board lost for good at --board-lost-at s
+(useful once the head re-plans onto the survivors) and a head kill every --head-kill-every s (refused
+where no standby head is configured). Outcomes: sent, answered correctly (T=0 == the undisturbed answer),
+clear errors, lost (no answer, or a cut connection), spurious errors (a clear error while nothing was
+hurt and the head said ready). Every --sample-every s each process's RSS, open descriptors and
 threads are sampled; the slopes per hour (least squares, after --warmup s) are printed with the counts
 and written to --json. Everything listens on 127.0.0.1.
 """
@@ -29,9 +34,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from soak_faults import Schedule, schedule
 from soak_load import Load, Readiness, Tally
 from flowedge.daemon import local_cluster
 from flowedge.daemon.client import wait_ready
+from flowedge.errors import ConfigError
 
 log = logging.getLogger("soak")
 
@@ -54,6 +61,18 @@ class Processes:
     def __init__(self, cluster: local_cluster.LocalCluster, http: subprocess.Popen) -> None:
         self.cluster, self.http = cluster, http
         self.lock = threading.Lock()
+        self.lost: set[int] = set()    # stage slots killed for good
+        self.standby = None            # a standby head's process, where the soak runs one
+
+    def kill_for_good(self, k: int) -> None:
+        os.kill(self.cluster.procs[k].pid, signal.SIGKILL)
+        self.cluster.procs[k].wait(10)
+        self.lost.add(k)
+
+    def kill_head(self) -> None:
+        if self.standby is None:
+            raise ConfigError("no standby head: killing the head would end the soak")
+        os.kill(self.cluster.procs[0].pid, signal.SIGKILL)
 
     def pids(self) -> dict[str, int]:
         with self.lock:
@@ -77,22 +96,6 @@ class Processes:
             os.kill(pid, signal.SIGCONT)
 
 
-def chaos(procs: Processes, readiness: Readiness, args, stop: threading.Event, counts: dict) -> None:
-    rng = random.Random(args.seed)
-    stages = len(procs.cluster.procs) - 1
-    while not stop.wait(args.chaos_every):
-        k = rng.randint(1, stages)
-        what = rng.choice(("kill", "stop"))
-        readiness.hurt()
-        log.info("chaos: %s stage %d", what, k)
-        if what == "kill":
-            procs.kill_restart(k, args.gap)
-        else:
-            procs.stop_cont(k, args.stop_for)
-        counts[what] = counts.get(what, 0) + 1
-        readiness.hurt()
-
-
 def sample(procs: Processes, every_s: float, stop: threading.Event, rows: list, memdebug_every: int = 0) -> None:
     """(t, name, pid, rss MB, fds, threads) for every live process, every `every_s` seconds; every
     `memdebug_every`-th time the head is also asked for its memdebug report (SIGUSR2)."""
@@ -104,8 +107,8 @@ def sample(procs: Processes, every_s: float, stop: threading.Event, rows: list, 
         for name, pid in procs.pids().items():
             try:
                 p = psutil.Process(pid)
-                if p.status() == psutil.STATUS_STOPPED:
-                    continue   # a SIGSTOPped stage: its figures are frozen, not sampled
+                if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                    continue   # a SIGSTOPped stage's figures are frozen; a killed one's are gone
                 rows.append((time.monotonic() - t0, name, pid, p.memory_info().rss / 2**20, p.num_fds(),
                              p.num_threads()))
             except psutil.Error:
@@ -141,11 +144,12 @@ def slopes(rows: list, warmup_s: float) -> dict:
             continue
         rss = slope_per_hour([(r[0], r[3]) for r in after])
         mean = sum(r[3] for r in after) / len(after)
+        fds, fds_mean = slope_per_hour([(r[0], r[4]) for r in after]), max(1.0, sum(r[4] for r in after) / len(after))
         out[name] = {"pid": pid, "samples": len(after), "span_s": round(after[-1][0] - after[0][0], 1),
                      "rss_mb": [round(after[0][3], 1), round(after[-1][3], 1)],
                      "rss_mb_per_h": round(rss, 2), "rss_pct_per_h": round(100 * rss / mean, 2),
                      "fds": [after[0][4], after[-1][4]],
-                     "fds_per_h": round(slope_per_hour([(r[0], r[4]) for r in after]), 2),
+                     "fds_per_h": round(fds, 2), "fds_pct_per_h": round(100 * fds / fds_mean, 2),
                      "threads": [after[0][5], after[-1][5]],
                      "threads_per_h": round(slope_per_hour([(r[0], r[5]) for r in after]), 2)}
     return out
@@ -183,16 +187,16 @@ def start(args, home: Path) -> Processes:
         raise
 
 
-def soak(args, procs: Processes) -> dict:
+def soak(args, procs: Processes, faults: Schedule) -> dict:
     addr = procs.cluster.spec.addr
     tally, readiness = Tally(), Readiness(addr)
     load = Load(addr, procs.base, tally, readiness, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
     load.references()
-    stop, rows, chaos_counts = threading.Event(), [], {}
+    stop, rows = threading.Event(), []
     every = max(1, round(args.memdebug_every / args.sample_every)) if args.memdebug else 0
     threads = [threading.Thread(target=sample, args=(procs, args.sample_every, stop, rows, every), daemon=True),
                threading.Thread(target=readiness.poll, args=(stop,), daemon=True),
-               threading.Thread(target=chaos, args=(procs, readiness, args, stop, chaos_counts), daemon=True)]
+               threading.Thread(target=faults.run, args=(procs, readiness, stop), daemon=True)]
     for t in threads:
         t.start()
     workers = load.run(stop)
@@ -200,13 +204,12 @@ def soak(args, procs: Processes) -> dict:
     while not stop.wait(min(30.0, max(0.0, args.duration - (time.monotonic() - t0)))):
         if time.monotonic() - t0 >= args.duration:
             break
-        log.info("%.0f s: %d requests, %d failed, %d wrong", time.monotonic() - t0,
-                 sum(tally.requests.values()), sum(tally.failures.values()), len(tally.wrong))
+        log.info("%.0f s: %s", time.monotonic() - t0, tally.line())
     stop.set()
     for t in workers + threads:
         t.join(200)
-    return {"duration_s": args.duration, "nodes": args.nodes, "real": args.real, "chaos": chaos_counts,
-            **tally.as_dict(), "processes": slopes(rows, args.warmup), "samples": len(rows),
+    return {"duration_s": args.duration, "nodes": args.nodes, "real": args.real, "chaos": faults.counts,
+            "faults": faults.done, **tally.as_dict(), "processes": slopes(rows, args.warmup), "samples": len(rows),
             "series": [[round(r[0], 1), r[1], r[2], round(r[3], 2)] for r in rows],   # t, name, pid, rss MB
             "run_dir": str(procs.cluster.run_dir), "memdebug": memdebug_summary(args.memdebug)}
 
@@ -227,9 +230,11 @@ def memdebug_summary(path: str | None) -> dict | None:
 
 
 def report(fig: dict) -> None:
-    print(f"requests {fig['requests']} {fig['by_kind']}  chaos {fig['chaos']}")
+    print(f"requests {fig['requests']} {fig['by_kind']}  faults {fig['chaos']}")
+    print(f"sent {fig['sent']}  answered correctly {fig['answered_ok']}  wrong at T=0 {fig['wrong_at_t0']}  "
+          f"clear errors {fig['clear_errors']}  lost {fig['lost']}  spurious errors {fig['spurious_errors']}  "
+          f"(spurious 503s {fig['spurious_503']})")
     print(f"failures {sum(fig['failures'].values())}: {json.dumps(fig['failures'])}")
-    print(f"wrong answers at T=0: {fig['wrong_at_t0']}   spurious 503s: {fig['spurious_503']}")
     if fig.get("memdebug"):
         md = fig["memdebug"]
         print(f"head memdebug over {md['span_s']} s: rss {md['rss_mb']} MB, Python-traced {md['traced_mb']} MB; "
@@ -242,11 +247,12 @@ def report(fig: dict) -> None:
             print(f"  {name:8s} {p['note']}")
             continue
         print(f"  {name:8s} rss {p['rss_mb'][0]:.1f}->{p['rss_mb'][1]:.1f} MB ({p['rss_mb_per_h']:+.2f} MB/h, "
-              f"{p['rss_pct_per_h']:+.2f}%/h)  fds {p['fds'][0]}->{p['fds'][1]} ({p['fds_per_h']:+.1f}/h)  "
-              f"threads {p['threads'][0]}->{p['threads'][1]} ({p['threads_per_h']:+.1f}/h)  over {p['span_s']} s")
+              f"{p['rss_pct_per_h']:+.2f}%/h)  fds {p['fds'][0]}->{p['fds'][1]} ({p['fds_per_h']:+.1f}/h, "
+              f"{p['fds_pct_per_h']:+.1f}%/h)  threads {p['threads'][0]}->{p['threads'][1]} "
+              f"({p['threads_per_h']:+.1f}/h)  over {p['span_s']} s")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     ap.add_argument("--real", action="store_true", help="the real pair (--model/--draft) instead of the tiny one")
@@ -257,7 +263,15 @@ def main() -> None:
     ap.add_argument("--http-port", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rate", type=float, default=4.0, help="requests a second at most, all workers together")
-    ap.add_argument("--chaos-every", type=float, default=20.0)
+    ap.add_argument("--stage-kill-every", type=float, default=600.0,
+                    help="kill -9 a random stage every this many s (0: never)")
+    ap.add_argument("--no-restart", action="store_true", help="those killed stages stay dead")
+    ap.add_argument("--chaos-every", type=float, default=0.0,
+                    help="also, every this many s, kill and restart or SIGSTOP a random stage (0: never)")
+    ap.add_argument("--board-lost-at", type=float, default=0.0,
+                    help="once, this many s in, kill a stage for good (0: never); the cluster must re-plan")
+    ap.add_argument("--head-kill-every", type=float, default=0.0,
+                    help="kill -9 the head every this many s (0: never); refused without a standby head")
     ap.add_argument("--gap", type=float, default=2.0, help="seconds before a killed stage is restarted")
     ap.add_argument("--stop-for", type=float, default=3.0, help="seconds a stage stays SIGSTOPped")
     ap.add_argument("--recovery", type=float, default=30.0, help="the head's recovery deadline")
@@ -273,7 +287,17 @@ def main() -> None:
     ap.add_argument("--memdebug-every", type=float, default=60.0)
     ap.add_argument("--memdebug-heap-only", action="store_true",
                     help="with --memdebug: glibc's heap figures only, no tracemalloc (cheap enough for an hour)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    faults = Schedule(schedule(args), seed=args.seed)
+    try:
+        faults.check(standby=False)   # this soak starts no standby head (yet): a head kill is refused here
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line a request
     home = Path(args.home or tempfile.mkdtemp(prefix="flowedge-soak-"))   # kept: the nodes' logs are there
@@ -285,7 +309,7 @@ def main() -> None:
             os.environ["FLOWEDGE_MEMDEBUG_PYTHON"] = "0"
     procs = start(args, home)
     try:
-        fig = soak(args, procs)
+        fig = soak(args, procs, faults)
     finally:
         procs.http.send_signal(signal.SIGTERM)
         procs.http.wait(20)

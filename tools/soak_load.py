@@ -30,16 +30,41 @@ class Tally:
     failures: Counter = field(default_factory=Counter)       # by kind of failure
     wrong: list = field(default_factory=list)                 # (kind, prompt index) of wrong T=0 answers
     spurious_503: int = 0
+    answered_ok: int = 0       # answered, and the same as the undisturbed answer (or cancelled as asked)
+    clear_errors: int = 0      # ended with an error that says what happened
+    lost: int = 0              # no answer in time, or the connection cut under it
+    spurious_errors: int = 0   # clear errors while the head said ready and no fault was near
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str, lost: bool = False, spurious: bool = False) -> None:
         with self.lock:
             self.failures[what] += 1
+            self.lost += lost
+            self.clear_errors += not lost
+            self.spurious_errors += spurious and not lost
+
+    def answered(self) -> None:
+        with self.lock:
+            self.answered_ok += 1
+
+    def line(self) -> str:
+        return (f"{sum(self.requests.values())} sent, {self.answered_ok} right, {len(self.wrong)} wrong, "
+                f"{self.clear_errors} clear errors, {self.lost} lost")
 
     def as_dict(self) -> dict:
-        return {"requests": sum(self.requests.values()), "by_kind": dict(self.requests),
+        return {"requests": sum(self.requests.values()), "sent": sum(self.requests.values()),
+                "by_kind": dict(self.requests), "answered_ok": self.answered_ok, "clear_errors": self.clear_errors,
+                "lost": self.lost, "spurious_errors": self.spurious_errors,
                 "failures": dict(self.failures), "wrong_at_t0": len(self.wrong), "wrong": self.wrong[:20],
                 "spurious_503": self.spurious_503}
+
+
+def is_lost(err: Exception) -> bool:
+    """No answer at all (a timeout, a cut connection, anything unexpected), as against an error that says
+    what went wrong."""
+    if isinstance(err, FlowedgeError):
+        return "no answer for" in str(err)
+    return not isinstance(err, httpx.HTTPStatusError)
 
 
 class Readiness:
@@ -107,15 +132,20 @@ class Load:
             kind, i = rng.choice(KINDS), rng.randrange(len(PROMPTS))
             with self.tally.lock:
                 self.tally.requests[kind] += 1
+            t0 = time.monotonic()
             try:
-                getattr(self, "_" + kind.replace("-", "_"))(i)
+                if getattr(self, "_" + kind.replace("-", "_"))(i):
+                    self.tally.answered()
             except FlowedgeError as err:
-                self.tally.fail(f"{kind}: {_short(err)}")
+                self._failed(f"{kind}: {_short(err)}", err, t0)
             except httpx.HTTPError as err:
-                self.tally.fail(f"{kind}: {type(err).__name__}")
+                self._failed(f"{kind}: {type(err).__name__}", err, t0)
             except Exception as err:   # a soak counts whatever goes wrong and goes on
                 log.exception("worker %d: %s", k, kind)
-                self.tally.fail(f"{kind}: {type(err).__name__}")
+                self._failed(f"{kind}: {type(err).__name__}", err, t0)
+
+    def _failed(self, what: str, err: Exception, t0: float) -> None:
+        self.tally.fail(what, lost=is_lost(err), spurious=self.readiness.calm(t0, time.monotonic()))
 
     def _wait_turn(self) -> None:
         with self.pace:
@@ -124,60 +154,67 @@ class Load:
             wait = self.next_at - now
         time.sleep(wait)
 
-    def _check(self, kind: str, channel: str, i: int, got) -> None:
-        if got != self.refs[channel, i]:
-            with self.tally.lock:
-                self.tally.wrong.append((kind, i))
+    def _check(self, kind: str, channel: str, i: int, got) -> bool:
+        if got == self.refs[channel, i]:
+            return True
+        with self.tally.lock:
+            self.tally.wrong.append((kind, i))
+        return False
 
-    def _zmq(self, i: int) -> None:
+    def _zmq(self, i: int) -> bool:
         with Client(self.addr, timeout_s=120) as c:
-            self._check("zmq", "zmq", i, c.generate(PROMPTS[i], max_new_tokens=MAX_NEW)["token_ids"])
+            return self._check("zmq", "zmq", i, c.generate(PROMPTS[i], max_new_tokens=MAX_NEW)["token_ids"])
 
-    def _zmq_stream(self, i: int) -> None:
+    def _zmq_stream(self, i: int) -> bool:
         with Client(self.addr, timeout_s=120) as c:
             for _ in c.stream(PROMPTS[i], max_new_tokens=MAX_NEW):
                 pass
-            self._check("zmq-stream", "zmq", i, c.last_result["token_ids"])
+            return self._check("zmq-stream", "zmq", i, c.last_result["token_ids"])
 
-    def _zmq_cancel(self, i: int) -> None:
+    def _zmq_cancel(self, i: int) -> bool:
         with Client(self.addr, timeout_s=120) as c:
             stream = c.stream(PROMPTS[i], max_new_tokens=MAX_NEW)
             next(stream, None)
             stream.close()   # sends Cancel
+        return True
 
     def _body(self, i: int, stream: bool) -> dict:
         return {"prompt": PROMPTS[i], "max_tokens": MAX_NEW, "temperature": 0, "stream": stream}
 
-    def _http(self, i: int) -> None:
+    def _http(self, i: int) -> bool:
         t0 = time.monotonic()
         r = httpx.post(f"{self.base}/v1/completions", json=self._body(i, False), timeout=180)
         if self._refused("http", r, t0):
-            return
-        self._check("http", "http", i, r.json()["choices"][0]["text"])
+            return False
+        return self._check("http", "http", i, r.json()["choices"][0]["text"])
 
-    def _http_stream(self, i: int, leave: bool = False) -> None:
+    def _http_stream(self, i: int, leave: bool = False) -> bool:
         t0, text = time.monotonic(), []
         with httpx.stream("POST", f"{self.base}/v1/completions", json=self._body(i, True), timeout=180) as r:
             if self._refused("http-stream", r, t0):
-                return
+                return False
             for line in r.iter_lines():
                 if leave:
-                    return   # the connection closes under the answer
+                    return True   # the connection closes under the answer
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    text += [c["text"] for c in json.loads(line[6:]).get("choices", [])]
-        self._check("http-stream", "http", i, "".join(text))
+                    event = json.loads(line[6:])
+                    if "error" in event:   # the stream ended with an error it names: a clear error
+                        raise FlowedgeError(f"stream ended: {event['error'].get('message', '')}")
+                    text += [c["text"] for c in event.get("choices", [])]
+        return self._check("http-stream", "http", i, "".join(text))
 
-    def _http_disconnect(self, i: int) -> None:
-        self._http_stream(i, leave=True)
+    def _http_disconnect(self, i: int) -> bool:
+        return self._http_stream(i, leave=True)
 
     def _refused(self, kind: str, r: httpx.Response, t0: float) -> bool:
         if r.status_code == 200:
             return False
-        if r.status_code == 503 and self.readiness.calm(t0, time.monotonic()):
+        calm = self.readiness.calm(t0, time.monotonic())
+        if r.status_code == 503 and calm:
             with self.tally.lock:
                 self.tally.spurious_503 += 1
         r.read()
-        self.tally.fail(f"{kind}: HTTP {r.status_code} {r.text[:80]}")
+        self.tally.fail(f"{kind}: HTTP {r.status_code} {r.text[:80]}", spurious=calm)
         return True
 
 

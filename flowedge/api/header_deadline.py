@@ -19,8 +19,10 @@ So this module is a small adapter over two public seams, and patches nothing:
   by the client address and port, which name one TCP connection. A long streamed answer is never cut.
 
 The same waits feed the server's `Admission` (admission.py): a connection waiting for its head is
-counted for its client address, and the connections it names (the oldest waiting ones, of an address
-or of all, past the limits) are closed. A connection closed here is reported lost to uvicorn's protocol
+counted for its client address; the connections it names (ones that waited past its grace, of a full
+address or of all) are closed, and a newcomer it queues (part of a burst) is held back: not read, and not
+yet handed to uvicorn's protocol, so uvicorn does not count it until the admission lets it in. A
+connection closed here is reported lost to uvicorn's protocol
 at once (asyncio's own `connection_lost` comes a loop turn later and is then not passed on), so it
 leaves what `limit_concurrency` counts now: closed-but-not-yet-lost connections of a flood once filled
 that cap and a legitimate request got 503.
@@ -33,7 +35,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol   # uvicorn's `http="h11"`
 
-from flowedge.api.admission import Admission
+from flowedge.api.admission import Admission, Verdict
 from flowedge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,12 @@ class HeadDeadline(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer: tuple[Any, ...] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None   # a held-back connection asks the admission again
         self._in_request = False
         self._closed = False
+        self._made = False   # uvicorn's protocol has the connection (a queued newcomer's waits for its turn)
+        self._held = False
+        self._early: list[bytes] = []   # bytes that arrived before uvicorn's protocol had the connection
 
     # asyncio's calls, passed on
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -61,30 +67,37 @@ class HeadDeadline(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None
         self.watch.opened(self)
-        self.inner.connection_made(transport)
-        self._await_head()
+        self._await_head()   # the admission may hold this connection back, or refuse it
+        if not self._held and not self._closed:
+            self._hand_over()
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
+            return
+        if not self._made:
+            self._early.append(data)
             return
         if not self._in_request and self._timer is None:
             self._await_head()
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return None if self._closed else self.inner.eof_received()
+        return None if self._closed or not self._made else self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self._made:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self._made:
+            self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
         if not self._closed:
             self._closed = True
-            self.inner.connection_lost(exc)
+            if self._made:
+                self.inner.connection_lost(exc)
 
     # what the middleware reports
     def head_done(self) -> None:
@@ -100,9 +113,48 @@ class HeadDeadline(asyncio.Protocol):
             return
         self._forget()
         self._closed = True
-        self.inner.connection_lost(None)
+        if self._made:
+            self.inner.connection_lost(None)
         if self.transport is not None:
             self.transport.close()
+
+    # what the admission decides
+    def hold(self, retry_s: float) -> None:
+        """Queued: stop reading until let in, asking the admission again every `retry_s`."""
+        if self._closed or self.transport is None:
+            return
+        self._held = True
+        self.transport.pause_reading()
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(retry_s, self._ask_again)
+
+    def let_in(self) -> None:
+        """This connection's turn: hand it to uvicorn's protocol (if not yet) and read it again."""
+        self._cancel_retry()
+        if not self._held or self._closed or self.transport is None:
+            return
+        self._held = False
+        if not self._made:
+            self._hand_over()
+        self.transport.resume_reading()
+
+    def _hand_over(self) -> None:
+        assert self.transport is not None   # only after connection_made
+        self._made = True
+        self.inner.connection_made(self.transport)
+        early, self._early = self._early, []
+        for data in early:
+            self.inner.data_received(data)
+
+    def _ask_again(self) -> None:
+        self._retry = None
+        if self._held and not self._closed:
+            self.watch.retry(self)
+
+    def _cancel_retry(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
 
     def _await_head(self) -> None:
         self._timer = asyncio.get_running_loop().call_later(self.watch.timeout_s, self._overdue)
@@ -115,6 +167,7 @@ class HeadDeadline(asyncio.Protocol):
             self.watch.not_waiting(self)
 
     def _forget(self) -> None:
+        self._cancel_retry()
         self._stop_timer()
         self.watch.closed(self)
 
@@ -152,20 +205,37 @@ class HeadWatch:
             del self.connections[conn.peer]
 
     def waiting(self, conn: HeadDeadline) -> None:
-        """Count this wait for a head; close the waiting connections the admission gives up."""
-        if self.admission is None:
-            return
-        for other in self.admission.waits(conn, conn.peer[0] if conn.peer else "?"):
-            assert isinstance(other, HeadDeadline)   # the admission holds what it was given
-            if self.admission.evicted % 100 == 1:   # once, then every 100th: a flood must not flood the log
-                log.warning("closed %d connections that had sent no complete request head (the oldest of too many "
-                            "from one address or in all); the latest from %s", self.admission.evicted,
-                            other.peer[0] if other.peer else "?")
-            other.close()
+        """Count this wait for a head: the admission may hold it back, or close others (or it)."""
+        if self.admission is not None:
+            self._obey(conn, self.admission.waits(conn, conn.peer[0] if conn.peer else "?"))
+
+    def retry(self, conn: HeadDeadline) -> None:
+        if self.admission is not None:
+            self._obey(conn, self.admission.retry(conn))
 
     def not_waiting(self, conn: HeadDeadline) -> None:
+        """Its head arrived (or it closed): the queued connections the admission names come in."""
         if self.admission is not None:
-            self.admission.done(conn)
+            for other in self.admission.done(conn):
+                assert isinstance(other, HeadDeadline)   # the admission holds what it was given
+                other.let_in()
+
+    def _obey(self, conn: HeadDeadline, verdict: Verdict) -> None:
+        """This connection first (held back, or let in), then the others closed: closing one can let this
+        one in, which must not be undone afterwards."""
+        assert self.admission is not None
+        if verdict.queued:
+            conn.hold(self.admission.grace_s)
+        elif conn not in verdict.close:
+            conn.let_in()
+        for other in verdict.close:
+            assert isinstance(other, HeadDeadline)
+            if (self.admission.evicted + self.admission.refused) % 100 == 1:   # a flood must not flood the log
+                log.warning("closed %d connections that sent no complete request head in %g s and %d past the "
+                            "queue (too many from one address or in all); the latest from %s",
+                            self.admission.evicted, self.admission.grace_s, self.admission.refused,
+                            other.peer[0] if other.peer else "?")
+            other.close()
 
 
 class HeadMiddleware:

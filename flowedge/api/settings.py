@@ -24,7 +24,7 @@ class ApiSettings:
     header_timeout_s: float = 10.0         # longest wait for a whole request head (api/header_deadline.py)
     max_connections: int = 128             # open connections + running requests; 503 beyond (uvicorn)
     max_connections_per_address: int = 16  # connections of one client address without a complete request head
-                                           # (past it, its oldest such one is closed: api/admission.py)
+                                           # (past it: api/admission.py)
     max_body_bytes: int = 1 << 20
     requests_per_s_per_address: float = 20.0   # sustained, per client address; 0 = no limit (api/rate_limit.py)
     request_burst_per_address: int = 40        # requests one address may send at once before the rate applies
