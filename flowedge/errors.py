@@ -136,6 +136,10 @@ class StageLost(FlowedgeError):
         return f"StageLost({self.stage!r}, {self.node_id!r}, {self.why!r})"
 
 
+class HeadRefusedStandby(FlowedgeError):
+    """The head will not have this standby (it speaks an older protocol, or said why): nothing to follow."""
+
+
 class StaleTerm(ProtocolError):
     """A head spoke with a fencing term lower than one this node has already obeyed: it was replaced by
     a standby (daemon/fencing.py), and this node does not take its orders."""

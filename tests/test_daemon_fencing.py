@@ -19,8 +19,8 @@ from flowedge.daemon.droplog import DropLog
 from flowedge.daemon.fencing import TermGuard, next_term
 from flowedge.daemon.head_ports import ControlPort
 from flowedge.daemon.node_base import NodeParts
-from flowedge.daemon.standby import HeadRefusedStandby, StandbyNode
-from flowedge.errors import StaleTerm
+from flowedge.daemon.standby import StandbyNode
+from flowedge.errors import HeadRefusedStandby, StaleTerm
 from flowedge.transport import protocol as p
 from flowedge.transport.link import Kind
 from flowedge.transport.memory_link import MemoryNetwork

@@ -16,6 +16,7 @@ from test_daemon_shrink import FakeMembers, FakeRequests
 from test_engine_fair_queue import Echo as QueueEcho
 from test_engine_predraft import _IdleEngine
 from test_engine_scheduler import Echo as SchedulerEcho
+from test_tools_soak import FakeProcs, soak
 
 from flowedge.daemon.head_engines import HeadEngines
 from flowedge.daemon.head_ports import HeadOutbox
@@ -31,7 +32,8 @@ SUBCLASSING = [(FakeEngine, RequestEngine), (ChainEngine, RequestEngine), (Queue
                (FakePort, OutPort)]
 IMITATING = [(FakeRepair, CacheRepair, ("repair",)), (FakeProcess, psutil.Process, ("cpu_percent",)),
              (FakeMembers, Membership, ("cluster_ready", "admit", "assign_all")),
-             (FakeRequests, HeadRequests, ("fail_waiting", "extend_deadlines"))]
+             (FakeRequests, HeadRequests, ("fail_waiting", "extend_deadlines")),
+             (FakeProcs, soak.Processes, ("kill_restart", "stop_cont", "kill_for_good"))]
 REAL = [(Head, RequestEngine), (HeadEngines, EnginePort), (HeadOutbox, OutPort)]
 
 

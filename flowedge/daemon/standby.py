@@ -24,7 +24,7 @@ from flowedge.daemon.fencing import TermGuard, next_term
 from flowedge.daemon.head_node import HeadNode
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.replication import RequestLog
-from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, StaleTerm
+from flowedge.errors import FlowedgeError, HeadRefusedStandby, PeerUnreachable, ProtocolError, StaleTerm
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import welcome_from
 from flowedge.transport.link import Endpoint, Inbound, Kind, PeerEvent
@@ -32,10 +32,6 @@ from flowedge.transport.link import Endpoint, Inbound, Kind, PeerEvent
 log = logging.getLogger(__name__)
 
 HELLO_WAIT_S = 2.0   # the head answers a HELLO from its loop at once
-
-
-class HeadRefusedStandby(FlowedgeError):
-    """The head will not have this standby (it speaks an older protocol, or said why): nothing to follow."""
 
 
 class StandbyNode:
