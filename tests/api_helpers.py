@@ -21,3 +21,22 @@ def serving(server) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def closed_after_s(sock, trickle: bytes, t0: float, limit_s: float = 10.0) -> float:
+    """Send `trickle` every 0.2 s until the server closes the connection; seconds from `t0` to then
+    (fails past `limit_s`)."""
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < limit_s:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        try:
+            sock.sendall(trickle)
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - t0
+    raise AssertionError(f"the server kept a trickling connection open for {limit_s:g} s")

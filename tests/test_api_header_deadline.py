@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from api_helpers import serving
+from api_helpers import closed_after_s, serving
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
 
@@ -85,25 +85,6 @@ def test_health_is_answered_every_time_under_a_flood_of_slow_connections(small_a
     assert len(answers) >= 20 and answers.count(200) == len(answers), answers
 
 
-def _closed_within(sock: socket.socket, trickle: bytes, limit_s: float) -> float:
-    """Send `trickle` every 0.2 s until the server closes; seconds it took (fails past `limit_s`)."""
-    t0 = time.monotonic()
-    sock.settimeout(0.2)
-    while time.monotonic() - t0 < limit_s:
-        try:
-            if sock.recv(4096) == b"":
-                return time.monotonic() - t0
-        except TimeoutError:
-            pass
-        except ConnectionResetError:
-            return time.monotonic() - t0
-        try:
-            sock.sendall(trickle)
-        except (BrokenPipeError, ConnectionResetError):
-            return time.monotonic() - t0
-    raise AssertionError(f"the server kept a trickling connection open for {limit_s} s")
-
-
 @pytest.fixture()
 def quick_api():
     """Head deadline 1 s, keep-alive 5 s (server.py): a cut within ~1 s is the deadline's."""
@@ -133,7 +114,7 @@ def test_the_next_head_on_a_kept_alive_connection_has_the_deadline_too(quick_api
         assert s.recv(4096).startswith(b"HTTP/1.1 503")   # answered (no head behind it), kept alive
         time.sleep(1.5)                                   # idle longer than the head deadline: not cut
         s.sendall(b"GET /health HTTP/1.1\r\n")
-        took = _closed_within(s, b"X-Slow: 1\r\n", 4.0)
+        took = closed_after_s(s, b"X-Slow: 1\r\n", time.monotonic(), 4.0)
     assert 0.8 < took < 2.5, took
 
 

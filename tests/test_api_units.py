@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api_helpers import serving
+from api_helpers import closed_after_s, serving
 
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
@@ -245,26 +245,6 @@ def live_api():
     thread.join(timeout=5)
 
 
-def _closed_after_s(sock, trickle: bytes, t0: float) -> float:
-    """Send `trickle` every 0.2 s until the server closes the connection; seconds from `t0` to then."""
-    import time
-
-    sock.settimeout(0.2)
-    while time.monotonic() - t0 < 10:
-        try:
-            if sock.recv(4096) == b"":
-                return time.monotonic() - t0
-        except TimeoutError:
-            pass
-        except ConnectionResetError:
-            return time.monotonic() - t0
-        try:
-            sock.sendall(trickle)
-        except (BrokenPipeError, ConnectionResetError):
-            return time.monotonic() - t0
-    raise AssertionError("the server kept a trickling connection open for 10 s")
-
-
 def test_a_client_trickling_its_headers_is_cut_off_and_others_are_served(live_api):
     import socket
     import time
@@ -276,8 +256,8 @@ def test_a_client_trickling_its_headers_is_cut_off_and_others_are_served(live_ap
     with slow, silent:
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         assert httpx.get(f"http://127.0.0.1:{live_api}/health").status_code == 503   # served meanwhile
-        assert 0.9 < _closed_after_s(slow, b"X-Slow: 1\r\n", t0) < 2.5
-        assert _closed_after_s(silent, b"", t0) < 2.5   # one that sends nothing at all
+        assert 0.9 < closed_after_s(slow, b"X-Slow: 1\r\n", t0) < 2.5
+        assert closed_after_s(silent, b"", t0) < 2.5   # one that sends nothing at all
     # the deadline covers the head only: a body slower than it (within the body timeout) is still read
     with socket.create_connection(("127.0.0.1", live_api)) as body:
         body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

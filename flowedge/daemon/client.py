@@ -22,7 +22,7 @@ from typing import Any
 from flowedge.daemon.client_answer import Answer, Chunk
 from flowedge.daemon.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
                                          Turns, Welcomed, prompt_request)
-from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, split_addr, tcp
+from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, head_addresses, split_addr, tcp
 from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto
 from flowedge.transport.link import Event as LinkEvent
@@ -104,10 +104,8 @@ class Client:
     def __init__(self, addr: str = f"127.0.0.1:{DEFAULT_PORT}", *, keys_dir: str | Path | None = None,
                  insecure: bool = False, timeout_s: float = 300.0, head_timeout_s: float = 5.0,
                  client: str = "", link: Link | None = None, failover_s: float = 15.0) -> None:
-        self.heads = [a.strip() for a in addr.split(",") if a.strip()] or [addr]
+        self.heads = head_addresses(addr)
         self.addr, self.failover_s = self.heads[0], failover_s
-        for one in self.heads:
-            split_addr(one)   # an address mistake is named before a missing key (the link loads the keys)
         addr = self.addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None

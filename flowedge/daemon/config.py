@@ -222,5 +222,14 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def head_addresses(addr: str) -> list[str]:
+    """'A' or 'A,B,...' (a head and its standbys, tried in turn) -> the addresses, each checked here so
+    that an address mistake is named before a missing key (a client's link loads the keys)."""
+    heads = [a.strip() for a in addr.split(",") if a.strip()] or [addr]
+    for one in heads:
+        split_addr(one)
+    return heads
+
+
 def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
