@@ -154,8 +154,9 @@ def test_the_standby_config_is_the_heads_with_the_standby_keys(tmp_path):
 
 
 def test_a_soak_with_a_standby_survives_a_head_kill_without_losing_or_spoiling_anything(tmp_path):
-    """A standby head beside the tiny cluster; the head kill -9'ed at 20 s under HTTP and ZeroMQ load; the
-    standby takes over, the old head comes back as the new standby; 45 s in all."""
+    """A standby head beside the tiny cluster; the head kill -9'ed every 20 s under HTTP and ZeroMQ load; the
+    standby takes over, the old head comes back as the new standby (so a second kill, where it follows in
+    time, hits the head that took over); 45 s in all."""
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--duration", "45", "--standby",
                            "--head-kill-every", "20", "--stage-kill-every", "0", "--warmup", "5",
@@ -163,9 +164,9 @@ def test_a_soak_with_a_standby_survives_a_head_kill_without_losing_or_spoiling_a
                           capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(out.read_text())
-    assert fig["chaos"] == {"head-kill": 1}, fig["faults"]
-    what = fig["faults"][0][1]
-    assert "serving after" in what and "restarted at" in what, what
+    assert set(fig["chaos"]) == {"head-kill"} and fig["chaos"]["head-kill"] >= 1, fig["faults"]
+    for _, what in fig["faults"]:
+        assert "serving after" in what and "restarted at" in what, what
     assert fig["lost"] == 0 and fig["wrong_at_t0"] == 0, fig
     assert fig["requests"] >= 20 and fig["answered_ok"] >= fig["sent"] - fig["clear_errors"], fig
     assert {"head", "standby", "stage-1", "stage-2", "http"} <= set(fig["processes"]), fig["processes"]
