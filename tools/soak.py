@@ -9,12 +9,13 @@ vanish mid-stream, at most --concurrency at once and --rate a second, every T=0 
 undisturbed one. Faults (tools/soak_faults.py, a pluggable schedule): a random stage kill -9'ed every
 --stage-kill-every s (10 min) and restarted --gap s later (or never, --no-restart); optionally a quick
 --chaos-every (kill and restart, or SIGSTOP for --stop-for s), one board lost for good at --board-lost-at s
-(useful once the head re-plans onto the survivors) and a head kill every --head-kill-every s (refused
-where no standby head is configured). Outcomes: sent, answered correctly (T=0 == the undisturbed answer),
-clear errors, lost (no answer, or a cut connection), spurious errors (a clear error while nothing was
-hurt and the head said ready). Every --sample-every s each process's RSS, open descriptors and
-threads are sampled; the slopes per hour (least squares, after --warmup s) are printed with the counts
-and written to --json. Everything listens on 127.0.0.1.
+(the head re-plans onto the survivors, `replan_on_loss`) and a head kill -9 every --head-kill-every s
+(needs --standby: a standby head the stages, clients and HTTP front also know; the killed head comes back
+as the new standby unless --no-head-restart, tools/soak_standby.py). Outcomes: sent, answered correctly
+(T=0 == the undisturbed answer), clear errors, lost (no answer, or a cut connection), spurious errors (a
+clear error while nothing was hurt and the head said ready). Every --sample-every s each process's RSS,
+open descriptors and threads are sampled; the slopes per hour (least squares, after --warmup s) are
+printed with the counts and written to --json. Everything listens on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import psutil
 
 from soak_faults import Schedule, schedule
 from soak_load import Load, Readiness, Tally
+from soak_standby import Standby
 from flowedge.daemon import local_cluster
 from flowedge.daemon.client import wait_ready
 from flowedge.errors import ConfigError
@@ -62,22 +64,31 @@ class Processes:
         self.cluster, self.http = cluster, http
         self.lock = threading.Lock()
         self.lost: set[int] = set()    # stage slots killed for good
-        self.standby = None            # a standby head's process, where the soak runs one
+        self.standby: Standby | None = None   # a standby head, where the soak runs one (--standby)
 
     def kill_for_good(self, k: int) -> None:
         os.kill(self.cluster.procs[k].pid, signal.SIGKILL)
         self.cluster.procs[k].wait(10)
         self.lost.add(k)
 
-    def kill_head(self) -> None:
-        if self.standby is None:
+    @property
+    def heads(self) -> str:
+        """The head addresses clients and the HTTP front are given."""
+        return ",".join(self.standby.heads) if self.standby else self.cluster.spec.addr
+
+    def can_kill_head(self) -> bool:
+        return self.standby is not None and self.standby.proc is not None
+
+    def kill_head(self) -> str:
+        if not self.can_kill_head():
             raise ConfigError("no standby head: killing the head would end the soak")
-        os.kill(self.cluster.procs[0].pid, signal.SIGKILL)
+        return self.standby.kill_head()   # no lock: it waits for the takeover, and the sampler reads pids()
 
     def pids(self) -> dict[str, int]:
         with self.lock:
             names = local_cluster.node_names(len(self.cluster.procs))
-            return {**{n: p.pid for n, p in zip(names, self.cluster.procs)}, "http": self.http.pid}
+            standby = {"standby": self.standby.proc.pid} if self.standby and self.standby.proc else {}
+            return {**{n: p.pid for n, p in zip(names, self.cluster.procs)}, **standby, "http": self.http.pid}
 
     def kill_restart(self, k: int, gap_s: float) -> None:
         pid = self.cluster.procs[k].pid
@@ -162,17 +173,25 @@ def start(args, home: Path) -> Processes:
         from flowedge.models.tiny import make_tiny_pair
 
         model, draft = map(str, make_tiny_pair(home / "tiny-pair"))
-    spec = local_cluster.LocalClusterSpec(nodes=args.nodes, model=model, draft=draft, port=args.port or free_port(),
-                                          threads=1, recovery_s=args.recovery)
+    port = args.port or free_port()
+    standby_addr = f"127.0.0.1:{port + 2}" if args.standby else ""
+    spec = local_cluster.LocalClusterSpec(nodes=args.nodes, model=model, draft=draft, port=port,
+                                          threads=1, recovery_s=args.recovery, standby_addr=standby_addr)
     cluster = local_cluster.start(spec)
+    standby = Standby(cluster, standby_addr, restart=not args.no_head_restart) if args.standby else None
     try:
         wait_ready(spec.addr, 600, alive=cluster.alive)
+        if standby:
+            standby.start()
+            standby.wait_following(600)
+        heads = ",".join(standby.heads) if standby else spec.addr
         listen = f"127.0.0.1:{args.http_port or free_port()}"
         with open(cluster.run_dir / "http.log", "ab") as logf:
             http = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", listen,
-                                     "--head", spec.addr, *getattr(args, "http_args", [])],
+                                     "--head", heads, *getattr(args, "http_args", [])],
                                     stdout=logf, stderr=subprocess.STDOUT)
         procs = Processes(cluster, http)
+        procs.standby = standby
         procs.base = f"http://{listen}"
         for _ in range(600):
             try:
@@ -183,12 +202,14 @@ def start(args, home: Path) -> Processes:
             time.sleep(0.2)
         raise RuntimeError("the HTTP front did not come up; see " + str(cluster.run_dir / "http.log"))
     except BaseException:
+        if standby:
+            standby.stop()
         cluster.stop(grace_s=2.0)
         raise
 
 
 def soak(args, procs: Processes, faults: Schedule) -> dict:
-    addr = procs.cluster.spec.addr
+    addr = procs.heads   # every head address: clients follow a standby that takes over
     tally, readiness = Tally(), Readiness(addr)
     load = Load(addr, procs.base, tally, readiness, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
     load.references()
@@ -271,7 +292,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--board-lost-at", type=float, default=0.0,
                     help="once, this many s in, kill a stage for good (0: never); the cluster must re-plan")
     ap.add_argument("--head-kill-every", type=float, default=0.0,
-                    help="kill -9 the head every this many s (0: never); refused without a standby head")
+                    help="kill -9 the head every this many s (0: never); refused without --standby")
+    ap.add_argument("--standby", action="store_true",
+                    help="run a standby head too; stages, clients and the HTTP front are given both addresses")
+    ap.add_argument("--no-head-restart", action="store_true",
+                    help="a killed head stays dead (by default it comes back as the new standby): one head kill")
     ap.add_argument("--gap", type=float, default=2.0, help="seconds before a killed stage is restarted")
     ap.add_argument("--stop-for", type=float, default=3.0, help="seconds a stage stays SIGSTOPped")
     ap.add_argument("--recovery", type=float, default=30.0, help="the head's recovery deadline")
@@ -294,7 +319,7 @@ def main() -> None:
     args = parse_args()
     faults = Schedule(schedule(args), seed=args.seed)
     try:
-        faults.check(standby=False)   # this soak starts no standby head (yet): a head kill is refused here
+        faults.check(standby=args.standby)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -313,6 +338,8 @@ def main() -> None:
     finally:
         procs.http.send_signal(signal.SIGTERM)
         procs.http.wait(20)
+        if procs.standby:
+            procs.standby.stop()
         procs.cluster.stop()
     report(fig)
     if args.json:

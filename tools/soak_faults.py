@@ -30,6 +30,10 @@ class Fault:
         """Do it; returns what was done, for the log and the counts."""
         raise NotImplementedError
 
+    def possible(self, procs) -> bool:
+        """Whether there is still something to hurt (else this fault is done for the soak)."""
+        return bool(live_stages(procs))
+
 
 def live_stages(procs) -> list[int]:
     """Stage slots that may still be hurt: not lost for good."""
@@ -94,7 +98,8 @@ class BoardLost(Fault):
 
 @dataclass
 class HeadKill(Fault):
-    """kill -9 the head every `every_s`; only where a standby head is there to take over."""
+    """kill -9 the head every `every_s`; only where a standby head is there to take over. The killed head
+    comes back as the new standby (tools/soak_standby.py), unless the soak says not: then one kill only."""
     every_s: float = 1800.0
     first_s: float = 0.0
     name: str = "head-kill"
@@ -105,11 +110,13 @@ class HeadKill(Fault):
     def check(self, standby: bool) -> None:
         if not standby:
             raise ConfigError("a head kill needs a standby head to take over, and this cluster has none; "
-                              "drop --head-kill-every or run the soak with a standby")
+                              "drop --head-kill-every or add --standby")
 
     def apply(self, procs, rng: random.Random) -> str:
-        procs.kill_head()
-        return "head killed"
+        return procs.kill_head()
+
+    def possible(self, procs) -> bool:
+        return procs.can_kill_head()
 
 
 def schedule(args) -> list[Fault]:
@@ -145,7 +152,7 @@ class Schedule:
             f = min((f for f in self.faults if due[id(f)] is not None), key=lambda f: due[id(f)], default=None)
             if f is None or stop.wait(max(0.0, t0 + due[id(f)] - time.monotonic())):
                 return
-            if not live_stages(procs) and not isinstance(f, HeadKill):
+            if not f.possible(procs):
                 due[id(f)] = None
                 continue
             readiness.hurt()

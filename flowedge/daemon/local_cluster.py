@@ -68,6 +68,7 @@ class LocalClusterSpec:
     max_concurrent: int = 4          # requests in the pipeline at once
     kv_budget_tokens: int = 0        # per stage; 0 = from free memory
     data_port: str = "0"             # the stages' data ports: "0" (any) or a range "5560-5569" (NodeConfig.data_port)
+    standby_addr: str = ""           # a standby head's address: the stages try it too (`join --heads`)
 
     def __post_init__(self) -> None:
         if self.nodes < 2:
@@ -211,8 +212,9 @@ def start(spec: LocalClusterSpec, detach: bool = False) -> LocalCluster:
     joined = ["--threads", str(threads), "--device", spec.device, "--same-host",
               f"--stage-timeout={spec.stage_timeout_s}", f"--heartbeat-ms={spec.heartbeat_ms}",
               *(["--insecure"] if spec.insecure else [])]   # what every stage and the drafter are told
+    heads = ["--heads", f"{spec.addr},{spec.standby_addr}"] if spec.standby_addr else [spec.addr]
     for k in range(1, spec.nodes):
-        commands.append(base + ["join", spec.addr, "--node-id", f"stage-{k}", "--stage", str(k),
+        commands.append(base + ["join", *heads, "--node-id", f"stage-{k}", "--stage", str(k),
                                 f"--data-port={spec.data_port}", *joined])
     if spec.drafter:
         commands.append(base + ["join", spec.addr, "--drafter", "--node-id", "drafter", *joined])
