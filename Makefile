@@ -36,7 +36,7 @@ demo: setup
 	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
 
 test: setup browser arm-cross
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup browser arm-cross
 	$(PY) -m pytest -q -p no:cacheprovider -m "not real_model"

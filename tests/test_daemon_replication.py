@@ -101,3 +101,34 @@ def test_resumed_tokens_are_the_longer_agreeing_account():
     assert _committed(None, [], 0) == []                      # queued only: starts afresh
     assert _committed([1, 2], [1, 5], 2) is None              # they disagree: not resumable
     assert _committed(None, [], 3) is None                    # nobody has the tokens the client counts
+
+
+class LetterTokenizer:
+    """Token id n is the letter chr(n); enough for the head's text stream."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_finished_answer_whose_end_the_client_missed_is_sent_with_its_text():
+    """The old head logged the whole answer, then died before the client had its last chunk: the new head
+    sends the missing tokens and their text (a client reading text, as the HTTP front does, lost the last
+    words when only the ids came), and the finish reason of an answer that stopped short is "stop"."""
+    from types import SimpleNamespace
+
+    from flowedge.daemon.replication import resume
+    from flowedge.runner import TextStream
+
+    log = RequestLog()
+    log.apply(p.LogEntry(term=1, client="app", request_id=4, start=0, tokens=tuple(map(ord, "hello"))))
+    log.apply(p.LogEntry(term=1, client="app", request_id=4, start=5, done=True))
+    engines = SimpleNamespace(text_stream=lambda sink: TextStream(LetterTokenizer(), sink))
+    sent: list = []
+    msg = p.PromptRequest(request_id=4, token_ids=(1, 2), max_new_tokens=16, resumed=3,
+                          held_ids=tuple(map(ord, "hel")))
+    hello = p.Hello(node_id="app", role="client", device="gateway", free_memory_bytes=0)
+    peer = FakePeer(hello, identity=b"c")
+    resume(SimpleNamespace(engines=engines), peer, msg, log, 0.0, True, [], lambda who, m: sent.append((who, m)))
+    [(who, chunk)] = sent
+    assert who == b"c" and chunk.done and chunk.token_ids == tuple(map(ord, "lo")), chunk
+    assert chunk.text == "lo" and chunk.stats["finish_reason"] == "stop", chunk

@@ -173,10 +173,10 @@ def test_a_soak_with_a_standby_survives_a_head_kill_without_losing_or_spoiling_a
 
 
 def test_a_short_soak_of_a_tiny_cluster_loses_nothing(tmp_path):
-    """HTTP and ZeroMQ load, a stage kill every 20 s (restarted) and quick chaos every 9 s, for 50 s."""
+    """HTTP and ZeroMQ load, a stage kill every 15 s (restarted) and quick chaos every 8 s, for 36 s."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--duration", "50",
-                           "--stage-kill-every", "20", "--chaos-every", "9", "--warmup", "5", "--sample-every", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "soak.py"), "--duration", "36",
+                           "--stage-kill-every", "15", "--chaos-every", "8", "--warmup", "5", "--sample-every", "2",
                            "--json", str(out), "--home", str(tmp_path)],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -27,7 +27,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
@@ -165,10 +164,10 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     home = Path(tempfile.mkdtemp(prefix="flowedge-fairness-"))
     os.environ["FLOWEDGE_HOME"] = str(home)
-    start_args = SimpleNamespace(real=False, nodes=args.nodes, port=0, http_port=0, recovery=30.0,
-                                 http_args=["--api-key", FLOOD_KEY, "--api-key", POLITE_KEY,
-                                            "--max-requests-per-s", "0",
-                                            "--max-connections", str(2 * args.flood + 64)])
+    start_args = soak.ClusterOptions(nodes=args.nodes,
+                                     http_args=["--api-key", FLOOD_KEY, "--api-key", POLITE_KEY,
+                                                "--max-requests-per-s", "0",
+                                                "--max-connections", str(2 * args.flood + 64)])
     procs = soak.start(start_args, home)
     try:
         fig = asyncio.run(asyncio.wait_for(flood_then_polite(procs.cluster.spec.addr, procs.base, args),

@@ -120,7 +120,7 @@ def main() -> None:
 
         home = Path(tempfile.mkdtemp(prefix="flowedge-slowloris-"))
         os.environ["FLOWEDGE_HOME"] = str(home)
-        procs = soak.start(argparse.Namespace(real=False, nodes=3, port=0, http_port=0, recovery=30.0), home)
+        procs = soak.start(soak.ClusterOptions(), home)
         base = procs.base
     try:
         fig = attack(base, args)

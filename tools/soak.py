@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -45,14 +46,24 @@ from flowedge.errors import ConfigError
 log = logging.getLogger("soak")
 
 
-def free_port(pair: bool = False) -> int:
+def free_port(span: int = 1) -> int:
+    """A port p with p .. p + span - 1 all free: the head binds two, a standby the third. A port one past a
+    free one can still be held, by a client socket in TIME_WAIT from an earlier run, so each is tried."""
     import socket
+
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
 
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if not pair or port < 65000:
+        if port + span <= 65535 and all(bindable(port + k) for k in range(1, span)):
             return port
     raise RuntimeError("no free port")
 
@@ -166,14 +177,36 @@ def slopes(rows: list, warmup_s: float) -> dict:
     return out
 
 
-def start(args, home: Path) -> Processes:
+@dataclass
+class ClusterOptions:
+    """What `start` needs to bring a cluster and its HTTP front up; other tools fill only what they change."""
+
+    real: bool = False            # the real pair (model, draft) rather than a tiny generated one
+    model: str = ""
+    draft: str = ""
+    nodes: int = 3
+    port: int = 0                 # 0: a free one
+    http_port: int = 0
+    recovery: float = 30.0        # seconds the head waits for a lost stage to come back
+    standby: bool = False         # run a standby head too
+    no_head_restart: bool = False
+    http_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ClusterOptions":
+        return cls(real=args.real, model=args.model, draft=args.draft, nodes=args.nodes, port=args.port,
+                   http_port=args.http_port, recovery=args.recovery, standby=args.standby,
+                   no_head_restart=args.no_head_restart)
+
+
+def start(args: ClusterOptions, home: Path) -> Processes:
     if args.real:
         model, draft = args.model, args.draft
     else:
         from flowedge.models.tiny import make_tiny_pair
 
         model, draft = map(str, make_tiny_pair(home / "tiny-pair"))
-    port = args.port or free_port()
+    port = args.port or free_port(span=3)
     standby_addr = f"127.0.0.1:{port + 2}" if args.standby else ""
     spec = local_cluster.LocalClusterSpec(nodes=args.nodes, model=model, draft=draft, port=port,
                                           threads=1, recovery_s=args.recovery, standby_addr=standby_addr)
@@ -188,7 +221,7 @@ def start(args, home: Path) -> Processes:
         listen = f"127.0.0.1:{args.http_port or free_port()}"
         with open(cluster.run_dir / "http.log", "ab") as logf:
             http = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", listen,
-                                     "--head", heads, *getattr(args, "http_args", [])],
+                                     "--head", heads, *args.http_args],
                                     stdout=logf, stderr=subprocess.STDOUT)
         procs = Processes(cluster, http)
         procs.standby = standby
@@ -332,7 +365,7 @@ def main() -> None:
         os.environ["FLOWEDGE_MEMDEBUG"] = str(Path(args.memdebug).resolve())   # the head installs it
         if args.memdebug_heap_only:
             os.environ["FLOWEDGE_MEMDEBUG_PYTHON"] = "0"
-    procs = start(args, home)
+    procs = start(ClusterOptions.from_args(args), home)
     try:
         fig = soak(args, procs, faults)
     finally:

@@ -157,9 +157,7 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         return
     if (key in entries.done and len(committed) == len(entries.committed(*key) or ())) or \
             len(committed) >= msg.max_new_tokens:
-        # answered in full before the head was lost: only the end of the answer is missing here
-        send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text="",
-                                             done=True, stats={"finish_reason": "length"}))
+        send(peer.identity, _rest_of_a_finished_answer(requests, msg, committed, have))
         return
     log.info("resuming request %d of %s after the failover: %d committed tokens (client holds %d)",
              msg.request_id, peer.hello.node_id, len(committed), have)
@@ -174,6 +172,22 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         client.text(committed[have:])
         send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]),
                                              text=client.take_pieces(), done=False))
+
+
+def _rest_of_a_finished_answer(requests, msg: proto.PromptRequest, committed: list[int],
+                               have: int) -> proto.TokenChunk:
+    """The answer was whole before the head was lost, and only its end is missing at the client: those
+    tokens with their text (decoded after the ones the client holds, as the old head would have: a client
+    that reads text, as the HTTP front does, would otherwise lose the answer's last words)."""
+    pieces: list[str] = []
+    text = requests.engines.text_stream(pieces.append)
+    text(committed[:have])
+    pieces.clear()
+    text(committed[have:])
+    text.flush()
+    reason = "length" if len(committed) >= msg.max_new_tokens else "stop"
+    return proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text="".join(pieces),
+                            done=True, stats={"finish_reason": reason})
 
 
 def _committed(logged: list[int] | None, held: list[int], have: int) -> list[int] | None:
