@@ -70,7 +70,7 @@ SAMPLES = [
     p.DraftDeclined(request_id=3, seq=2, why="behind", detail="no replica"),
     p.LogEntry(term=2, client="client-1-ab", request_id=4, start=3, tokens=(5, 6, 7)),
     p.LogEntry(term=2, client="client-1-ab", request_id=4, start=10, done=True),
-    p.HeadState(term=2, head_id="head", stages=["stage-1", ""], ready=True),
+    p.HeadState(term=2, head_id="head", stages=["stage-1", ""], ready=True, layers=[2, 2]),
     p.PromptRequest(request_id=5, max_new_tokens=9, token_ids=[1, 2], resumed=2, held_ids=[7, 8]),
     p.Welcome(node_id="standby", heartbeat_interval_ms=100, term=3),
 ]

@@ -70,8 +70,9 @@ class Replicator:
         for owner, rid in [k for k in self.committed if k[0] not in self.members.peers]:
             del self.committed[(owner, rid)]
         stages = [self.members.peers[i].name if i is not None else "" for i in self.members.slots]
+        layers: list[int] = self.members.plan.counts if self.members.plan is not None else []
         self._to_standbys(proto.HeadState(term=self.port.term, head_id=self.head_id, stages=stages,
-                                          ready=self.members.cluster_ready()))
+                                          ready=self.members.cluster_ready(), layers=layers))
 
     def _to_standbys(self, msg: proto.Message) -> None:
         for identity in self.standbys:

@@ -23,6 +23,7 @@ from flowedge.daemon.config import NodeConfig, flowedge_home, split_addr, tcp
 from flowedge.daemon.fencing import TermGuard, next_term
 from flowedge.daemon.head_node import HeadNode
 from flowedge.daemon.plan import prepare_plan
+from flowedge.daemon.plan_follow import PlanFollower
 from flowedge.daemon.replication import RequestLog
 from flowedge.errors import FlowedgeError, HeadRefusedStandby, PeerUnreachable, ProtocolError, StaleTerm
 from flowedge.transport import protocol as proto
@@ -43,6 +44,7 @@ class StandbyNode:
         self.stop = stop or head.stop
         self.fence = TermGuard()
         self.stages: list[str] = []            # the head's stages, as its last HeadState listed them
+        self.plans = PlanFollower(head.members, head.engines, flowedge_home())   # the head's re-plans
         self.heard_s = time.monotonic()
         self.follower: Endpoint | None = None
         self.last_beat_s = 0.0
@@ -145,6 +147,7 @@ class StandbyNode:
             self.entries.apply(msg)
         elif isinstance(msg, proto.HeadState):
             self.stages = msg.stages
+            self.plans.seen(msg.layers)
         elif isinstance(msg, proto.Shutdown):
             log.info("standby: the cluster is shutting down%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
@@ -179,6 +182,7 @@ class StandbyNode:
         self.head.requests.scheduler.ever_ready = True
         if self.follower is not None:
             self.follower.close()
+        self.plans.adopt()
         log.warning("standby: TAKING OVER as the head at %s under fencing term %d (the last term was %d); %d "
                     "requests in the log; stages to rejoin: %s", self.config.listen, term, self.fence.highest,
                     self.entries.live(), ", ".join(s for s in self.stages if s) or "none known")

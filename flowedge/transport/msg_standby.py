@@ -50,6 +50,7 @@ class HeadState(Message):
     head_id: str
     stages: list[str] = field(default_factory=list)   # node ids of the stages, slot order ("" for an empty slot)
     ready: bool = False
+    layers: list[int] = field(default_factory=list)   # the plan's layer count per slot (changes with a re-plan)
 
     def __post_init__(self) -> None:
         _ints(self, "term")
@@ -60,3 +61,7 @@ class HeadState(Message):
         object.__setattr__(self, "stages", list(self.stages))
         if type(self.ready) is not bool:
             raise _fail(self, "ready", "a bool")
+        if not isinstance(self.layers, (list, tuple)) or len(self.layers) > MAX_MEMBERS or not all(
+                type(n) is int and 0 < n < 1 << 16 for n in self.layers):
+            raise _fail(self, "layers", f"at most {MAX_MEMBERS} layer counts, each 1..65535")
+        object.__setattr__(self, "layers", list(self.layers))
