@@ -124,6 +124,7 @@ class _FakeHead:
 
     def __init__(self) -> None:
         self.stop = threading.Event()
+        self.members = self.engines = None   # the plan it serves: read once it follows a re-plan
 
 
 def test_a_standby_refuses_to_follow_a_head_that_cannot_replicate():
