@@ -33,6 +33,7 @@ class Replicator:
         self.port, self.members, self.head_id, self.heartbeat_s = port, members, head_id, heartbeat_s
         self.standbys: list[bytes] = []
         self.committed: dict[tuple[bytes, int], list[int]] = {}   # (owner, request id) -> tokens sent
+        self.sent: dict[bytes, int] = {}   # standby -> log tokens sent it (status: how far behind it is)
         self.last_state_s = 0.0
 
     def joined(self, identity: bytes, hello: proto.Hello) -> None:
@@ -41,6 +42,7 @@ class Replicator:
             return
         log.info("standby %s joined: replicating %d live requests to it", hello.node_id, len(self.committed))
         self.standbys.append(identity)
+        self.sent[identity] = sum(map(len, self.committed.values()))
         for (owner, rid), tokens in self.committed.items():
             self.port.send(identity, proto.LogEntry(term=self.port.term, client=self._name(owner), request_id=rid,
                                                     tokens=tuple(tokens)))
@@ -67,6 +69,7 @@ class Replicator:
             return
         self.last_state_s = now
         self.standbys = [i for i in self.standbys if i in self.members.peers]
+        self.sent = {i: n for i, n in self.sent.items() if i in self.standbys}
         for owner, rid in [k for k in self.committed if k[0] not in self.members.peers]:
             del self.committed[(owner, rid)]
         stages = [self.members.peers[i].name if i is not None else "" for i in self.members.slots]
@@ -76,6 +79,7 @@ class Replicator:
     def _to_standbys(self, msg: proto.Message) -> None:
         for identity in self.standbys:
             self.port.send(identity, msg)
+            self.sent[identity] = self.sent.get(identity, 0) + len(getattr(msg, "tokens", ()))
 
     def _name(self, owner: bytes) -> str:
         peer = self.members.peers.get(owner)
@@ -109,9 +113,11 @@ class RequestLog:
         self.entries: OrderedDict[Key, list[int]] = OrderedDict()
         self.broken: set[Key] = set()   # a gap in the entries (a message lost): not resumable
         self.done: set[Key] = set()     # answered in full (kept: a client may have missed the end)
+        self.applied = 0                # log tokens applied (the head's status compares it to those it sent)
 
     def apply(self, msg: proto.LogEntry) -> None:
         key = (msg.client, msg.request_id)
+        self.applied += len(msg.tokens)
         if msg.failed:
             self.entries.pop(key, None)
             self.broken.discard(key)
