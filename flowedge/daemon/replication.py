@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from flowedge.daemon.head_ports import ControlPort
 from flowedge.daemon.membership import Membership
+from flowedge.daemon.prompting import StopText
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         requests.submit(peer.identity, fresh, now, ready, missing)
         return
     if (key in entries.done and len(committed) == len(entries.committed(*key) or ())) or \
-            len(committed) >= msg.max_new_tokens:
+            len(committed) >= msg.max_new_tokens or _stopped(requests, msg, committed):
         send(peer.identity, _rest_of_a_finished_answer(requests, msg, committed, have))
         return
     log.info("resuming request %d of %s after the failover: %d committed tokens (client holds %d)",
@@ -173,11 +174,13 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         return   # refused at submit (the reason went to the client)
     client.run.emitted[:] = committed
     client.text(committed[:have])
-    client.take_pieces()
+    # the stop matcher as the old head left it: a stop string's first half (held back from the client, who
+    # lacks it) ends the answer with its second half from here, or goes out with the next piece
+    client.stop.feed(client.take_pieces())
     if len(committed) > have:
         client.text(committed[have:])
         send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]),
-                                             text=client.take_pieces(), done=False))
+                                             text=client.stop.feed(client.take_pieces()), done=False))
 
 
 def _rest_of_a_finished_answer(requests, msg: proto.PromptRequest, committed: list[int],
@@ -186,14 +189,28 @@ def _rest_of_a_finished_answer(requests, msg: proto.PromptRequest, committed: li
     tokens with their text (decoded after the ones the client holds, as the old head would have: a client
     that reads text, as the HTTP front does, would otherwise lose the answer's last words)."""
     pieces: list[str] = []
-    text = requests.engines.text_stream(pieces.append)
+    text, stop = requests.engines.text_stream(pieces.append), StopText(msg.stop)
     text(committed[:have])
+    stop.feed("".join(pieces))   # what the client holds; a stop string's first half stays held
     pieces.clear()
     text(committed[have:])
     text.flush()
-    reason = "length" if len(committed) >= msg.max_new_tokens else "stop"
-    return proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text="".join(pieces),
+    rest = stop.finish("".join(pieces))
+    reason = "length" if len(committed) >= msg.max_new_tokens and not stop.hit else "stop"
+    return proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text=rest,
                             done=True, stats={"finish_reason": reason})
+
+
+def _stopped(requests, msg: proto.PromptRequest, committed: list[int]) -> bool:
+    """The logged tokens complete a stop string: the old head ended the answer there (the log's `done`
+    did not make it out before the head was lost), so the rest is only the end the client lacks."""
+    if not msg.stop:
+        return False
+    pieces: list[str] = []
+    stop = StopText(msg.stop)
+    requests.engines.text_stream(pieces.append)(committed)
+    stop.feed("".join(pieces))
+    return stop.hit
 
 
 def _committed(logged: list[int] | None, held: list[int], have: int) -> list[int] | None:
