@@ -146,7 +146,8 @@ def _resumed_with_stop(next_token: int):
     log = RequestLog()
     log.apply(p.LogEntry(term=1, client="app", request_id=1, start=0, tokens=(3, 1)))
     msg = prompt(max_new=8, stop=["ab"], resumed=2, held_ids=(3, 1))
-    resume(requests, FakePeer(_hello("app"), b"c"), msg, log, 0.0, True, [], lambda who, m: port.client.append((who, m)))
+    resume(requests, FakePeer(_hello("app"), b"c"), msg, log, 0.0, True, [],
+           lambda who, m: port.client.append((who, m)))
     requests.tick(0.1, True)
     requests.on_segment(port.engine_.starts[-1][0], next_token, 0.2)
     chunks = [m for m in port.answers(b"c") if isinstance(m, p.TokenChunk)]
