@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from test_daemon_failover import MAX_NEW, hf, nodes  # noqa: F401 - `nodes` is the cluster fixture
 
 ASYNC_FAILOVER_LIMIT_S = 4.0   # head_timeout_s is 5 s: a client that waits for it cannot make this
@@ -62,10 +64,11 @@ def test_status_shows_the_term_and_the_standby_and_the_new_head_s_term_after_a_k
     assert new["standbys"] == [], new
 
 
-def test_the_asyncio_client_follows_a_killed_head_as_fast_as_the_sync_one(nodes, tiny_pair):  # noqa: F811
+@pytest.mark.parametrize("use_async", [True, False], ids=["asyncio", "sync"])
+def test_the_asyncio_client_follows_a_killed_head_as_fast_as_the_sync_one(nodes, tiny_pair, use_async):  # noqa: F811
     prompt = hf.prompts(2)[1]
     [ref] = hf.references(tiny_pair[0], [prompt], MAX_NEW)
-    asker = hf.Asker(f"{nodes.a},{nodes.b}", prompt, MAX_NEW, "ar-pp", use_async=True)   # head_timeout_s: 5 s
+    asker = hf.Asker(f"{nodes.a},{nodes.b}", prompt, MAX_NEW, "ar-pp", use_async=use_async)   # head_timeout_s: 5 s
     t = threading.Thread(target=asker.run, daemon=True)
     t.start()
     assert asker.first.wait(120), nodes.logs()
@@ -76,5 +79,5 @@ def test_the_asyncio_client_follows_a_killed_head_as_fast_as_the_sync_one(nodes,
     before = [s for s in asker.times if s <= killed_at]
     after = [s - killed_at for s in asker.times if s > killed_at + 0.05]
     assert before and after, (asker.times, killed_at)   # the kill landed mid-answer
-    print(f"asyncio client: first token from the new head {after[0]:.2f} s after the kill")
+    print(f"{'asyncio' if use_async else 'sync'} client: first token from the new head {after[0]:.2f} s after the kill")
     assert after[0] < ASYNC_FAILOVER_LIMIT_S, (after[0], nodes.log_text("standby")[-3000:])
