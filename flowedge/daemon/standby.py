@@ -146,7 +146,8 @@ class StandbyNode:
         if isinstance(msg, proto.LogEntry):
             self.entries.apply(msg)
         elif isinstance(msg, proto.HeadState):
-            self.stages, self.state_s = msg.stages, self.heard_s
+            self.state_s = self.heard_s   # its age goes into our heartbeats (daemon/standby_status.py)
+            self.stages = msg.stages
         elif isinstance(msg, proto.Shutdown):
             log.info("standby: the cluster is shutting down%s", f": {msg.reason}" if msg.reason else "")
             self.stop.set()
