@@ -245,6 +245,19 @@ def test_the_queue_by_client_is_a_table_of_text(fed, page):
         fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
 
 
+def test_the_head_card_shows_its_term_and_the_standby_that_follows_it(fed, page):
+    """The head's fencing term and its standby heads (daemon/standby_status.py), as text on the head's card."""
+    standby = {"node_id": "standby-1", "address": "10.0.0.9:5555", "last_seen_s": 0.04, "log_sent_tokens": 40,
+               "log_applied_tokens": 37, "log_behind_tokens": 3, "state_age_s": 0.05}
+    fed["feed"]["nodes"] = [head_row(term=2, standbys=[standby, None]), stage_row(1), stage_row(2)]
+    try:
+        open_with_key(page, fed["url"] + "/")
+        head = page.eval("document.querySelector('[data-node=\"0\"]').innerText")
+        assert "term\n2" in head and "standby-1 at 10.0.0.9:5555, log 3 tokens behind, heard 0.0 s ago" in head, head
+    finally:
+        fed["feed"]["nodes"] = [head_row(), stage_row(1), stage_row(2)]
+
+
 def test_ask_fills_the_box_and_sends_only_on_a_click_with_the_key_kept_for_the_tab(fed, page):
     """`/?ask=` sent its question on load with the stored key: a link could spend it unseen."""
     def chats() -> int:

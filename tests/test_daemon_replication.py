@@ -132,3 +132,37 @@ def test_a_finished_answer_whose_end_the_client_missed_is_sent_with_its_text():
     [(who, chunk)] = sent
     assert who == b"c" and chunk.done and chunk.token_ids == tuple(map(ord, "lo")), chunk
     assert chunk.text == "lo" and chunk.stats["finish_reason"] == "stop", chunk
+
+
+def _resumed_with_stop(next_token: int):
+    """The old head logged "ca" (tokens 3, 1 as letters) under the stop string "ab", so it held the "a" back
+    from the client; the new head resumes after them and makes `next_token`: what the client gets."""
+    from test_daemon_lifecycle import book, prompt
+
+    from flowedge.daemon.replication import resume
+
+    requests, port = book()
+    requests.tick(0.0, True)
+    log = RequestLog()
+    log.apply(p.LogEntry(term=1, client="app", request_id=1, start=0, tokens=(3, 1)))
+    msg = prompt(max_new=8, stop=["ab"], resumed=2, held_ids=(3, 1))
+    resume(requests, FakePeer(_hello("app"), b"c"), msg, log, 0.0, True, [],
+           lambda who, m: port.client.append((who, m)))
+    requests.tick(0.1, True)
+    requests.on_segment(port.engine_.starts[-1][0], next_token, 0.2)
+    chunks = [m for m in port.answers(b"c") if isinstance(m, p.TokenChunk)]
+    return port, "".join(m.text for m in chunks)
+
+
+def test_a_stop_string_spanning_the_failover_ends_the_answer_at_the_same_token():
+    """"a" came from the old head, "b" from the new one: the answer ends at "b", as without a failover (the
+    new head's stop matcher started empty and let "ab" through)."""
+    port, text = _resumed_with_stop(2)
+    assert port.done(b"c") and port.tokens(b"c") == [2] and text == "", (port.client, text)
+    assert [m.stats["finish_reason"] for m in port.answers(b"c") if getattr(m, "done", False)] == ["stop"]
+
+
+def test_the_text_the_old_head_held_back_for_a_stop_string_reaches_the_client():
+    """No stop after all ("ac"): the "a" the old head held back goes out with the next piece (it was lost)."""
+    port, text = _resumed_with_stop(3)
+    assert not port.done(b"c") and port.tokens(b"c") == [3] and text == "ac", (port.client, text)

@@ -29,7 +29,8 @@ from flowedge.daemon.config import DEFAULT_PORT, flowedge_home, head_addresses, 
 from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError
 from flowedge.transport import protocol as proto
 from flowedge.transport.async_link import AsyncLink, ZmqAsyncLink
-from flowedge.transport.link import Inbound
+from flowedge.transport.link import Event as LinkEvent
+from flowedge.transport.link import Inbound, PeerEvent
 
 log = logging.getLogger(__name__)
 FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
@@ -50,12 +51,12 @@ class _AsyncSocket:
         """Send if possible (a Cancel on the way out): a closed link or a full queue means no one listens."""
         self.dealer.send_nowait(msg)
 
-    async def recv(self) -> proto.Message | ProtocolError | None:
-        """The next message, the ProtocolError of one that would not decode, or None for a peer event;
-        LinkError once closed."""
+    async def recv(self) -> proto.Message | ProtocolError | PeerEvent | None:
+        """The next message, the ProtocolError of one that would not decode, the connection's DISCONNECTED
+        (the socket monitor), or None for another peer event; LinkError once closed."""
         got = await self.dealer.receive()
         if not isinstance(got, Inbound):
-            return None
+            return got if got.kind is LinkEvent.DISCONNECTED else None
         try:
             return proto.decode(got.frames)
         except ProtocolError as err:
@@ -128,6 +129,9 @@ class AsyncClient:
                 if got is None:
                     continue
                 now = time.monotonic()
+                if isinstance(got, PeerEvent):   # the head's connection closed: news at once, as for `Client`
+                    await self._dispatch(self.core.lost_connection(now))
+                    continue
                 bad = isinstance(got, ProtocolError)
                 await self._dispatch(self.core.malformed(got, now) if bad else self.core.receive(got, now))
 

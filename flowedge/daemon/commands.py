@@ -320,15 +320,17 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
     """Show every node: address, role, layer range, model, memory, load, last heartbeat."""
     from flowedge.daemon import status_view
     from flowedge.daemon.client import Client
+    from flowedge.daemon.standby_status import status_of
 
     with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=10.0) as client:
         if watch:
             try:
-                status_view.watch(client.status, lambda text: click.echo(text, color=True), interval, iterations)
+                status_view.watch(lambda: status_of(client), lambda text: click.echo(text, color=True), interval,
+                                  iterations)
             except KeyboardInterrupt:
                 pass
             return
-        nodes = client.status()
+        nodes = status_of(client)   # at a standby's address: the standby's row
     if as_json:
         click.echo(json.dumps(nodes))
         return

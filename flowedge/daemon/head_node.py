@@ -34,6 +34,7 @@ from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.head_parts import HeadParts
 from flowedge.daemon.replication import RequestLog, resume
 from flowedge.daemon.sd_notify import Notifier
+from flowedge.daemon.standby_status import standby_rows
 from flowedge.daemon.timeline import Timeline, sample
 from flowedge.errors import PeerUnreachable, ProtocolError, StageLost
 from flowedge.transport import protocol as proto
@@ -313,6 +314,7 @@ class HeadNode:
             "drafter_jobs": self.drafts.status() if self.drafts is not None else None,
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
+            "term": self.control.term, "standbys": standby_rows(self.replica, self.members),
         }
         if timeline:
             head["timeline"] = self.timeline.snapshot()

@@ -107,7 +107,8 @@ def name_of(key: Any) -> str:
 COUNT = Number(integer=True)
 MS = Number(MAX_MS)
 
-# What stages (daemon/stage_node.py) and drafters (daemon/drafter_node.py) report.
+# What stages (daemon/stage_node.py), drafters (daemon/drafter_node.py) and standby heads (daemon/standby.py)
+# report.
 STATS = Record({
     "steps": COUNT,
     "step_ms_median": Number(MAX_MS, nullable=True),
@@ -123,6 +124,8 @@ STATS = Record({
     "model_sha256": Text(max_chars=64),   # the content key of the layers a stage holds (daemon/model_check.py)
     "drafter": Record({"jobs": COUNT, "answered": COUNT, "behind": COUNT, "errors": COUNT, "replicas": COUNT,
                        "job_ms_median": Number(MAX_MS, nullable=True)}, nullable=True),
+    "log_tokens": COUNT,        # a standby head: request-log tokens applied (daemon/standby_status.py)
+    "state_age_s": Number(1e7),  # a standby head: the age of the head's last HeadState
 })
 
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from flowedge.daemon.head_ports import ControlPort
 from flowedge.daemon.membership import Membership
+from flowedge.daemon.prompting import StopText
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Replicator:
         self.port, self.members, self.head_id, self.heartbeat_s = port, members, head_id, heartbeat_s
         self.standbys: list[bytes] = []
         self.committed: dict[tuple[bytes, int], list[int]] = {}   # (owner, request id) -> tokens sent
+        self.sent: dict[bytes, int] = {}   # standby -> log tokens sent it (status: how far behind it is)
         self.last_state_s = 0.0
 
     def joined(self, identity: bytes, hello: proto.Hello) -> None:
@@ -41,6 +43,7 @@ class Replicator:
             return
         log.info("standby %s joined: replicating %d live requests to it", hello.node_id, len(self.committed))
         self.standbys.append(identity)
+        self.sent[identity] = sum(map(len, self.committed.values()))
         for (owner, rid), tokens in self.committed.items():
             self.port.send(identity, proto.LogEntry(term=self.port.term, client=self._name(owner), request_id=rid,
                                                     tokens=tuple(tokens)))
@@ -67,6 +70,7 @@ class Replicator:
             return
         self.last_state_s = now
         self.standbys = [i for i in self.standbys if i in self.members.peers]
+        self.sent = {i: n for i, n in self.sent.items() if i in self.standbys}
         for owner, rid in [k for k in self.committed if k[0] not in self.members.peers]:
             del self.committed[(owner, rid)]
         stages = [self.members.peers[i].name if i is not None else "" for i in self.members.slots]
@@ -77,6 +81,7 @@ class Replicator:
     def _to_standbys(self, msg: proto.Message) -> None:
         for identity in self.standbys:
             self.port.send(identity, msg)
+            self.sent[identity] = self.sent.get(identity, 0) + len(getattr(msg, "tokens", ()))
 
     def _name(self, owner: bytes) -> str:
         peer = self.members.peers.get(owner)
@@ -110,9 +115,11 @@ class RequestLog:
         self.entries: OrderedDict[Key, list[int]] = OrderedDict()
         self.broken: set[Key] = set()   # a gap in the entries (a message lost): not resumable
         self.done: set[Key] = set()     # answered in full (kept: a client may have missed the end)
+        self.applied = 0                # log tokens applied (the head's status compares it to those it sent)
 
     def apply(self, msg: proto.LogEntry) -> None:
         key = (msg.client, msg.request_id)
+        self.applied += len(msg.tokens)
         if msg.failed:
             self.entries.pop(key, None)
             self.broken.discard(key)
@@ -157,7 +164,7 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         requests.submit(peer.identity, fresh, now, ready, missing)
         return
     if (key in entries.done and len(committed) == len(entries.committed(*key) or ())) or \
-            len(committed) >= msg.max_new_tokens:
+            len(committed) >= msg.max_new_tokens or _stopped(requests, msg, committed):
         send(peer.identity, _rest_of_a_finished_answer(requests, msg, committed, have))
         return
     log.info("resuming request %d of %s after the failover: %d committed tokens (client holds %d)",
@@ -168,11 +175,13 @@ def resume(requests, peer, msg: proto.PromptRequest, entries: RequestLog, now: f
         return   # refused at submit (the reason went to the client)
     client.run.emitted[:] = committed
     client.text(committed[:have])
-    client.take_pieces()
+    # the stop matcher as the old head left it: a stop string's first half (held back from the client, who
+    # lacks it) ends the answer with its second half from here, or goes out with the next piece
+    client.stop.feed(client.take_pieces())
     if len(committed) > have:
         client.text(committed[have:])
         send(peer.identity, proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]),
-                                             text=client.take_pieces(), done=False))
+                                             text=client.stop.feed(client.take_pieces()), done=False))
 
 
 def _rest_of_a_finished_answer(requests, msg: proto.PromptRequest, committed: list[int],
@@ -181,14 +190,28 @@ def _rest_of_a_finished_answer(requests, msg: proto.PromptRequest, committed: li
     tokens with their text (decoded after the ones the client holds, as the old head would have: a client
     that reads text, as the HTTP front does, would otherwise lose the answer's last words)."""
     pieces: list[str] = []
-    text = requests.engines.text_stream(pieces.append)
+    text, stop = requests.engines.text_stream(pieces.append), StopText(msg.stop)
     text(committed[:have])
+    stop.feed("".join(pieces))   # what the client holds; a stop string's first half stays held
     pieces.clear()
     text(committed[have:])
     text.flush()
-    reason = "length" if len(committed) >= msg.max_new_tokens else "stop"
-    return proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text="".join(pieces),
+    rest = stop.finish("".join(pieces))
+    reason = "length" if len(committed) >= msg.max_new_tokens and not stop.hit else "stop"
+    return proto.TokenChunk(request_id=msg.request_id, token_ids=tuple(committed[have:]), text=rest,
                             done=True, stats={"finish_reason": reason})
+
+
+def _stopped(requests, msg: proto.PromptRequest, committed: list[int]) -> bool:
+    """The logged tokens complete a stop string: the old head ended the answer there (the log's `done`
+    did not make it out before the head was lost), so the rest is only the end the client lacks."""
+    if not msg.stop:
+        return False
+    pieces: list[str] = []
+    stop = StopText(msg.stop)
+    requests.engines.text_stream(pieces.append)(committed)
+    stop.feed("".join(pieces))
+    return stop.hit
 
 
 def _committed(logged: list[int] | None, held: list[int], have: int) -> list[int] | None:

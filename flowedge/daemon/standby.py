@@ -25,6 +25,7 @@ from flowedge.daemon.head_node import HeadNode
 from flowedge.daemon.plan import prepare_plan
 from flowedge.daemon.plan_follow import PlanFollower
 from flowedge.daemon.replication import RequestLog
+from flowedge.daemon.standby_status import beat_stats, refusal
 from flowedge.errors import FlowedgeError, HeadRefusedStandby, PeerUnreachable, ProtocolError, StaleTerm
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import welcome_from
@@ -48,6 +49,7 @@ class StandbyNode:
         self.heard_s = time.monotonic()
         self.follower: Endpoint | None = None
         self.last_beat_s = 0.0
+        self.state_s: float | None = None   # when the head's last HeadState came (its age goes into heartbeats)
 
     def run(self) -> None:
         """Load the plan, follow the head until it is lost, then serve as the head."""
@@ -146,6 +148,7 @@ class StandbyNode:
         if isinstance(msg, proto.LogEntry):
             self.entries.apply(msg)
         elif isinstance(msg, proto.HeadState):
+            self.state_s = self.heard_s   # its age goes into our heartbeats (daemon/standby_status.py)
             self.stages = msg.stages
             self.plans.seen(msg.layers)
         elif isinstance(msg, proto.Shutdown):
@@ -159,7 +162,8 @@ class StandbyNode:
         self.last_beat_s = now
         assert self.follower is not None
         try:
-            self.follower.send(proto.Heartbeat(node_id=self.config.name, load=0.0, rss_bytes=0))
+            self.follower.send(proto.Heartbeat(node_id=self.config.name, load=0.0, rss_bytes=0,
+                                               stats=beat_stats(self.entries.applied, self.state_s, now)))
         except PeerUnreachable as err:
             log.debug("standby: heartbeat not sent: %s", err)
 
@@ -167,7 +171,7 @@ class StandbyNode:
         """A HELLO at our own address before the takeover: refused, naming the head."""
         got = self.head.ctrl.receive(wait_s)
         if isinstance(got, Inbound):
-            why = f"{self.config.name} is a standby, not the head (the head is at {self.config.head})"
+            why = refusal(self.config.name, self.config.head, self.fence.highest)
             try:
                 self.head.ctrl.send(proto.Refuse(reason=why), got.peer)
             except PeerUnreachable:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from flowedge.daemon.standby_status import standby_lines
+
 CLEAR = "\x1b[H\x1b[J"
 
 
@@ -127,7 +129,7 @@ def membership_lines(nodes: list[dict]) -> list[str]:
 
 def render(nodes: list[dict], before: list[dict] | None = None, interval_s: float = 0.0) -> str:
     return "\n".join([*node_table(nodes), "", summary(nodes, before, interval_s), *auto_line(nodes),
-                      *predraft_line(nodes), *drafter_line(nodes), *membership_lines(nodes),
+                      *predraft_line(nodes), *drafter_line(nodes), *membership_lines(nodes), *standby_lines(nodes),
                       *client_table(nodes)])
 
 

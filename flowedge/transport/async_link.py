@@ -14,10 +14,11 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from flowedge.errors import LinkError
 from flowedge.transport.codec import Message
-from flowedge.transport.link import Endpoint, Inbound, Kind, PeerEvent
+from flowedge.transport.link import Endpoint, Event, Inbound, Kind, PeerEvent
 from flowedge.transport.memory_link import MemoryNetwork
 from flowedge.transport.security import load_keys, secure_client, warn_insecure
 
@@ -49,8 +50,15 @@ class AsyncLink(ABC):
 
 
 class ZmqAsyncDealer(AsyncDealer):
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
-        self.sock = sock
+    """A zmq.asyncio DEALER and its socket monitor: a closed connection is a DISCONNECTED event at once (as
+    the sync link's DEALER says), not only the head's heartbeats going quiet."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, address: str = "") -> None:
+        self.sock, self.address = sock, address
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.asyncio.Poller()
+        for s in (self.sock, self.monitor):
+            self.poller.register(s, zmq.POLLIN)
 
     async def send(self, msg: Message) -> None:
         try:
@@ -63,13 +71,22 @@ class ZmqAsyncDealer(AsyncDealer):
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
 
-    async def receive(self) -> Inbound:
+    async def receive(self) -> Inbound | PeerEvent:
+        """Messages first (what came before the connection closed), then the monitor's DISCONNECTED."""
         try:
-            return Inbound(await self.sock.recv_multipart(copy=False))
+            while True:
+                ready = dict(await self.poller.poll())
+                if self.sock in ready:
+                    return Inbound(await self.sock.recv_multipart(copy=False))
+                if self.monitor in ready:
+                    event = parse_monitor_message(await self.monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        return PeerEvent(Event.DISCONNECTED, detail=self.address)
         except zmq.ZMQError as err:
             raise LinkError(f"dealer: {err}") from None
 
     def close(self) -> None:
+        self.monitor.close(0)
         self.sock.close(0)
 
 
@@ -87,8 +104,9 @@ class ZmqAsyncLink(AsyncLink):
         sock.linger = 0
         if self.keys is not None:
             secure_client(sock, self.keys)
+        dealer = ZmqAsyncDealer(sock, address)   # its monitor before the connection: no event is missed
         sock.connect(address)
-        return ZmqAsyncDealer(sock)
+        return dealer
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -214,6 +214,14 @@ function kvFacts(n) {
   if (used == null && budget == null) return [];
   return [["KV cache", (used == null ? "-" : used) + (budget != null ? " / " + budget : "") + " tokens"]];
 }
+// the head's fencing term and the standby heads that follow it (daemon/standby_status.py)
+function standbyFacts(n) {
+  if (n.role !== "head" || num(n.term) == null) return [];
+  const rows = Array.isArray(n.standbys) ? n.standbys : [];
+  return [["term", String(n.term)], ...rows.map((r) => r || {}).map((r) => ["standby",
+    text(r.node_id) + " at " + (text(r.address) || "-") + ", log " + fixed(r.log_behind_tokens, 0)
+    + " tokens behind, heard " + fixed(r.last_seen_s, 1) + " s ago"])];
+}
 function kvFrac(n) {
   const used = num(n.kv_tokens), budget = num(n.kv_budget_tokens);
   return used != null && budget ? Math.min(1, used / budget) : null;
@@ -233,7 +241,8 @@ function card(n, i) {
     facts([["busy", (100 * load).toFixed(0) + " %"], ["step", step],
            ["memory", MB(rss) + " used" + (free != null ? ", " + MB(free) + " free" : "")],
            ["link", (text(n.address) || "-") + ", " + linkRate(n, i)],
-           ["rtt", num(n.rtt_ms) != null ? n.rtt_ms + " ms" : "-"], ["heartbeat", seen], ...kvFacts(n)]));
+           ["rtt", num(n.rtt_ms) != null ? n.rtt_ms + " ms" : "-"], ["heartbeat", seen], ...kvFacts(n),
+           ...standbyFacts(n)]));
   node.dataset.node = i;
   if (memFrac) node.append(bar("bar mem", memFrac, "memory used"));
   if (kvFrac(n) != null) node.append(bar("bar kv", kvFrac(n), "KV cache used of its budget"));
