@@ -8,7 +8,7 @@ import sys
 import click
 
 from flowedge.core.config import LM_HEAD_PLACES, PREDRAFT_MODES
-from flowedge.daemon.config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.errors import ConfigError, FlowedgeError
 from flowedge.threads import set_threads
 
@@ -255,7 +255,7 @@ ORACLE_DRAFT = "oracle"
 def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
     from flowedge.api.commands import http
-    from flowedge.daemon.commands import COMMANDS
+    from flowedge.launch.cluster_commands import COMMANDS
     from flowedge.distill.commands import draft_head
     from flowedge.models.commands import models, split
     from flowedge.plan.commands import plan

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon_helpers import READY_TIMEOUT_S, free_port_pair, logs
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.client.sync_client import Client, wait_ready
 
 
 @dataclass

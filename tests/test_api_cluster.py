@@ -18,10 +18,10 @@ from daemon_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_po
 from flowedge import AsyncClient
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, RequestFailed, wait_ready
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.prompting import chat_ids
+from flowedge.launch import local_cluster
+from flowedge.client.sync_client import Client, RequestFailed, wait_ready
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.prompting import chat_ids
 from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate
 
@@ -428,7 +428,7 @@ def test_status_and_metrics_show_live_tokens_per_s_and_the_head_s_load_during_an
     the head's load was always 0.00 (a new psutil.Process each call, whose first cpu_percent is 0)."""
     import re
 
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     addr = stack["cluster"].spec.addr
     with Client(addr, timeout_s=60) as asker, Client(addr, timeout_s=10) as probe:

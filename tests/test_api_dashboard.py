@@ -26,10 +26,10 @@ from flowedge.api.app import create_app
 from flowedge.api.headers import CONTENT_SECURITY_POLICY
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import wait_ready
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.timeline import Timeline, sample
+from flowedge.launch import local_cluster
+from flowedge.client.sync_client import wait_ready
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.timeline import Timeline, sample
 from flowedge.errors import FlowedgeError
 
 KEY = "test-key-0123456789abcdef"

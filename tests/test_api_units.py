@@ -12,7 +12,7 @@ from api_helpers import closed_after_s, serving
 
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
-from flowedge.daemon.prompting import PromptError, StopText, chat_ids, prompt_ids
+from flowedge.node.prompting import PromptError, StopText, chat_ids, prompt_ids
 from flowedge.errors import ConfigError
 from flowedge.transport import protocol as proto
 
@@ -150,7 +150,7 @@ def test_content_length_over_the_limit_is_413(api):
 
 
 def test_status_view_renders_rates_from_two_replies():
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     def reply(tokens: int) -> list[dict]:
         return [{"node_id": "head", "role": "head", "queue": 2, "ready": True, "load": 0.9,
@@ -178,7 +178,7 @@ def test_status_metrics_and_the_dashboard_show_the_same_figures():
 
     from flowedge.api.dashboard import status_events
     from flowedge.api.metrics import ApiMetrics
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     nodes = [{"node_id": "head", "role": "head", "queue": 3, "ready": True, "load": 0.75,
               "served": {"requests": 4, "tokens": 120, "rejected": 2, "failed": 1, "cancelled": 1},
@@ -500,7 +500,7 @@ def test_an_unknown_model_is_404_listing_the_served_ones(api):
 
 def test_client_errors_are_exported_and_typed():
     import flowedge
-    from flowedge.daemon.client_core import ClientCore
+    from flowedge.client.client_core import ClientCore
     from flowedge.transport import protocol as proto
 
     assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)

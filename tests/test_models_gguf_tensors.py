@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon import shard_fetch
+from flowedge.node import shard_fetch
 from flowedge.engine.local import generate_ar_staged
 from flowedge.errors import ModelError
 from flowedge.models import registry, resolve

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowedge.daemon import shard_fetch
-from flowedge.daemon.plan import ensure_split
+from flowedge.node import shard_fetch
+from flowedge.node.partition_plan import ensure_split
 from flowedge.engine.local import generate_ar_staged
 from flowedge.core.sampling import SamplingParams
 from flowedge.errors import ChecksumError, ModelError

@@ -81,8 +81,8 @@ def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, t
     greedy of the same W4A16 model."""
     from daemon_helpers import free_port_pair, logs, start_cluster
 
-    from flowedge.daemon.client import Client
-    from flowedge.daemon.local_cluster import LocalClusterSpec
+    from flowedge.client.sync_client import Client
+    from flowedge.launch.local_cluster import LocalClusterSpec
 
     spec = LocalClusterSpec(nodes=3, port=free_port_pair(), wire_dtype="float32", tree_nodes=24,
                             stage_timeout_s=120.0)
@@ -108,8 +108,8 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
 
     from daemon_helpers import free_port_pair, logs, start_cluster
 
-    from flowedge.daemon.client import Client
-    from flowedge.daemon.local_cluster import LocalClusterSpec
+    from flowedge.client.sync_client import Client
+    from flowedge.launch.local_cluster import LocalClusterSpec
     from flowedge.engine.local import generate_ar_staged
     from flowedge.models.stage import StageModel
     from flowedge.runner import encode_prompt, load_tokenizer

@@ -167,7 +167,7 @@ class LocalCluster:
         return proc.stdout
 
     def __enter__(self) -> LocalCluster:
-        from flowedge.daemon.config import flowedge_home
+        from flowedge.node.node_config import flowedge_home
 
         self.flowedge("up", "--nodes", "3", "--threads", str(self.threads), "--detach", "--port", str(self.port),
                       "--model", self.model)

@@ -7,9 +7,9 @@ import threading
 
 import click
 
-from flowedge.daemon.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION
-from flowedge.daemon.commands import daemon_logging
-from flowedge.daemon.config import split_addr
+from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION
+from flowedge.launch.cluster_commands import daemon_logging
+from flowedge.transport.addresses import split_addr
 from flowedge.errors import ConfigError
 
 EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
@@ -89,7 +89,7 @@ def _serve_http(listen, head, api_keys, api_key_file, keys_dir, insecure, **limi
 def say_how_the_head_is(head: str, keys_dir: str | None, insecure: bool) -> None:
     """Warn at start when the head does not answer (or its cluster is not ready): every request would
     get 503 until it does, and the operator should know why from the first line, not the first request."""
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
     from flowedge.errors import FlowedgeError
 
     try:

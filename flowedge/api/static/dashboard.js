@@ -256,7 +256,7 @@ function drawClients(rows) {
   document.body.dataset.clients = rows.length;
 }
 
-// boards lost, re-plans onto the boards left, spares waiting (daemon/shrink.py), the latest last
+// boards lost, re-plans onto the boards left, spares waiting (node/shrink.py), the latest last
 function drawMembership(m) {
   const events = m && Array.isArray(m.events) ? m.events.slice(-6) : [];
   const spares = m && Array.isArray(m.spares) ? m.spares : [];
