@@ -8,8 +8,8 @@ import sys
 import click
 
 from flowedge.core.config import LM_HEAD_PLACES, PREDRAFT_MODES
-from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.threads import set_threads
 
 log = logging.getLogger("flowedge")

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from daemon_helpers import flowedge_home
-from flowedge.client.sync_client import Client
 from flowedge.client.client_answer import Answer
+from flowedge.client.sync_client import Client
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.roots import build_head, build_stage
 from flowedge.transport.memory_link import MemoryNetwork

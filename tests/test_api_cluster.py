@@ -18,11 +18,11 @@ from daemon_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_po
 from flowedge import AsyncClient
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import Client, RequestFailed, wait_ready
+from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.prompting import chat_ids
-from flowedge.errors import FlowedgeError
 from flowedge.runner import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"

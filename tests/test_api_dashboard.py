@@ -26,11 +26,11 @@ from flowedge.api.app import create_app
 from flowedge.api.headers import CONTENT_SECURITY_POLICY
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import wait_ready
+from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.timeline import Timeline, sample
-from flowedge.errors import FlowedgeError
 
 KEY = "test-key-0123456789abcdef"
 # where the screenshots go: a temporary folder, or docs/ with FLOWEDGE_DASHBOARD_SHOTS=docs (how the

@@ -12,8 +12,8 @@ from api_helpers import closed_after_s, serving
 
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
-from flowedge.node.prompting import PromptError, StopText, chat_ids, prompt_ids
 from flowedge.errors import ConfigError
+from flowedge.node.prompting import PromptError, StopText, chat_ids, prompt_ids
 from flowedge.transport import protocol as proto
 
 KEY = "k" * 24

@@ -16,10 +16,10 @@ import zmq
 
 from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
                             wait_for_text)
-from flowedge.core.config import STRATEGY_NAMES
 from flowedge.client.sync_client import Client, RequestFailed
-from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.core.config import STRATEGY_NAMES
 from flowedge.errors import FlowedgeError
+from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import security
 from flowedge.transport.channel import recv_msg, send_msg

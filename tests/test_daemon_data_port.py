@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.data_port import bind_data_port
-from flowedge.launch.local_cluster import LocalClusterSpec
-from flowedge.node.roots import build_stage
 from flowedge.errors import ConfigError
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.data_port import bind_data_port
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_stage
 from flowedge.transport.zmq_link import ZmqLink
 
 

@@ -13,15 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from draft_helpers import draft_answer
-from flowedge.node import draft_wire
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.draft_dispatch import DRAFT_TIMEOUT_S, LATE_KEEP_S, NO_DRAFTER_HOLD_S, DraftDispatch
-from flowedge.node.droplog import DropLog
-from flowedge.node.membership import DrafterLost, Membership
 from flowedge.engine.draft_sync import snapshot
 from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.errors import ProtocolError
 from flowedge.models.stage import StageModel
+from flowedge.node import draft_wire
+from flowedge.node.draft_dispatch import DRAFT_TIMEOUT_S, LATE_KEEP_S, NO_DRAFTER_HOLD_S, DraftDispatch
+from flowedge.node.droplog import DropLog
+from flowedge.node.membership import DrafterLost, Membership
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
 
 CONTEXT = list(range(3, 15))

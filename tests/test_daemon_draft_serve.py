@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.node import draft_wire
-from flowedge.node.draft_serve import DraftServer
-from flowedge.node.droplog import DropLog
 from flowedge.engine.draft_sync import graft, snapshot
 from flowedge.engine.drafter import Drafter
 from flowedge.errors import ProtocolError
 from flowedge.models.stage import StageModel
+from flowedge.node import draft_wire
+from flowedge.node.draft_serve import DraftServer
+from flowedge.node.droplog import DropLog
 from draft_helpers import rooted, tree_paths
 from flowedge.transport import protocol as p
 

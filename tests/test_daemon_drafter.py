@@ -22,11 +22,11 @@ import torch
 
 from daemon_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
 from flowedge.client.sync_client import Client
-from flowedge.node.node_config import NodeConfig
+from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.drafter_node import DrafterNode
 from flowedge.node.droplog import DropLog
-from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.node_base import NodeParts
+from flowedge.node.node_config import NodeConfig
 from flowedge.node.peer_stats import clean_stats
 from flowedge.node.roots import build_head, build_stage
 from flowedge.runner import GenerateRequest, run_generate

@@ -17,9 +17,9 @@ from flowedge.api.app import create_app
 from flowedge.api.clients import key_client
 from flowedge.api.settings import ApiSettings
 from flowedge.client.async_client import AsyncClient
-from flowedge.node.node_config import NodeConfig
-from flowedge.launch.status_view import render
 from flowedge.errors import Busy, ConfigError
+from flowedge.launch.status_view import render
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport.async_link import MemoryAsyncLink
 from test_daemon_in_memory import HEAD, PROMPT, Cluster
 

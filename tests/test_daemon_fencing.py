@@ -13,14 +13,14 @@ import time
 import pytest
 
 from daemon_helpers import ScriptedHead
+from flowedge.errors import HeadRefusedStandby, StaleTerm
 from flowedge.node import wire
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.droplog import DropLog
 from flowedge.node.fencing import TermGuard, next_term
 from flowedge.node.head_ports import ControlPort
 from flowedge.node.node_base import NodeParts
+from flowedge.node.node_config import NodeConfig
 from flowedge.node.standby import StandbyNode
-from flowedge.errors import HeadRefusedStandby, StaleTerm
 from flowedge.transport import protocol as p
 from flowedge.transport.link import Kind
 from flowedge.transport.memory_link import MemoryNetwork

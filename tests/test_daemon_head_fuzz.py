@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from daemon_helpers import flowedge_home, free_port_pair
 from flowedge.client.sync_client import Client, wait_ready
+from flowedge.errors import ProtocolError
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.roots import build_head, build_stage
-from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
 from stage_fuzz_helpers import random_message

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import ScriptedHead
+from flowedge.errors import ConfigError
 from flowedge.node import node_base
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.droplog import DropLog
 from flowedge.node.head_search import FoundHead, HeadSearch, candidates
 from flowedge.node.node_base import NodeBase, NodeParts
-from flowedge.errors import ConfigError
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport.memory_link import MemoryNetwork
 
 log = logging.getLogger(__name__)

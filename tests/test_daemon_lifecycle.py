@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.kv_budget import StageMemory, stage_budget, tightest
-from flowedge.engine.jobs import KvBudget
-from flowedge.plan.memory import kv_bytes_per_token
-from flowedge.node.membership import ClientGone, Membership, StageLost
-from flowedge.node.head_requests import EnginePort, HeadRequests, OutPort, Prepared
-from flowedge.engine.jobs import Limits, RequestEngine, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
+from flowedge.engine.jobs import KvBudget
+from flowedge.engine.jobs import Limits, RequestEngine, replay_params
 from flowedge.errors import ContextOverflow, FlowedgeError
+from flowedge.node.head_requests import EnginePort, HeadRequests, OutPort, Prepared
+from flowedge.node.kv_budget import StageMemory, stage_budget, tightest
+from flowedge.node.membership import ClientGone, Membership, StageLost
+from flowedge.node.node_config import NodeConfig
+from flowedge.plan.memory import kv_bytes_per_token
 from flowedge.transport import protocol as proto
 
 PROMPT = [5, 6, 7]

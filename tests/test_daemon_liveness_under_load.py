@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
-from flowedge.node.beating import BeatingWorker
 from flowedge.client.sync_client import Client
 from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.beating import BeatingWorker
 
 STAGE_TIMEOUT_S = 0.3   # 3 heartbeats of 100 ms: the steps below take several times longer
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import ScriptedHead
+from flowedge.errors import ChecksumError, ConfigError, FlowedgeError
 from flowedge.node import shard_fetch
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.droplog import DropLog
 from flowedge.node.node_base import NodeBase, NodeParts, offered_bytes
-from flowedge.errors import ChecksumError, ConfigError, FlowedgeError
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as p
 from flowedge.transport.memory_link import MemoryNetwork
 

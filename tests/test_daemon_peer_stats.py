@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import msgpack
 
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.droplog import DropLog
 from flowedge.node.membership import MAX_ADDR_CHARS, MAX_DRAFTERS, Membership
+from flowedge.node.node_config import NodeConfig
 from flowedge.node.peer_stats import MAX_STATS_BYTES, clean_stats
 from flowedge.transport import protocol as proto
 

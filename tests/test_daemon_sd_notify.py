@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from daemon_helpers import free_port_pair, logs, spawn_join
-from flowedge.systemd.sd_notify import Notifier, watchdog_interval_s
 from flowedge.errors import ConfigError
+from flowedge.systemd.sd_notify import Notifier, watchdog_interval_s
 from flowedge.transport import security
 from flowedge.transport.commands import keys as keys_cli
 

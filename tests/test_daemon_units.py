@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from flowedge.core.prune import PruneSet
-from flowedge.node import wire
-from flowedge.node.node_config import NodeConfig
-from flowedge.transport.addresses import split_addr
-from flowedge.launch.config_file import load_node_config
 from flowedge.engine import events
 from flowedge.errors import ConfigError, ProtocolError
+from flowedge.launch.config_file import load_node_config
+from flowedge.node import wire
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
+from flowedge.transport.addresses import split_addr
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "flowedge" / "data" / "flowedge.toml.example"
 

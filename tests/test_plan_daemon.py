@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.client.sync_client import Client, wait_ready
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.partition_plan import ensure_split, planned_counts, split_dir_for
 from flowedge.models.content_hash import memo_at, model_sha256
 from flowedge.models.shards import Manifest, load_shard
 from flowedge.models.tiny import make_tiny_model
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.partition_plan import ensure_split, planned_counts, split_dir_for
 from flowedge.plan.shapes import load_shape
 from flowedge.runner import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto

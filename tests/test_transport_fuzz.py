@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.node import wire
 from flowedge.errors import ProtocolError
+from flowedge.node import wire
 from flowedge.transport import protocol as p
 
 from stage_fuzz_helpers import random_message

@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
 
 log = logging.getLogger("bench_board_lost")
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."

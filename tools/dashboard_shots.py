@@ -21,8 +21,8 @@ import httpx
 
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import wait_ready
+from flowedge.launch import local_cluster
 from flowedge.launch.local_cluster import LocalCluster, LocalClusterSpec
 
 log = logging.getLogger("dashboard_shots")

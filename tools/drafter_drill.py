@@ -16,8 +16,8 @@ import signal
 import sys
 import time
 
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import Client, wait_ready
+from flowedge.launch import local_cluster
 from flowedge.runner import GenerateRequest, run_generate
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."

@@ -39,9 +39,9 @@ import psutil
 from soak_faults import Schedule, schedule
 from soak_load import Load, Readiness, Tally
 from soak_standby import Standby
-from flowedge.launch import local_cluster
 from flowedge.client.sync_client import wait_ready
 from flowedge.errors import ConfigError
+from flowedge.launch import local_cluster
 
 log = logging.getLogger("soak")
 

@@ -7,10 +7,10 @@ import threading
 
 import click
 
+from flowedge.errors import ConfigError
 from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION
 from flowedge.launch.cluster_commands import daemon_logging
 from flowedge.transport.addresses import split_addr
-from flowedge.errors import ConfigError
 
 EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on
 HEAD_CHECK_S = 5.0   # the start-up look at the head: a status request's wait

@@ -19,8 +19,8 @@ from typing import Callable
 
 from flowedge.bench.concurrency import concurrency_table, percentile, plot_concurrency
 from flowedge.bench.runner import BenchConfig
-from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 
 
 def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> None:

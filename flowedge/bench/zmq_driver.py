@@ -9,8 +9,8 @@ from typing import Callable
 
 from flowedge.bench.runner import BenchConfig, record_run, write_table
 from flowedge.core.sampling import SamplingParams
-from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import Any
 from flowedge.client.client_answer import Answer, Chunk
 from flowedge.client.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
                                          Turns, Welcomed, prompt_request)
-from flowedge.home import flowedge_home
-from flowedge.transport.addresses import DEFAULT_PORT, head_addresses, split_addr, tcp
 from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError, RequestFailed
+from flowedge.home import flowedge_home
 from flowedge.transport import protocol as proto
+from flowedge.transport.addresses import DEFAULT_PORT, head_addresses, split_addr, tcp
 from flowedge.transport.link import Event as LinkEvent
 from flowedge.transport.link import Inbound, Kind, Link, PeerEvent
 from flowedge.transport.zmq_link import ZmqLink

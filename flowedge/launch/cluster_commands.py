@@ -11,14 +11,14 @@ from contextlib import contextmanager
 
 import click
 
-from flowedge.core.config import DRAFT_QUANTS
-from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, liveness_options
 from flowedge.client.client_answer import Answer
-from flowedge.node.node_config import DEFAULT_CONFIG_PATH, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES
-from flowedge.transport.addresses import DEFAULT_PORT
-from flowedge.node.head_search import HeadSearch, search_lan
+from flowedge.core.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, liveness_options
+from flowedge.node.head_search import HeadSearch, search_lan
+from flowedge.node.node_config import DEFAULT_CONFIG_PATH, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES
 from flowedge.threads import set_threads
+from flowedge.transport.addresses import DEFAULT_PORT
 
 log = logging.getLogger("flowedge")
 

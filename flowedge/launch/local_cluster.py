@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, NodeConfig, flowedge_home
-from flowedge.transport.addresses import DEFAULT_PORT
 from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, NodeConfig, flowedge_home
 from flowedge.transport import security
+from flowedge.transport.addresses import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import socket
 
+from flowedge.errors import AddressInUse, ConfigError
 from flowedge.node.node_config import NodeConfig
 from flowedge.transport.addresses import tcp
-from flowedge.errors import AddressInUse, ConfigError
 from flowedge.transport.link import Endpoint, Kind, Link, port_of
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from flowedge.errors import ProtocolError
 from flowedge.node import draft_wire
 from flowedge.node.droplog import DropLog
 from flowedge.node.membership import Membership, Peer
-from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

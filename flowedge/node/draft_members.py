@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from flowedge.errors import ProtocolError
 from flowedge.node import shard_fetch
 from flowedge.node.node_config import NodeConfig
-from flowedge.errors import ProtocolError
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

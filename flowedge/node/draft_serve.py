@@ -14,10 +14,10 @@ import time
 from collections import deque
 from typing import Sequence
 
-from flowedge.node import draft_wire
-from flowedge.node.droplog import DropLog
 from flowedge.engine.draft_sync import DrafterDevice, ReplicaBehind
 from flowedge.errors import FlowedgeError, ProtocolError
+from flowedge.node import draft_wire
+from flowedge.node.droplog import DropLog
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

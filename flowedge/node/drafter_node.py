@@ -23,9 +23,9 @@ from pathlib import Path
 
 from flowedge.allocator import settle
 from flowedge.node import shard_fetch
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.draft_serve import DraftServer
 from flowedge.node.node_base import LOAD_BEAT_S, NodeBase, NodeParts
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,6 @@ from typing import Callable
 
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
-from flowedge.node import kv_budget, wire
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.droplog import DropLog
-from flowedge.node.membership import Membership
-from flowedge.node.prompting import check_vocab, prompt_ids
-from flowedge.node.head_requests import ClientRequest, Prepared
 from flowedge.engine import assembly
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.events import Done
@@ -27,6 +21,12 @@ from flowedge.engine.head_drafter import is_head
 from flowedge.engine.jobs import kv_need
 from flowedge.engine.scheduler import Handlers, run_in_turn
 from flowedge.errors import ConfigError, ProtocolError
+from flowedge.node import kv_budget, wire
+from flowedge.node.droplog import DropLog
+from flowedge.node.head_requests import ClientRequest, Prepared
+from flowedge.node.membership import Membership
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.prompting import check_vocab, prompt_ids
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
 

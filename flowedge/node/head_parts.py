@@ -8,9 +8,9 @@ from flowedge.node.draft_dispatch import DraftDispatch
 from flowedge.node.droplog import DropLog
 from flowedge.node.head_engines import HeadEngines
 from flowedge.node.head_ports import ControlPort, HeadOutbox
+from flowedge.node.head_requests import HeadRequests
 from flowedge.node.membership import Membership
 from flowedge.node.replication import Replicator, RequestLog
-from flowedge.node.head_requests import HeadRequests
 from flowedge.node.shrink import Shrinker
 from flowedge.transport.link import Endpoint, Link
 

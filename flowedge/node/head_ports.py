@@ -8,10 +8,10 @@ import threading
 from dataclasses import replace
 from typing import TypeVar
 
-from flowedge.node import wire
-from flowedge.node.membership import Membership
 from flowedge.engine.events import Offload, Segment, Send
 from flowedge.errors import PeerUnreachable
+from flowedge.node import wire
+from flowedge.node.membership import Membership
 from flowedge.transport import protocol as proto
 from flowedge.transport.link import Endpoint, Kind, Link
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flowedge.core.sampling import SamplingParams
+from flowedge.engine.events import Done, Offload, Send
 from flowedge.node.live_figures import TokenRate
 from flowedge.node.prompting import StopText
-from flowedge.engine.events import Done, Offload, Send
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget, Limits, Request,
                                   ResetStages, State)
 from flowedge.engine.scheduler import Handlers, Scheduler, run_in_turn

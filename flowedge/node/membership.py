@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flowedge.errors import ProtocolError, StageLost
 from flowedge.node import draft_members, model_check, shard_fetch
-from flowedge.node.node_config import NodeConfig
 from flowedge.node.droplog import DropLog
 from flowedge.node.link_rtt import RttProbe, RttSamples
+from flowedge.node.node_config import NodeConfig
 from flowedge.node.peer_stats import clean_stats
-from flowedge.errors import ProtocolError, StageLost
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

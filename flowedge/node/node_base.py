@@ -25,17 +25,17 @@ from typing import Any, ClassVar, TypeVar
 
 import psutil
 
+from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin, StaleTerm
 from flowedge.node import shard_fetch
 from flowedge.node.beating import BeatingWorker
-from flowedge.node.node_config import NodeConfig
-from flowedge.transport.addresses import split_addr, tcp
 from flowedge.node.droplog import DropLog
 from flowedge.node.fencing import TermGuard
 from flowedge.node.head_search import HeadSearch
 from flowedge.node.link_rtt import Echo
+from flowedge.node.node_config import NodeConfig
 from flowedge.systemd.sd_notify import Notifier
-from flowedge.errors import ChecksumError, FlowedgeError, PeerUnreachable, ProtocolError, Refused, Rejoin, StaleTerm
 from flowedge.transport import protocol as proto
+from flowedge.transport.addresses import split_addr, tcp
 from flowedge.transport.handshake import welcome_from
 from flowedge.transport.link import Endpoint, Inbound, Kind, Link
 

@@ -22,8 +22,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flowedge.node.node_config import NodeConfig
-from flowedge.node.shard_fetch import ShardFile, head_file, stage_files
 from flowedge.engine.drafter import resolve_draft_quant
 from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.errors import ConfigError, ModelError
@@ -32,6 +30,8 @@ from flowedge.models.packing import storage_quant
 from flowedge.models.shards import MANIFEST, Manifest, is_referenced
 from flowedge.models.split import layer_counts, split_model
 from flowedge.models.stage import StageModel, StageParts, load_config
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.shard_fetch import ShardFile, head_file, stage_files
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+from flowedge.engine.jobs import Limits
+from flowedge.errors import AddressInUse, ConfigError
 from flowedge.node import drafter_node, head_node, stage_node, wire
-from flowedge.node.node_config import NodeConfig, flowedge_home
-from flowedge.transport.addresses import split_addr
 from flowedge.node.data_port import bind_data_port
 from flowedge.node.draft_dispatch import DraftDispatch
 from flowedge.node.drafter_node import DrafterNode
@@ -20,17 +20,17 @@ from flowedge.node.head_engines import HeadEngines
 from flowedge.node.head_node import HeadNode
 from flowedge.node.head_parts import HeadParts
 from flowedge.node.head_ports import ControlPort, HeadOutbox
+from flowedge.node.head_requests import HeadRequests
 from flowedge.node.head_search import HeadSearch
 from flowedge.node.membership import Membership
 from flowedge.node.node_base import NodeParts
+from flowedge.node.node_config import NodeConfig, flowedge_home
 from flowedge.node.partition_plan import Replanner
 from flowedge.node.replication import ReplicatingOut, Replicator, RequestLog
-from flowedge.node.head_requests import HeadRequests
 from flowedge.node.shrink import Shrinker
 from flowedge.node.stage_node import StageNode, StageNodeParts
 from flowedge.node.standby import StandbyNode
-from flowedge.engine.jobs import Limits
-from flowedge.errors import AddressInUse, ConfigError
+from flowedge.transport.addresses import split_addr
 from flowedge.transport.link import Endpoint, Kind, Link
 from flowedge.transport.zmq_link import ZmqLink
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from flowedge.node import model_check
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
 from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import MANIFEST, FileSpec, Manifest, StageSpec, verify_file
+from flowedge.node import model_check
 from flowedge.progress import Progress
 from flowedge.transport import protocol as proto
 

@@ -29,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flowedge.node.partition_plan import Plan, plan_inputs, resplit
 from flowedge.errors import ClusterNotReady
 from flowedge.models.split import layer_counts
+from flowedge.node.partition_plan import Plan, plan_inputs, resplit
 from flowedge.transport import protocol as proto
 
 log = logging.getLogger(__name__)

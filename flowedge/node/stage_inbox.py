@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from flowedge.node import wire
-from flowedge.node.droplog import DropLog
 from flowedge.engine.events import Compute, Failed, Finish, Send
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.errors import ProtocolError
+from flowedge.node import wire
+from flowedge.node.droplog import DropLog
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, StagePlan, check_stage_input
 

@@ -26,17 +26,17 @@ import psutil
 import torch
 
 from flowedge.allocator import settle
-from flowedge.node import model_check, shard_fetch, wire
-from flowedge.node.node_config import NodeConfig
-from flowedge.transport.addresses import tcp
-from flowedge.node.membership import too_old_for_the_data_plane
-from flowedge.node.node_base import HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S, NodeBase, NodeParts
-from flowedge.node.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, Rejoin
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
+from flowedge.node import model_check, shard_fetch, wire
+from flowedge.node.membership import too_old_for_the_data_plane
+from flowedge.node.node_base import HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S, NodeBase, NodeParts
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.stage_inbox import StageInbox, plan_for
 from flowedge.transport import protocol as proto
+from flowedge.transport.addresses import tcp
 from flowedge.transport.link import Endpoint, Inbound, Kind
 
 log = logging.getLogger(__name__)
