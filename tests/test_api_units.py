@@ -210,7 +210,7 @@ def test_status_metrics_and_the_dashboard_show_the_same_figures():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_http_unit_passes_systemd_analyze_verify(tmp_path):
     unit = "flowedge-http.service"
-    text = (Path(__file__).parent.parent / "flowedge" / "systemd" / unit).read_text()
+    text = (Path(__file__).parent.parent / "systemd" / unit).read_text()
     assert "FLOWEDGE_API_KEYS" in text and "EnvironmentFile=" in text
     # verify checks that ExecStart's program exists: point it at one that does on this machine.
     (tmp_path / unit).write_text(text.replace("/opt/flowedge/.venv/bin/flowedge", shutil.which("true") or "/bin/true"))

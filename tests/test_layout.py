@@ -32,11 +32,12 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "home": (),
     "threads": (),
     "allocator": (),
-    "systemd": (),
+    "shipped": (),
+    "systemd": ("shipped",),
     "datasets": ("errors", "home"),
     # the pure speculation core, then the costs of running it on profiled devices
     "core": ("errors",),
-    "costs": ("core", "errors"),
+    "costs": ("core", "errors", "shipped"),
     # the model runtime
     "kernels": ("errors", "home"),
     "models": ("allocator", "errors", "filenames", "home", "kernels", "progress"),

@@ -140,6 +140,14 @@ def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pai
                               "print(load_node_config(EXAMPLE_CONFIG).role)"],
                              env=env, cwd=run_dir, capture_output=True, text=True)
     assert example.stdout.strip() == "head", example.stderr
+    # the device profiles and the systemd units (top-level folders in a checkout) are the wheel's own copies
+    shipped = subprocess.run([str(python), "-c", "from flowedge import systemd; from flowedge.costs.profiles import "
+                              "list_devices, profiles_dir; print(profiles_dir(), systemd.HERE, len(list_devices()), "
+                              "all((systemd.HERE / u).is_file() for u in systemd.UNITS))"],
+                             env=env, cwd=run_dir, capture_output=True, text=True)
+    profiles, units, devices, all_units = shipped.stdout.split()
+    assert str(tmp_path / "venv") in profiles and str(tmp_path / "venv") in units, shipped.stdout + shipped.stderr
+    assert int(devices) >= 6 and all_units == "True", shipped.stdout
 
 
 @pytest.mark.packaging

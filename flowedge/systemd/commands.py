@@ -8,7 +8,7 @@ from flowedge import systemd
 
 @click.group("systemd")
 def systemd_group() -> None:
-    """The systemd units shipped in the package (see flowedge/systemd/systemd.md)."""
+    """The systemd units shipped in the package (see systemd/systemd.md)."""
 
 
 @systemd_group.command("install")
