@@ -254,13 +254,13 @@ ORACLE_DRAFT = "oracle"
 
 def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
-    from flowedge.api.commands import http
+    from flowedge.api.http_command import http
     from flowedge.launch.cluster_commands import COMMANDS
-    from flowedge.distill.commands import draft_head
-    from flowedge.models.commands import models, split
-    from flowedge.plan.commands import plan
-    from flowedge.systemd.commands import systemd_group
-    from flowedge.transport.commands import keys
+    from flowedge.distill.draft_head_commands import draft_head
+    from flowedge.models.model_commands import models, split
+    from flowedge.plan.plan_command import plan
+    from flowedge.systemd.systemd_commands import systemd_group
+    from flowedge.transport.keys_commands import keys
 
     for command in (models, split, keys, plan, *COMMANDS, http, systemd_group, draft_head):
         main.add_command(command)

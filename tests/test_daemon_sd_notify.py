@@ -22,7 +22,7 @@ from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.errors import ConfigError
 from flowedge.systemd.sd_notify import Notifier, watchdog_interval_s
 from flowedge.transport import security
-from flowedge.transport.commands import keys as keys_cli
+from flowedge.transport.keys_commands import keys as keys_cli
 
 UNITS = Path(__file__).resolve().parent.parent / "systemd"
 

@@ -1,5 +1,5 @@
 """`flowedge serve | join | up | down | prompt | status` (wired into the CLI by flowedge/cli.py; `http` is
-in api/commands.py, `systemd` in systemd/commands.py)."""
+in api/http_command.py, `systemd` in systemd/systemd_commands.py)."""
 from __future__ import annotations
 
 import json

@@ -153,7 +153,7 @@ MIN_GAIN = 0.03   # re-split for a bottleneck at least 3% faster (or when the cu
 def plan_inputs(config: NodeConfig, base_config: Any, hellos: list):
     """The planner's inputs (flowedge/plan/partition.py) for the stages that joined, in slot order, from
     their Hellos (device profile, free memory); None when a device has no shipped profile."""
-    from flowedge.plan.cluster import objective_for, step_tokens_for
+    from flowedge.plan.planned_cluster import objective_for, step_tokens_for
     from flowedge.plan.partition import PlanInputs, stage_devices
     from flowedge.costs.profiles import load_link, load_named_device
 

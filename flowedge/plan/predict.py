@@ -22,7 +22,7 @@ from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_
 from flowedge.costs.pipeline import CostModel, draft_path_for
 from flowedge.costs.sizing import SIZING_CONTEXT, tree_costs
 from flowedge.errors import ConfigError
-from flowedge.plan.cluster import ClusterSpec
+from flowedge.plan.planned_cluster import ClusterSpec
 from flowedge.plan.partition import HIDDEN_WIRE_BYTES
 
 log = logging.getLogger(__name__)

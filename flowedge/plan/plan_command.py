@@ -47,7 +47,7 @@ REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 def plan(model, devices, head_device, free_gb, quant, context, strategy, compute_path, link, keep_order, use_all,
          simulate, strategies, datasets, samples, max_new_tokens, tokens_from, draft, as_json) -> None:
     """Plan a model over named devices: layer ranges, memory per stage, predicted tokens/s."""
-    from flowedge.plan.cluster import plan_cluster
+    from flowedge.plan.planned_cluster import plan_cluster
     from flowedge.plan.predict import ar_pp_tokens_per_s
 
     names = [d.strip() for d in devices.split(",") if d.strip()]
