@@ -93,7 +93,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
              tree_topk, tree_depth, tree_nodes, nodes, profile, link, quant, no_chat, threads, as_json):
     """Generate text for PROMPT in this process (reference `ar`, one-node `tree`, or a simulated cluster)."""
     from flowedge.core.sampling import SamplingParams
-    from flowedge.runner import GenerateRequest, run_generate
+    from flowedge.generate import GenerateRequest, run_generate
 
     set_threads(threads)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

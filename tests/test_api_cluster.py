@@ -22,8 +22,8 @@ from flowedge.client.sync_client import Client, RequestFailed, wait_ready
 from flowedge.errors import FlowedgeError
 from flowedge.launch import local_cluster
 from flowedge.launch.local_cluster import LocalClusterSpec
-from flowedge.node.prompting import chat_ids
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.text.prompts import chat_ids
+from flowedge.generate import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"
 NAME = "base"   # the served model's name: the last part of the tiny base model's path (it answers to both)

@@ -13,7 +13,8 @@ from api_helpers import closed_after_s, serving
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
 from flowedge.errors import ConfigError
-from flowedge.node.prompting import PromptError, StopText, chat_ids, prompt_ids
+from flowedge.text.prompts import PromptError, chat_ids, prompt_ids
+from flowedge.text.streams import StopText
 from flowedge.transport import protocol as proto
 
 KEY = "k" * 24
@@ -506,7 +507,7 @@ def test_client_errors_are_exported_and_typed():
     assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)
     assert issubclass(flowedge.RequestFailed, flowedge.FlowedgeError)
     with pytest.raises(flowedge.ContextOverflow, match="maximum context length is 64 tokens"):
-        from flowedge.engine.local import check_context
+        from flowedge.text.prompts import check_context
         check_context(60, 10, 64)
     try:
         check_context(60, 10, 64)
@@ -529,7 +530,7 @@ def test_client_errors_are_exported_and_typed():
 def test_context_overflow_is_worded_and_coded_as_openai_does():
     """Client libraries (litellm, LangChain) spot a context overflow by OpenAI's own words and code."""
     from flowedge.api.app import classify
-    from flowedge.engine.local import check_context
+    from flowedge.text.prompts import check_context
     from flowedge.errors import ContextOverflow
 
     with pytest.raises(ContextOverflow) as info:

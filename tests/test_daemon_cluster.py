@@ -20,7 +20,7 @@ from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.core.config import STRATEGY_NAMES
 from flowedge.errors import FlowedgeError
 from flowedge.launch.local_cluster import LocalClusterSpec
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import security
 from flowedge.transport.channel import recv_msg, send_msg
 from flowedge.transport.protocol import Hello, Refuse

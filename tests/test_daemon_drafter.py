@@ -29,7 +29,7 @@ from flowedge.node.node_base import NodeParts
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.peer_stats import clean_stats
 from flowedge.node.roots import build_head, build_stage
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
 from flowedge.transport.memory_link import MemoryNetwork
 

@@ -18,7 +18,7 @@ from flowedge.client.sync_client import Client, RequestFailed, wait_ready
 from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import Manifest, file_sha256
 from flowedge.models.split import split_model
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import security
 
 PROMPT = "abc def ghi jkl"

@@ -117,7 +117,7 @@ def test_a_finished_answer_whose_end_the_client_missed_is_sent_with_its_text():
     from types import SimpleNamespace
 
     from flowedge.node.replication import resume
-    from flowedge.runner import TextStream
+    from flowedge.text.streams import TextStream
 
     log = RequestLog()
     log.apply(p.LogEntry(term=1, client="app", request_id=4, start=0, tokens=tuple(map(ord, "hello"))))

@@ -54,7 +54,7 @@ def test_one_hierarchy_under_flowedge_error():
 @pytest.mark.parametrize("module, name", [
     ("flowedge", "StageLost"), ("flowedge", "RequestFailed"), ("flowedge", "ContextOverflow"),
     ("flowedge.node.membership", "StageLost"), ("flowedge.node.stage_node", "Rejoin"),
-    ("flowedge.node.prompting", "PromptError"), ("flowedge.plan.partition", "PlanError"),
+    ("flowedge.text.prompts", "PromptError"), ("flowedge.plan.partition", "PlanError"),
     ("flowedge.kernels.build", "BuildError"), ("flowedge.transport.validate", "InvalidMessage"),
     ("flowedge.client.sync_client", "RequestFailed"),
 ])

@@ -35,6 +35,8 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "shipped": (),
     "systemd": ("shipped",),
     "datasets": ("errors", "home"),
+    # the text room: tokenizer, prompts to token ids, an answer's ids back to text (below the engine)
+    "text": ("errors",),
     # the pure speculation core, then the costs of running it on profiled devices
     "core": ("errors",),
     "costs": ("core", "errors", "shipped"),
@@ -42,25 +44,25 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "kernels": ("errors", "home"),
     "models": ("allocator", "errors", "filenames", "home", "kernels", "progress"),
     # the sans-IO engine, and the wire (independent of each other)
-    "engine": ("core", "costs", "errors", "models"),
+    "engine": ("core", "costs", "errors", "models", "text"),
     "transport": ("core", "errors", "filenames", "home"),
     # drivers and users of the engine
-    "sim": ("core", "costs", "engine", "errors", "models"),
-    "runner": ("core", "engine", "errors", "models", "sim"),
-    "plan": ("core", "costs", "datasets", "engine", "errors", "models", "runner", "sim"),
+    "sim": ("core", "costs", "engine", "errors", "models", "text"),
+    "generate": ("core", "engine", "errors", "models", "sim", "text"),
+    "plan": ("core", "costs", "datasets", "engine", "errors", "models", "sim", "text"),
     # the client (torch-free: `pip install flowedge` with no extra) talks to a head over the wire, nothing more
     "client": ("errors", "home", "transport"),
     # what a node process runs (head, stage, standby, drafter), then the commands that start and ask nodes
     "node": ("allocator", "core", "costs", "engine", "errors", "filenames", "home", "models", "plan", "progress",
-             "runner", "systemd", "transport"),
+             "systemd", "text", "transport"),
     "launch": ("allocator", "client", "core", "errors", "node", "progress", "threads", "transport"),
-    "bench": ("client", "core", "costs", "datasets", "engine", "errors", "launch", "models", "node", "runner", "sim"),
+    "bench": ("client", "core", "costs", "datasets", "engine", "errors", "launch", "models", "node", "sim", "text"),
     # self-distillation of a draft head from its base model (`flowedge draft-head train`)
-    "distill": ("datasets", "engine", "errors", "models", "progress", "runner", "threads"),
+    "distill": ("datasets", "engine", "errors", "models", "progress", "text", "threads"),
     "api": ("allocator", "client", "errors", "launch", "systemd", "transport"),
     # the composition root and the public faces
     "cli": ("api", "bench", "core", "datasets", "distill", "engine", "errors", "launch", "models", "node", "plan",
-            "runner", "systemd", "threads", "transport"),
+            "generate", "systemd", "threads", "transport"),
     "flowedge": ("client", "errors"),
     "__main__": ("cli",),
 }.items()}
@@ -246,7 +248,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_the_import_reader_sees_function_level_and_type_only_imports() -> None:
     head_imports = {(i.name, i.type_only) for i in imports() if i.module == "flowedge.engine.round_view"}
     assert ("flowedge.engine.head", True) in head_imports
-    lazy = [i for i in imports() if i.module == "flowedge.cli" and i.name == "flowedge.runner"]
+    lazy = [i for i in imports() if i.module == "flowedge.cli" and i.name == "flowedge.generate"]
     assert lazy and not lazy[0].type_only   # imported inside `generate`
 
 

@@ -18,7 +18,7 @@ from flowedge.models.tiny import make_tiny_model
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.partition_plan import ensure_split, planned_counts, split_dir_for
 from flowedge.plan.shapes import load_shape
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
 from flowedge.transport import security
 

@@ -27,7 +27,7 @@ def real_pair():
 
 @pytest.fixture(scope="module")
 def encoded(real_pair):
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(real_pair[0])
     return [encode_prompt(tok, p, chat=True) for p in PROMPTS]
@@ -112,7 +112,7 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
     from flowedge.launch.local_cluster import LocalClusterSpec
     from flowedge.engine.local import generate_ar_staged
     from flowedge.models.stage import StageModel
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(real_pair[0])
     model = StageModel.load(real_pair[0])

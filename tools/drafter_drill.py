@@ -18,7 +18,7 @@ import time
 
 from flowedge.client.sync_client import Client, wait_ready
 from flowedge.launch import local_cluster
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 

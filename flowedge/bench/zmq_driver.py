@@ -22,7 +22,7 @@ def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Calla
     from flowedge.engine.local import generate_ar
     from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     base_dir = resolve_model(cfg.model)

@@ -48,7 +48,7 @@ def train(model, name, out, work, quant, text_tokens, answers, answer_tokens, ho
     from flowedge.models.draft_head_io import save_head, trained_path
     from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
-    from flowedge.runner import load_tokenizer
+    from flowedge.text.prompts import load_tokenizer
     from flowedge.threads import set_threads
 
     set_threads(threads)

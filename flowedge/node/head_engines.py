@@ -26,7 +26,7 @@ from flowedge.node.droplog import DropLog
 from flowedge.node.head_requests import ClientRequest, Prepared
 from flowedge.node.membership import Membership
 from flowedge.node.node_config import NodeConfig
-from flowedge.node.prompting import check_vocab, prompt_ids
+from flowedge.text.prompts import check_vocab, prompt_ids
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
 
@@ -53,7 +53,7 @@ class HeadEngines:
         return self.batcher.run_step if self.batcher is not None else run_in_turn
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared:
-        from flowedge.engine.local import check_context
+        from flowedge.text.prompts import check_context
 
         params = SamplingParams(msg.temperature, msg.top_k or 0, msg.top_p if msg.top_p is not None else 1.0, msg.seed)
         ids = prompt_ids(self.plan.tokenizer, msg)
@@ -96,7 +96,7 @@ class HeadEngines:
                                   lookup_tokens=cfg.lookup_tokens, predraft=cfg.predraft)
 
     def text_stream(self, sink):
-        from flowedge.runner import TextStream
+        from flowedge.text.streams import TextStream
 
         return TextStream(self.plan.tokenizer, sink)
 

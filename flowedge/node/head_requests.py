@@ -27,7 +27,7 @@ from typing import Protocol
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Done, Offload, Send
 from flowedge.node.live_figures import TokenRate
-from flowedge.node.prompting import StopText
+from flowedge.text.streams import StopText
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget, Limits, Request,
                                   ResetStages, State)
 from flowedge.engine.scheduler import Handlers, Scheduler, run_in_turn
@@ -73,7 +73,7 @@ class ClientRequest:
     msg: proto.PromptRequest
     prepared: Prepared
     run: Request | None = None        # the scheduler's, once submitted
-    text: object = None               # runner.TextStream: token ids -> printable pieces
+    text: object = None               # text.streams.TextStream: token ids -> printable pieces
     stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
     pieces: list[str] = field(default_factory=list)
 

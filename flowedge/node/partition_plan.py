@@ -113,7 +113,7 @@ def prune_copied_splits(out: Path, base_dir: Path) -> None:
 
 def prepare_plan(config: NodeConfig, home: Path) -> Plan:
     from flowedge.models.resolve import resolve_model
-    from flowedge.runner import load_tokenizer
+    from flowedge.text.prompts import load_tokenizer
 
     base_dir = resolve_model(config.model, quant=config.quant)
     n_layers = int(load_config(base_dir).num_hidden_layers)

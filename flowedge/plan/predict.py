@@ -97,7 +97,7 @@ def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Seq
     from flowedge.core.sampling import SamplingParams
     from flowedge.costs.pipeline import draft_quant_for
     from flowedge.engine.local import stop_ids
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
     from flowedge.sim.cluster import SimCluster
     from flowedge.sim.run import Cluster
 

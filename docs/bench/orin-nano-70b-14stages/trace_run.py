@@ -10,7 +10,7 @@ from flowedge.datasets import load_prompts
 from flowedge.models.resolve import resolve_model
 from flowedge.plan.planned_cluster import plan_cluster
 from flowedge.plan.predict import cost_model, _stage_path
-from flowedge.runner import encode_prompt, load_tokenizer
+from flowedge.text.prompts import encode_prompt, load_tokenizer
 from flowedge.sim.cluster import SimCluster
 from flowedge.sim.run import Cluster
 

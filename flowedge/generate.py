@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Callable
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.errors import ConfigError
+from flowedge.text.prompts import encode_prompt, load_tokenizer
+from flowedge.text.streams import TextStream
 
 if TYPE_CHECKING:
     from flowedge.engine.local import GenerationResult
@@ -37,47 +39,6 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
-
-
-class TextStream:
-    """Turns token ids into printable text pieces as they arrive (holds back split UTF-8 characters)."""
-
-    def __init__(self, tokenizer, sink: Callable[[str], None]) -> None:
-        self.tokenizer, self.sink = tokenizer, sink
-        self.ids: list[int] = []
-        self.shown = 0
-
-    def __call__(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        self._emit(final=False)
-
-    def flush(self) -> None:
-        """Show whatever is held back (the answer ended inside a character)."""
-        self._emit(final=True)
-
-    def _emit(self, final: bool) -> None:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return
-        if len(text) > self.shown:
-            self.sink(text[self.shown:])
-            self.shown = len(text)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return tokenizer(prompt)["input_ids"]
-
-
-def load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = None) -> dict:

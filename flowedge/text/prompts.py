@@ -1,11 +1,13 @@
-"""From a client's request to the model's prompt ids, and stop strings over the answer's text.
+"""From words to the model's prompt ids: the tokenizer, the chat template, and the checks a prompt must pass
+(its ids in the vocabulary, it and its answer within the context).
 
-The head calls `prompt_ids` once per request and feeds each new text piece through a `StopText`;
-nothing here knows about sockets or the engine.
+The head calls `prompt_ids` once per request (a client's text, turns or ids); `flowedge generate`, the
+benchmarks and the planner call `encode_prompt` on one prompt. Nothing here knows about sockets or the
+engine; the answer's text side is streams.py.
 """
 from __future__ import annotations
 
-from flowedge.errors import PromptError
+from flowedge.errors import ContextOverflow, PromptError
 
 
 def prompt_ids(tokenizer, request) -> list[int]:
@@ -45,41 +47,28 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return [int(t) for t in ids]
 
 
-class StopText:
-    """Cuts a stream of text pieces at the first occurrence of any stop string.
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
 
-    `feed` returns the text that is safe to show now: a tail that might be the start of a stop string
-    is held back until the next piece decides it. After a hit (`hit` is True) everything is dropped."""
+    return AutoTokenizer.from_pretrained(model_dir)
 
-    def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
 
-    def feed(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        if not self.stops:
-            return piece
-        text = self.held + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit, self.held = True, ""
-            return text[:min(found)]
-        keep = max(self._partial(text, s) for s in self.stops)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(prompt)["input_ids"]
 
-    def finish(self, piece: str = "") -> str:
-        """The last piece plus whatever was held back (the answer ended without a stop string)."""
-        out = self.feed(piece)
-        out, self.held = out + self.held, ""
-        return out
 
-    @staticmethod
-    def _partial(text: str, stop: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of `stop`."""
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                return k
-        return 0
+def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
+    if prompt_len == 0:
+        raise ContextOverflow("the prompt is empty after tokenization")
+    if prompt_len + max_new_tokens > context:   # OpenAI's words, which clients and their libraries match on
+        raise ContextOverflow(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the messages, {max_new_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion "
+            f"(at most {max(context - prompt_len, 0)} completion tokens fit).")
