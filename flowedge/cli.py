@@ -8,8 +8,8 @@ import sys
 import click
 
 from flowedge.core.config import LM_HEAD_PLACES, PREDRAFT_MODES
-from flowedge.daemon.config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.errors import ConfigError, FlowedgeError
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from flowedge.threads import set_threads
 
 log = logging.getLogger("flowedge")
@@ -93,7 +93,7 @@ def generate(prompt, model, draft, strategy, max_new_tokens, temperature, top_k,
              tree_topk, tree_depth, tree_nodes, nodes, profile, link, quant, no_chat, threads, as_json):
     """Generate text for PROMPT in this process (reference `ar`, one-node `tree`, or a simulated cluster)."""
     from flowedge.core.sampling import SamplingParams
-    from flowedge.runner import GenerateRequest, run_generate
+    from flowedge.generate import GenerateRequest, run_generate
 
     set_threads(threads)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -254,13 +254,13 @@ ORACLE_DRAFT = "oracle"
 
 def _attach_commands() -> None:
     """Attach the commands that live next to the code they drive."""
-    from flowedge.api.commands import http
-    from flowedge.daemon.commands import COMMANDS
-    from flowedge.distill.commands import draft_head
-    from flowedge.models.commands import models, split
-    from flowedge.plan.commands import plan
-    from flowedge.systemd.commands import systemd_group
-    from flowedge.transport.commands import keys
+    from flowedge.api.http_command import http
+    from flowedge.launch.cluster_commands import COMMANDS
+    from flowedge.distill.draft_head_commands import draft_head
+    from flowedge.models.model_commands import models, split
+    from flowedge.plan.plan_command import plan
+    from flowedge.systemd.systemd_commands import systemd_group
+    from flowedge.transport.keys_commands import keys
 
     for command in (models, split, keys, plan, *COMMANDS, http, systemd_group, draft_head):
         main.add_command(command)

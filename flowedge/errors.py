@@ -142,7 +142,7 @@ class HeadRefusedStandby(FlowedgeError):
 
 class StaleTerm(ProtocolError):
     """A head spoke with a fencing term lower than one this node has already obeyed: it was replaced by
-    a standby (daemon/fencing.py), and this node does not take its orders."""
+    a standby (node/fencing.py), and this node does not take its orders."""
 
     PREFIX = "StaleTerm: "
 
@@ -155,7 +155,7 @@ class StaleTerm(ProtocolError):
 
 class HeadLost(FlowedgeError):
     """A client lost its head (the connection closed, or it went silent): with other head addresses it
-    may follow the cluster to the standby that takes over (daemon/client.py)."""
+    may follow the cluster to the standby that takes over (client/sync_client.py)."""
 
 
 class Rejoin(FlowedgeError):
@@ -211,4 +211,4 @@ class ReplicaBehind(FlowedgeError):
 
 class UnfitStat(FlowedgeError):
     """A peer's heartbeat stats value that the head's schema refuses: its key is dropped and counted
-    (daemon/peer_stats.py), never raised past the boundary."""
+    (node/peer_stats.py), never raised past the boundary."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon_helpers import READY_TIMEOUT_S, free_port_pair, logs
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.client.sync_client import Client, wait_ready
 
 HEARTBEAT_MS = 200   # the head's heartbeat period: a standby's liveness signal too
 FAILOVER_S = 1.5     # a standby takes over after this long without a word from the head

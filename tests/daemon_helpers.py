@@ -10,8 +10,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import wait_ready
+from flowedge.client.sync_client import wait_ready
+from flowedge.launch import local_cluster
 from flowedge.transport import protocol as proto
 from flowedge.transport.link import Inbound, Kind, port_of
 from flowedge.transport.memory_link import MemoryNetwork

@@ -7,7 +7,7 @@ from flowedge.distill.trainer import TrainConfig, Trainer, prepare_records
 from flowedge.engine.local import stop_ids
 from flowedge.models.draft_head_io import save_head
 from flowedge.models.stage import StageModel
-from flowedge.runner import load_tokenizer
+from flowedge.text.prompts import load_tokenizer
 
 
 def tiny_config(base: Path, root: Path, **kw) -> TrainConfig:

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from daemon_helpers import flowedge_home
-from flowedge.daemon.client import Client
-from flowedge.daemon.client_answer import Answer
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.roots import build_head, build_stage
+from flowedge.client.client_answer import Answer
+from flowedge.client.sync_client import Client
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_head, build_stage
 from flowedge.transport.memory_link import MemoryNetwork
 
 PROMPT = "abc def ghi jkl"

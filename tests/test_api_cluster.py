@@ -18,12 +18,12 @@ from daemon_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_po
 from flowedge import AsyncClient
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, RequestFailed, wait_ready
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.prompting import chat_ids
+from flowedge.client.sync_client import Client, RequestFailed, wait_ready
 from flowedge.errors import FlowedgeError
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.launch import local_cluster
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.text.prompts import chat_ids
+from flowedge.generate import GenerateRequest, run_generate
 
 KEY = "test-key-0123456789abcdef"
 NAME = "base"   # the served model's name: the last part of the tiny base model's path (it answers to both)
@@ -428,7 +428,7 @@ def test_status_and_metrics_show_live_tokens_per_s_and_the_head_s_load_during_an
     the head's load was always 0.00 (a new psutil.Process each call, whose first cpu_percent is 0)."""
     import re
 
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     addr = stack["cluster"].spec.addr
     with Client(addr, timeout_s=60) as asker, Client(addr, timeout_s=10) as probe:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from flowedge.api.commands import EX_CONFIG, http
+from flowedge.api.http_command import EX_CONFIG, http
 
 
 def test_a_public_listen_address_without_an_api_key_exits_78() -> None:

@@ -26,11 +26,11 @@ from flowedge.api.app import create_app
 from flowedge.api.headers import CONTENT_SECURITY_POLICY
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import wait_ready
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.timeline import Timeline, sample
+from flowedge.client.sync_client import wait_ready
 from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.timeline import Timeline, sample
 
 KEY = "test-key-0123456789abcdef"
 # where the screenshots go: a temporary folder, or docs/ with FLOWEDGE_DASHBOARD_SHOTS=docs (how the
@@ -246,7 +246,7 @@ def test_the_queue_by_client_is_a_table_of_text(fed, page):
 
 
 def test_the_head_card_shows_its_term_and_the_standby_that_follows_it(fed, page):
-    """The head's fencing term and its standby heads (daemon/standby_status.py), as text on the head's card."""
+    """The head's fencing term and its standby heads (node/standby_status.py), as text on the head's card."""
     standby = {"node_id": "standby-1", "address": "10.0.0.9:5555", "last_seen_s": 0.04, "log_sent_tokens": 40,
                "log_applied_tokens": 37, "log_behind_tokens": 3, "state_age_s": 0.05}
     fed["feed"]["nodes"] = [head_row(term=2, standbys=[standby, None]), stage_row(1), stage_row(2)]

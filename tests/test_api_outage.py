@@ -15,10 +15,10 @@ import pytest
 from daemon_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
-from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import ClusterNotReady, FlowedgeError
+from flowedge.launch import local_cluster
+from flowedge.launch.local_cluster import LocalClusterSpec
 
 RECOVERY_S = 3.0
 SLACK_S = 4.0    # a loaded 2-core box: the head's turn, the API's hop, the client's own start

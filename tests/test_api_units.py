@@ -12,8 +12,9 @@ from api_helpers import closed_after_s, serving
 
 from flowedge.api.app import create_app
 from flowedge.api.settings import ApiSettings, check_exposure, load_api_keys
-from flowedge.daemon.prompting import PromptError, StopText, chat_ids, prompt_ids
 from flowedge.errors import ConfigError
+from flowedge.text.prompts import PromptError, chat_ids, prompt_ids
+from flowedge.text.streams import StopText
 from flowedge.transport import protocol as proto
 
 KEY = "k" * 24
@@ -150,7 +151,7 @@ def test_content_length_over_the_limit_is_413(api):
 
 
 def test_status_view_renders_rates_from_two_replies():
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     def reply(tokens: int) -> list[dict]:
         return [{"node_id": "head", "role": "head", "queue": 2, "ready": True, "load": 0.9,
@@ -178,7 +179,7 @@ def test_status_metrics_and_the_dashboard_show_the_same_figures():
 
     from flowedge.api.dashboard import status_events
     from flowedge.api.metrics import ApiMetrics
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     nodes = [{"node_id": "head", "role": "head", "queue": 3, "ready": True, "load": 0.75,
               "served": {"requests": 4, "tokens": 120, "rejected": 2, "failed": 1, "cancelled": 1},
@@ -210,7 +211,7 @@ def test_status_metrics_and_the_dashboard_show_the_same_figures():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_http_unit_passes_systemd_analyze_verify(tmp_path):
     unit = "flowedge-http.service"
-    text = (Path(__file__).parent.parent / "flowedge" / "systemd" / unit).read_text()
+    text = (Path(__file__).parent.parent / "systemd" / unit).read_text()
     assert "FLOWEDGE_API_KEYS" in text and "EnvironmentFile=" in text
     # verify checks that ExecStart's program exists: point it at one that does on this machine.
     (tmp_path / unit).write_text(text.replace("/opt/flowedge/.venv/bin/flowedge", shutil.which("true") or "/bin/true"))
@@ -500,13 +501,13 @@ def test_an_unknown_model_is_404_listing_the_served_ones(api):
 
 def test_client_errors_are_exported_and_typed():
     import flowedge
-    from flowedge.daemon.client_core import ClientCore
+    from flowedge.client.client_core import ClientCore
     from flowedge.transport import protocol as proto
 
     assert issubclass(flowedge.ContextOverflow, flowedge.RequestFailed)
     assert issubclass(flowedge.RequestFailed, flowedge.FlowedgeError)
     with pytest.raises(flowedge.ContextOverflow, match="maximum context length is 64 tokens"):
-        from flowedge.engine.local import check_context
+        from flowedge.text.prompts import check_context
         check_context(60, 10, 64)
     try:
         check_context(60, 10, 64)
@@ -529,7 +530,7 @@ def test_client_errors_are_exported_and_typed():
 def test_context_overflow_is_worded_and_coded_as_openai_does():
     """Client libraries (litellm, LangChain) spot a context overflow by OpenAI's own words and code."""
     from flowedge.api.app import classify
-    from flowedge.engine.local import check_context
+    from flowedge.text.prompts import check_context
     from flowedge.errors import ContextOverflow
 
     with pytest.raises(ContextOverflow) as info:

@@ -131,7 +131,7 @@ def test_a_busy_port_and_down_without_a_cluster_name_the_command_that_works(tmp_
 
 
 def test_down_finds_the_one_recorded_cluster_and_asks_when_there_are_several(tmp_path, monkeypatch):
-    from flowedge.daemon import local_cluster
+    from flowedge.launch import local_cluster
 
     monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
     for port in (7100, 7200):
@@ -145,7 +145,7 @@ def test_down_finds_the_one_recorded_cluster_and_asks_when_there_are_several(tmp
 
 
 def test_a_node_that_dies_is_reported_with_its_own_error_line(tmp_path):
-    from flowedge.daemon.local_cluster import LocalCluster, LocalClusterSpec
+    from flowedge.launch.local_cluster import LocalCluster, LocalClusterSpec
 
     (tmp_path / "head.log").write_text("INFO loading\nerror: model shard broken: bad magic\n")
     (tmp_path / "stage-1.log").write_text("INFO ok\n")
@@ -169,7 +169,7 @@ def test_strategy_names_match_the_engine():
 
 def test_down_reports_what_it_stopped_and_what_had_already_exited(tmp_path, monkeypatch):
     """Before: "stopped the cluster at ... (3 processes)" whatever was still running."""
-    from flowedge.daemon import local_cluster
+    from flowedge.launch import local_cluster
 
     monkeypatch.setenv("FLOWEDGE_HOME", str(tmp_path))
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]

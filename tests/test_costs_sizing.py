@@ -120,7 +120,7 @@ def test_bitsandbytes_segments_are_flat_past_one_token():
 def test_a_deep_pipeline_of_wide_stages_caps_expansions_at_the_int4_tile():
     """70B over 14 Orin Nanos: a 64-node expansion would cost each stage four 16-token tiles (324 ms,
     the pipeline's step); expansions there send 16 fresh nodes. The 5-node 1.5B cluster keeps 64."""
-    from flowedge.plan.cluster import plan_cluster
+    from flowedge.plan.planned_cluster import plan_cluster
     from flowedge.plan.predict import cost_model
 
     _, draft = _qwen_configs()

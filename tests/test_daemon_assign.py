@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from flowedge.daemon import model_check
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.shard_fetch import SIDE_FILES, cached_dir, read_chunk, stage_files
-from flowedge.daemon.roots import build_stage
 from flowedge.models.shards import Manifest
 from flowedge.models.split import split_model
+from flowedge.node import model_check
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_stage
+from flowedge.node.shard_fetch import SIDE_FILES, cached_dir, read_chunk, stage_files
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
 

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair, start_cluster
-from flowedge.daemon.client import Client, RequestFailed
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.client.sync_client import Client, RequestFailed
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.generate import GenerateRequest, run_generate
 
 PROMPTS = ["abc def ghi jkl", "The quick brown fox", "zzzz", "def fib(n):"]
 MAX_NEW = 32

@@ -21,7 +21,7 @@ CLIENTS = 6          # > max_concurrent (4): two wait in the queue when the stag
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair) -> list[int]:
-    from flowedge.runner import GenerateRequest, run_generate
+    from flowedge.generate import GenerateRequest, run_generate
 
     base, draft = tiny_pair
     ids = run_generate(GenerateRequest(PROMPT, str(base), str(draft), "ar", MAX_NEW))["token_ids"]

@@ -13,7 +13,7 @@ import pytest
 
 from daemon_helpers import ScriptedHead
 from flowedge import Answer, AsyncClient, Chunk, Client, FlowedgeError
-from flowedge.daemon.client_core import prompt_request
+from flowedge.client.client_core import prompt_request
 from flowedge.transport import protocol as proto
 from flowedge.transport.async_link import MemoryAsyncLink
 from flowedge.transport.link import Inbound
@@ -182,7 +182,7 @@ def test_every_request_method_names_its_arguments(method):
 @pytest.fixture
 def memory_clients(net, monkeypatch):
     """`flowedge prompt` and `up --prompt` build a Client by address: here it is one on the memory link."""
-    import flowedge.daemon.client as client_module
+    import flowedge.client.sync_client as client_module
 
     class MemoryClient(Client):
         def __init__(self, addr: str, **kwargs) -> None:
@@ -196,7 +196,7 @@ def memory_clients(net, monkeypatch):
 def test_flowedge_prompt_prints_the_answer_its_summary_and_its_json(head, memory_clients):
     from click.testing import CliRunner
 
-    from flowedge.daemon.commands import prompt
+    from flowedge.launch.cluster_commands import prompt
 
     shown = CliRunner().invoke(prompt, ["hi", "--head", head.addr, "--max-new-tokens", "3"])
     assert shown.exit_code == 0, shown.output
@@ -211,7 +211,7 @@ def test_flowedge_prompt_prints_the_answer_its_summary_and_its_json(head, memory
 def test_up_prompt_ends_with_the_summary_line(head, memory_clients, capsys):
     from types import SimpleNamespace
 
-    from flowedge.daemon.commands import _answer_once
+    from flowedge.launch.cluster_commands import _answer_once
 
     _answer_once(SimpleNamespace(addr=head.addr, insecure=True, nodes=3), "hi", 3)
     out, err = capsys.readouterr()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowedge.daemon.client_core import (CONTROL, DEFAULT_MAX_NEW_TOKENS, HELLO_TIMEOUT_S, ClientCore, Done, Failed,
+from flowedge.client.client_core import (CONTROL, DEFAULT_MAX_NEW_TOKENS, HELLO_TIMEOUT_S, ClientCore, Done, Failed,
                                          Piece, Send, Status, Welcomed, prompt_request)
 from flowedge.errors import ContextOverflow, FlowedgeError, HeadUnreachable, ProtocolError, RequestFailed
 from flowedge.transport import protocol as proto

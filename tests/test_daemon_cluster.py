@@ -16,11 +16,11 @@ import zmq
 
 from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
                             wait_for_text)
+from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.core.config import STRATEGY_NAMES
-from flowedge.daemon.client import Client, RequestFailed
-from flowedge.daemon.local_cluster import LocalClusterSpec
 from flowedge.errors import FlowedgeError
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import security
 from flowedge.transport.channel import recv_msg, send_msg
 from flowedge.transport.protocol import Hello, Refuse
@@ -304,7 +304,7 @@ def test_up_gives_every_process_every_core_with_idle_threads_asleep(monkeypatch)
     and an explicit --threads win."""
     import os
 
-    from flowedge.daemon.local_cluster import node_env
+    from flowedge.launch.local_cluster import node_env
 
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert LocalClusterSpec(nodes=3).per_process_threads() == 6

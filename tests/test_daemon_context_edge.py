@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.core.config import STRATEGY_NAMES
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon import stage_inbox
-from flowedge.daemon.client import Client, RequestFailed
 from flowedge.engine.local import generate_ar
+from flowedge.node import stage_inbox
 from flowedge.transport import protocol as p
 from memory_cluster import HEAD, started
 

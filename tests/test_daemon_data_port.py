@@ -1,15 +1,15 @@
-"""daemon/data_port.py: a stage's data port listens on the interface the head is reached through (not
+"""node/data_port.py: a stage's data port listens on the interface the head is reached through (not
 0.0.0.0), on a port or range the config pins; real sockets."""
 from __future__ import annotations
 
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.data_port import bind_data_port
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.roots import build_stage
 from flowedge.errors import ConfigError
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.data_port import bind_data_port
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_stage
 from flowedge.transport.zmq_link import ZmqLink
 
 

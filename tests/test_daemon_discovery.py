@@ -1,4 +1,4 @@
-"""Discovery (flowedge/daemon/discovery.py): a head whose name another responder holds announces itself
+"""Discovery (flowedge/node/discovery.py): a head whose name another responder holds announces itself
 under another and is found; a stage that found an impostor moves on to the real head once it is announced
 (real zeroconf on this host's own interface); no announcer error ends the head; and a real `flowedge join`
 with no address in one network namespace finding by mDNS a head in another (a veth pair with 10.x
@@ -21,8 +21,8 @@ import pytest
 from click.testing import CliRunner
 from zeroconf import NonUniqueNameException, ServiceInfo, Zeroconf
 
-from flowedge.daemon import discovery, node_base
-from flowedge.daemon.config import NodeConfig
+from flowedge.node import discovery, node_base
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
 from flowedge.transport import security
 from flowedge.transport.handshake import answer_hello
@@ -95,8 +95,8 @@ class FakeHead:
 def test_a_stage_that_found_an_impostor_moves_on_to_the_head_announced_later(monkeypatch, tmp_path):
     """`flowedge join --cluster lab` finds only the impostor (a listener without the keys); the impostor
     withdraws its name and the real head takes it: the stage's HELLOs reach the real head."""
-    from flowedge.daemon import commands
-    from flowedge.daemon.roots import build_node
+    from flowedge.launch import cluster_commands
+    from flowedge.node.roots import build_node
 
     ip = _lan_ip()
     monkeypatch.setattr(node_base, "HELLO_TIMEOUT_S", 0.5)
@@ -113,10 +113,10 @@ def test_a_stage_that_found_an_impostor_moves_on_to_the_head_announced_later(mon
         nodes.append(threading.Thread(target=nodes[0].run, daemon=True))
         nodes[1].start()
 
-    monkeypatch.setattr(commands, "_run_node", run_here)
+    monkeypatch.setattr(cluster_commands, "_run_node", run_here)
     try:
         with _impostor(ip, rogue_port):
-            out = CliRunner().invoke(commands.join, ["--cluster", "lab", "--discover-timeout", "5",
+            out = CliRunner().invoke(cluster_commands.join, ["--cluster", "lab", "--discover-timeout", "5",
                                                      "--keys", str(keys), "--node-id", "edge-1", "--threads", "1"])
             assert out.exit_code == 0 and f"at {ip}:{rogue_port}" in out.output, out.output
         announcer = discovery.Announcer("lab", ip, port_of(head.router.address))   # the impostor still listens
@@ -138,7 +138,7 @@ def test_a_stage_that_found_an_impostor_moves_on_to_the_head_announced_later(mon
 @pytest.mark.parametrize("error", [NonUniqueNameException(), RuntimeError("zeroconf event loop blocked"),
                                    OSError("no multicast"), ImportError("no zeroconf")])
 def test_no_announcer_error_ends_the_head(monkeypatch, caplog, error):
-    from flowedge.daemon.head_node import HeadNode
+    from flowedge.node.head_node import HeadNode
 
     def failing(*args):
         raise error
@@ -240,9 +240,9 @@ def test_join_without_an_address_finds_the_head_by_mdns(namespaces, tiny_pair, t
 
 
 def test_no_discovery_keeps_the_head_quiet(monkeypatch):
-    from flowedge.daemon.config import NodeConfig
-    from flowedge.daemon.config_file import load_node_config
-    from flowedge.daemon.head_node import HeadNode
+    from flowedge.node.node_config import NodeConfig
+    from flowedge.launch.config_file import load_node_config
+    from flowedge.node.head_node import HeadNode
 
     made = []
     monkeypatch.setattr(discovery, "Announcer", lambda *args: made.append(args))

@@ -1,5 +1,5 @@
 """The head's side of the drafter role: membership keeps drafters out of the stage slots and judges
-their liveness like a stage's; the dispatch (daemon/draft_dispatch.py) gives every pre-draft job exactly
+their liveness like a stage's; the dispatch (node/draft_dispatch.py) gives every pre-draft job exactly
 one outcome, never later than its timeout: the drafter's growth, or None (no drafter, declined, a bad
 answer, the drafter lost or silent). Fuzzed answers never raise and never deliver twice."""
 from __future__ import annotations
@@ -13,15 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from draft_helpers import draft_answer
-from flowedge.daemon import draft_wire
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.draft_dispatch import DRAFT_TIMEOUT_S, LATE_KEEP_S, NO_DRAFTER_HOLD_S, DraftDispatch
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.membership import DrafterLost, Membership
 from flowedge.engine.draft_sync import snapshot
 from flowedge.engine.drafter import Drafter, TreeShape
 from flowedge.errors import ProtocolError
 from flowedge.models.stage import StageModel
+from flowedge.node import draft_wire
+from flowedge.node.draft_dispatch import DRAFT_TIMEOUT_S, LATE_KEEP_S, NO_DRAFTER_HOLD_S, DraftDispatch
+from flowedge.node.droplog import DropLog
+from flowedge.node.membership import DrafterLost, Membership
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
 
 CONTEXT = list(range(3, 15))
@@ -119,7 +119,7 @@ def test_a_job_goes_to_the_drafter_and_its_answer_to_the_engine(draft_model, sna
     d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
     (ident, job), = [(i, msg) for i, msg in sent if isinstance(msg, proto.DraftJob)]
     assert ident == b"d0" and (job.request_id, job.seq) == (5, 1)
-    from flowedge.daemon.draft_serve import DraftServer
+    from flowedge.node.draft_serve import DraftServer
     answer = DraftServer(draft_model, DropLog(logging.getLogger("t"))).run(proto.decode(job.to_frames()))
     d.on_answer(m.peers[b"d0"], proto.decode(answer.to_frames()))
     assert len(got) == 1 and got[0][0] == 5 and got[0][1][2] is not None
@@ -159,7 +159,7 @@ def test_every_other_outcome_is_none_at_once(draft_model, snap, how):
 
 
 def _answer_to(draft_model, sent) -> proto.DraftAnswer:
-    from flowedge.daemon.draft_serve import DraftServer
+    from flowedge.node.draft_serve import DraftServer
 
     job = next(msg for _, msg in reversed(sent) if isinstance(msg, proto.DraftJob))
     return DraftServer(draft_model, DropLog(logging.getLogger("t"))).run(proto.decode(job.to_frames()))
@@ -287,7 +287,7 @@ def test_fuzz_answers_never_raise_and_settle_each_job_once(draft_model, snap, da
 
 
 def test_status_shows_the_drafter_row_and_its_jobs(snap):
-    from flowedge.daemon.status_view import render
+    from flowedge.launch.status_view import render
 
     m, d, clock, _, _ = setup()
     d.offload(5, Offload(Job(1, tuple(CONTEXT)), snap))
@@ -302,8 +302,8 @@ def test_status_shows_the_drafter_row_and_its_jobs(snap):
 def test_the_head_serves_a_drafter_the_draft_model_s_files_only(tmp_path):
     from types import SimpleNamespace
 
-    from flowedge.daemon import draft_members
-    from flowedge.daemon.shard_fetch import ShardFile
+    from flowedge.node import draft_members
+    from flowedge.node.shard_fetch import ShardFile
 
     (tmp_path / "layers").write_bytes(b"L" * 100)
     (tmp_path / "head").write_bytes(b"H" * 50)

@@ -1,4 +1,4 @@
-"""The drafter's job handler (daemon/draft_serve.py) on the tiny draft model: a job that crossed the wire
+"""The drafter's job handler (node/draft_serve.py) on the tiny draft model: a job that crossed the wire
 is answered with exactly what node 0 would draft itself, a replica that is behind is said so, and any
 malformed job gets an error answer while the handler keeps serving."""
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.daemon import draft_wire
-from flowedge.daemon.draft_serve import DraftServer
-from flowedge.daemon.droplog import DropLog
 from flowedge.engine.draft_sync import graft, snapshot
 from flowedge.engine.drafter import Drafter
 from flowedge.errors import ProtocolError
 from flowedge.models.stage import StageModel
+from flowedge.node import draft_wire
+from flowedge.node.draft_serve import DraftServer
+from flowedge.node.droplog import DropLog
 from draft_helpers import rooted, tree_paths
 from flowedge.transport import protocol as p
 

@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from daemon_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
-from flowedge.daemon.client import Client
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.drafter_node import DrafterNode
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.local_cluster import LocalClusterSpec
-from flowedge.daemon.node_base import NodeParts
-from flowedge.daemon.peer_stats import clean_stats
-from flowedge.daemon.roots import build_head, build_stage
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.client.sync_client import Client
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.drafter_node import DrafterNode
+from flowedge.node.droplog import DropLog
+from flowedge.node.node_base import NodeParts
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.peer_stats import clean_stats
+from flowedge.node.roots import build_head, build_stage
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
 from flowedge.transport.memory_link import MemoryNetwork
 
@@ -196,7 +196,7 @@ def _job_frames() -> list[bytes]:
 
 
 def test_in_memory_a_drafter_declines_jobs_until_set_up_then_loads_once_what_the_head_names(tiny_pair, tmp_path):
-    from flowedge.daemon.drafter_node import load_draft
+    from flowedge.node.drafter_node import load_draft
 
     loads = []
 
@@ -219,7 +219,7 @@ def test_in_memory_a_drafter_declines_jobs_until_set_up_then_loads_once_what_the
         assert ready.error == "" and loads == [(str(tiny_pair[1]), "none")]
         beat, _ = head.next(proto.Heartbeat)
         assert beat.stats["phase"] == f"drafting with {tiny_pair[1]}" and beat.stats["drafter"]["jobs"] == 0
-        assert clean_stats(beat.stats) == (beat.stats, [])   # the head keeps all of it (daemon/peer_stats.py)
+        assert clean_stats(beat.stats) == (beat.stats, [])   # the head keeps all of it (node/peer_stats.py)
         head.router.send(setup, peer)   # the same model again: ready at once, not loaded twice
         assert head.next(proto.DraftReady)[0].error == "" and len(loads) == 1
         head.router.send(proto.Shutdown(reason="done"), peer)

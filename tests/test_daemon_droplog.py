@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from flowedge.daemon.droplog import DropLog
+from flowedge.node.droplog import DropLog
 
 
 def test_drops_are_counted_and_logged_without_flooding(caplog):

@@ -16,10 +16,10 @@ from daemon_helpers import flowedge_home
 from flowedge.api.app import create_app
 from flowedge.api.clients import key_client
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.status_view import render
+from flowedge.client.async_client import AsyncClient
 from flowedge.errors import Busy, ConfigError
+from flowedge.launch.status_view import render
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport.async_link import MemoryAsyncLink
 from test_daemon_in_memory import HEAD, PROMPT, Cluster
 

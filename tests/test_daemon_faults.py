@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
-from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.launch.local_cluster import LocalClusterSpec
 
 RECOVERY_S = 30.0   # > a stage's restart on a loaded 2-core box (python, torch, layers: up to ~20 s seen)
 MAX_NEW = 120
@@ -93,7 +93,7 @@ def test_a_restarted_head_gets_its_stages_back_and_its_client_is_told_within_5s(
 
 def test_a_client_that_leaves_mid_answer_has_its_request_dropped(nodes):
     """Regression: the head spent its time on requests whose clients had left."""
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
 
     fi.wait_ready(nodes.addr, 120)
     for leave in ("disconnect", "cancel"):
@@ -142,7 +142,7 @@ def test_a_bogus_returned_segment_is_dropped_and_the_request_completes(nodes):
     ctx.term()
     ask.join(60)
     assert ask.error is None and ask.result["token_ids"] == ref, ask.error
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
 
     with Client(nodes.addr, timeout_s=10) as c:
         head = c.status()[0]

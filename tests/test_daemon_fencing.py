@@ -1,4 +1,4 @@
-"""Split brain ruled out (daemon/fencing.py): a node obeys only the highest fencing term it has seen.
+"""Split brain ruled out (node/fencing.py): a node obeys only the highest fencing term it has seen.
 
 The rule by itself (`TermGuard`), the head's side (its term on every WELCOME and HEARTBEAT it sends), and a
 node on the in-memory link between two heads played by the test: the head it follows is lost, the standby
@@ -13,14 +13,14 @@ import time
 import pytest
 
 from daemon_helpers import ScriptedHead
-from flowedge.daemon import wire
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.fencing import TermGuard, next_term
-from flowedge.daemon.head_ports import ControlPort
-from flowedge.daemon.node_base import NodeParts
-from flowedge.daemon.standby import StandbyNode
 from flowedge.errors import HeadRefusedStandby, StaleTerm
+from flowedge.node import wire
+from flowedge.node.droplog import DropLog
+from flowedge.node.fencing import TermGuard, next_term
+from flowedge.node.head_ports import ControlPort
+from flowedge.node.node_base import NodeParts
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.standby import StandbyNode
 from flowedge.transport import protocol as p
 from flowedge.transport.link import Kind
 from flowedge.transport.memory_link import MemoryNetwork

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon_helpers import flowedge_home, free_port_pair
-from flowedge.daemon.client import Client, wait_ready
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.roots import build_head, build_stage
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import ProtocolError
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_head, build_stage
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import hello_exchange, recv_msg, send_msg
 from stage_fuzz_helpers import random_message

@@ -1,4 +1,4 @@
-"""Which announced head a node dials (daemon/head_search.py): the heads of the one cluster are candidates,
+"""Which announced head a node dials (node/head_search.py): the heads of the one cluster are candidates,
 a head that leaves HELLOs unanswered is given up for another one announced (one not given up before
 first), nothing announced keeps the address, and a node given its head's address never dials another
 (a node on the in-memory link, HELLOing into silence)."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import ScriptedHead
-from flowedge.daemon import node_base
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.head_search import FoundHead, HeadSearch, candidates
-from flowedge.daemon.node_base import NodeBase, NodeParts
 from flowedge.errors import ConfigError
+from flowedge.node import node_base
+from flowedge.node.droplog import DropLog
+from flowedge.node.head_search import FoundHead, HeadSearch, candidates
+from flowedge.node.node_base import NodeBase, NodeParts
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport.memory_link import MemoryNetwork
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import pytest
 
 from daemon_helpers import flowedge_home
 from memory_cluster import HEAD, MAX_NEW, PROMPT, Cluster, ask
-from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.client_answer import Answer
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.client.async_client import AsyncClient
+from flowedge.client.client_answer import Answer
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import protocol as p
 from flowedge.transport.async_link import MemoryAsyncLink
 from flowedge.transport.link import Inbound, Kind

@@ -14,11 +14,11 @@ import psutil
 import pytest
 
 from daemon_helpers import free_port_pair, logs, spawn_join
-from flowedge.daemon.client import Client, RequestFailed, wait_ready
+from flowedge.client.sync_client import Client, RequestFailed, wait_ready
 from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import Manifest, file_sha256
 from flowedge.models.split import split_model
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import security
 
 PROMPT = "abc def ghi jkl"
@@ -132,7 +132,7 @@ def test_interrupted_fetch_leaves_no_cache_entry(tmp_path):
     """A shard fetch that fails half-way (bad chunk) raises and leaves the cache empty."""
     import hashlib
 
-    from flowedge.daemon import shard_fetch
+    from flowedge.node import shard_fetch
     from flowedge.errors import ChecksumError
     from flowedge.transport import protocol as proto
 
@@ -203,7 +203,7 @@ def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path)
 def test_a_damaged_cache_file_is_deleted_for_a_fresh_fetch_a_bounded_number_of_times(tmp_path):
     import hashlib
 
-    from flowedge.daemon import shard_fetch
+    from flowedge.node import shard_fetch
     from flowedge.errors import ChecksumError
     from flowedge.transport import protocol as proto
 
@@ -251,7 +251,7 @@ def test_a_cached_shard_reused_for_another_model_takes_its_side_files_and_drops_
     keyed by those bytes, is reused, but not with the first model's config, manifest or head file."""
     import hashlib
 
-    from flowedge.daemon import shard_fetch
+    from flowedge.node import shard_fetch
     from flowedge.transport import protocol as proto
 
     data = os.urandom(1000)
@@ -274,7 +274,7 @@ def test_a_cached_shard_reused_for_another_model_takes_its_side_files_and_drops_
     (entry / "head.safetensors").write_bytes(os.urandom(300))   # the first model's lm_head
     shard_fetch.refresh_side_files(entry, first)                  # its own model: nothing to do
     assert (entry / "head.safetensors").is_file()
-    with caplog.at_level("WARNING", logger="flowedge.daemon.shard_fetch"):
+    with caplog.at_level("WARNING", logger="flowedge.node.shard_fetch"):
         shard_fetch.refresh_side_files(shard_fetch.cached_dir(tmp_path, sha), second)
     assert "cut from model sha256 aaaaaaaaaaaa" in caplog.text
     assert Manifest.load(entry).source_sha256 == "b" * 64 and (entry / "config.json").read_text() == '{"rope_theta": 2}'

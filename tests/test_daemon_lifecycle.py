@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.kv_budget import StageMemory, stage_budget, tightest
-from flowedge.engine.jobs import KvBudget
-from flowedge.plan.memory import kv_bytes_per_token
-from flowedge.daemon.membership import ClientGone, Membership, StageLost
-from flowedge.daemon.requests import EnginePort, HeadRequests, OutPort, Prepared
-from flowedge.engine.jobs import Limits, RequestEngine, replay_params
 from flowedge.engine.events import Continue, Done, Emit, Send, Stats
+from flowedge.engine.jobs import KvBudget
+from flowedge.engine.jobs import Limits, RequestEngine, replay_params
 from flowedge.errors import ContextOverflow, FlowedgeError
+from flowedge.node.head_requests import EnginePort, HeadRequests, OutPort, Prepared
+from flowedge.node.kv_budget import StageMemory, stage_budget, tightest
+from flowedge.node.membership import ClientGone, Membership, StageLost
+from flowedge.node.node_config import NodeConfig
+from flowedge.plan.memory import kv_bytes_per_token
 from flowedge.transport import protocol as proto
 
 PROMPT = [5, 6, 7]
@@ -587,9 +587,9 @@ def test_a_stage_holding_another_model_s_layers_is_refused_at_join_and_status_sh
     from pathlib import Path
     from types import SimpleNamespace
 
-    from flowedge.daemon import model_check
-    from flowedge.daemon.shard_fetch import ShardFile
-    from flowedge.daemon.status_view import node_table
+    from flowedge.node import model_check
+    from flowedge.node.shard_fetch import ShardFile
+    from flowedge.launch.status_view import node_table
 
     served, other = "a" * 64, "b" * 64
     m, sent, _ = members(lm_head_at="head")
@@ -614,13 +614,13 @@ def test_a_stage_holding_another_model_s_layers_is_refused_at_join_and_status_sh
 
 
 def test_a_stage_that_refuses_its_assignment_keeps_its_slot_and_is_assigned_again_later():
-    from flowedge.daemon.membership import ASSIGN_RETRY_S
-    from flowedge.daemon.status_view import node_table
+    from flowedge.node.membership import ASSIGN_RETRY_S
+    from flowedge.launch.status_view import node_table
 
     from pathlib import Path
     from types import SimpleNamespace
 
-    from flowedge.daemon.shard_fetch import ShardFile
+    from flowedge.node.shard_fetch import ShardFile
 
     m, sent, clock = members(lm_head_at="head")
     shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]
@@ -653,7 +653,7 @@ def test_a_node_joining_a_full_plan_takes_the_slot_of_a_stage_that_refused_its_a
     from pathlib import Path
     from types import SimpleNamespace
 
-    from flowedge.daemon.shard_fetch import ShardFile
+    from flowedge.node.shard_fetch import ShardFile
 
     m, sent, _ = members(lm_head_at="head")
     shards = [ShardFile(Path(f"/s/{k}"), f"{k}" * 64, 10, {}) for k in (1, 2)]

@@ -1,12 +1,12 @@
-"""The head's live figures (daemon/live_figures.py): its token rate and its own CPU load."""
+"""The head's live figures (node/live_figures.py): its token rate and its own CPU load."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from flowedge.daemon.head_node import model_created
-from flowedge.daemon.live_figures import CpuLoad, TokenRate
+from flowedge.node.head_node import model_created
+from flowedge.node.live_figures import CpuLoad, TokenRate
 
 
 class FakeProcess:

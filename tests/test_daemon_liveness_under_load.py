@@ -3,7 +3,7 @@
 Regression (stop 19): heartbeats went out only between steps, so on the real pair four concurrent
 prompts made stage steps and head turns outlast the 2 s window; stages were dropped and replayed until
 every request "gave up after 3 replays". Now the work runs on a compute thread while the node's own
-thread keeps heartbeating (daemon/beating.py), and the head judges liveness only after reading its
+thread keeps heartbeating (node/beating.py), and the head judges liveness only after reading its
 control socket empty.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
-from flowedge.daemon.beating import BeatingWorker
-from flowedge.daemon.client import Client
-from flowedge.daemon.local_cluster import LocalClusterSpec
+from flowedge.client.sync_client import Client
+from flowedge.launch.local_cluster import LocalClusterSpec
+from flowedge.node.beating import BeatingWorker
 
 STAGE_TIMEOUT_S = 0.3   # 3 heartbeats of 100 ms: the steps below take several times longer
 

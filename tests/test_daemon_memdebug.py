@@ -1,4 +1,4 @@
-"""daemon/memdebug.py: nothing without the variable; with it, SIGUSR2 appends a report that names the
+"""node/memdebug.py: nothing without the variable; with it, SIGUSR2 appends a report that names the
 allocation site that grew."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from flowedge.daemon import memdebug
+from flowedge.node import memdebug
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The node lifecycle a stage and a drafter share (daemon/node_base.py), on the in-memory link against a head
+"""The node lifecycle a stage and a drafter share (node/node_base.py), on the in-memory link against a head
 played by the test: HELLO until WELCOME, heartbeats at the head's period carrying the node's stats, a silent
 head or a REFUSE sends the node back to HELLO, a SHUTDOWN ends it, malformed input is dropped and counted,
 shard chunks are waited for with heartbeats, and a load that fails its checksum finds its files again after a
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import ScriptedHead
-from flowedge.daemon import shard_fetch
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.node_base import NodeBase, NodeParts, offered_bytes
 from flowedge.errors import ChecksumError, ConfigError, FlowedgeError
+from flowedge.node import shard_fetch
+from flowedge.node.droplog import DropLog
+from flowedge.node.node_base import NodeBase, NodeParts, offered_bytes
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as p
 from flowedge.transport.memory_link import MemoryNetwork
 
@@ -197,7 +197,7 @@ def test_load_fetched_finds_again_after_a_repair_and_stops_where_it_may_not_repa
 def test_a_node_waiting_for_an_absent_head_backs_off_says_why_and_joins_once_it_listens(net, tmp_path, caplog,
                                                                                       monkeypatch):
     """Before: a HELLO every 5 s for ever, each the same line, and no word of the next wait."""
-    from flowedge.daemon import node_base
+    from flowedge.node import node_base
     from flowedge.transport.link import Kind
 
     monkeypatch.setattr(node_base, "HELLO_TIMEOUT_S", 0.05)

@@ -1,4 +1,4 @@
-"""The heartbeat stats schema (daemon/peer_stats.py) and the head's membership using it: a peer's stats
+"""The heartbeat stats schema (node/peer_stats.py) and the head's membership using it: a peer's stats
 keep only known keys of the right type and range (a string `stage` or `last_seen_s`, markup in
 `step_ms_median`, NaN, an unknown key: dropped and counted), can never stand for what the head knows of
 the peer, and stay small: two peers sending 600 KB each no longer push `status` past what a client reads.
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import msgpack
 
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.membership import MAX_ADDR_CHARS, MAX_DRAFTERS, Membership
-from flowedge.daemon.peer_stats import MAX_STATS_BYTES, clean_stats
+from flowedge.node.droplog import DropLog
+from flowedge.node.membership import MAX_ADDR_CHARS, MAX_DRAFTERS, Membership
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.peer_stats import MAX_STATS_BYTES, clean_stats
 from flowedge.transport import protocol as proto
 
 XSS = "<img src=x onerror=\"document.body.dataset.pwned='yes'\">"
@@ -54,8 +54,8 @@ def status_bytes(m: Membership) -> int:
 
 # ---- the schema --------------------------------------------------------------------------------------
 def stage_stats() -> dict:
-    from flowedge.daemon.stage_node import StageNode
-    from flowedge.daemon.wire import WireCounter
+    from flowedge.node.stage_node import StageNode
+    from flowedge.node.wire import WireCounter
 
     wire = WireCounter(curve=True)
     wire.count, wire.wire, wire.payload = {"segment": 3, "prune": 1}, {"segment": 900, "prune": 90}, \

@@ -1,4 +1,4 @@
-"""The request log a standby follows (daemon/replication.py): the head's tap sends every committed token to
+"""The request log a standby follows (node/replication.py): the head's tap sends every committed token to
 the standbys before the client sees it, the standby's log rebuilds each request from the entries (a gap
 makes it unresumable, a failure forgets it, a full answer is kept), and a resumed request continues after
 the longer of the log's and the client's tokens (or ends with an error naming the failover)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flowedge.daemon.replication import ReplicatingOut, Replicator, RequestLog, _committed
+from flowedge.node.replication import ReplicatingOut, Replicator, RequestLog, _committed
 from flowedge.transport import protocol as p
 
 
@@ -116,8 +116,8 @@ def test_a_finished_answer_whose_end_the_client_missed_is_sent_with_its_text():
     words when only the ids came), and the finish reason of an answer that stopped short is "stop"."""
     from types import SimpleNamespace
 
-    from flowedge.daemon.replication import resume
-    from flowedge.runner import TextStream
+    from flowedge.node.replication import resume
+    from flowedge.text.streams import TextStream
 
     log = RequestLog()
     log.apply(p.LogEntry(term=1, client="app", request_id=4, start=0, tokens=tuple(map(ord, "hello"))))
@@ -139,7 +139,7 @@ def _resumed_with_stop(next_token: int):
     from the client; the new head resumes after them and makes `next_token`: what the client gets."""
     from test_daemon_lifecycle import book, prompt
 
-    from flowedge.daemon.replication import resume
+    from flowedge.node.replication import resume
 
     requests, port = book()
     requests.tick(0.0, True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowedge.daemon.client import Client, RequestFailed
+from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.engine.strategies.ar_pp import ArPP
 from memory_cluster import HEAD, MAX_NEW, PROMPT, ask, started
 from test_daemon_in_memory import reference  # noqa: F401 - a fixture

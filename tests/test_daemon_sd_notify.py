@@ -19,12 +19,12 @@ import pytest
 from click.testing import CliRunner
 
 from daemon_helpers import free_port_pair, logs, spawn_join
-from flowedge.daemon.sd_notify import Notifier, watchdog_interval_s
 from flowedge.errors import ConfigError
+from flowedge.systemd.sd_notify import Notifier, watchdog_interval_s
 from flowedge.transport import security
-from flowedge.transport.commands import keys as keys_cli
+from flowedge.transport.keys_commands import keys as keys_cli
 
-UNITS = Path(__file__).resolve().parent.parent / "flowedge" / "systemd"
+UNITS = Path(__file__).resolve().parent.parent / "systemd"
 
 
 def _listener(path: Path | None = None) -> tuple[socket.socket, str]:
@@ -247,8 +247,11 @@ def test_install_writes_units_sysusers_and_notes_for_this_install(tmp_path):
             if line.startswith("Documentation=file://")}
     assert docs == {"file:///usr/share/doc/flowedge/systemd.md"}
     assert (tmp_path / "usr/share/doc/flowedge/systemd.md").is_file()
-    setup = (Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
-    assert "systemd/*.service" in setup and "systemd/*.conf" in setup and "systemd/*.md" in setup
+    root = Path(__file__).resolve().parent.parent   # the wheel maps systemd/ to flowedge.systemd.units
+    setup = (root / "setup.cfg").read_text()
+    units_data = setup.split("flowedge.systemd.units =", 1)[1].split("\n\n", 1)[0]
+    assert "*.service" in units_data and "*.conf" in units_data and "*.md" in units_data
+    assert '"flowedge.systemd.units": "systemd"' in (root / "setup.py").read_text()
 
 
 def test_the_http_server_notifies_systemd_when_it_listens_and_when_it_stops(tmp_path):

@@ -1,4 +1,4 @@
-"""The re-plan around a lost board (daemon/shrink.py), driven by a fake clock over fake membership: when
+"""The re-plan around a lost board (node/shrink.py), driven by a fake clock over fake membership: when
 it re-plans, onto what, and what it leaves alone."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowedge.daemon import shrink
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.shrink import Shrinker
+from flowedge.node import shrink
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.shrink import Shrinker
 from flowedge.transport import protocol as proto
 
 RECOVERY_S = 10.0
@@ -176,7 +176,7 @@ def test_survivor_counts_without_a_profile_split_by_layer_count():
 
 
 def test_status_says_what_happened():
-    from flowedge.daemon.status_view import membership_lines
+    from flowedge.launch.status_view import membership_lines
 
     s, members, requests, clock, splits = _shrinker()
     _lose(s, members, clock)

@@ -10,11 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.daemon import stage_inbox, wire
-from flowedge.daemon.droplog import DropLog
-from flowedge.daemon.stage_inbox import StageInbox, plan_for
 from flowedge.engine.stage_worker import StageWorker, tree_rows
 from flowedge.models.stage import StageModel, StageParts
+from flowedge.node import stage_inbox, wire
+from flowedge.node.droplog import DropLog
+from flowedge.node.stage_inbox import StageInbox, plan_for
 from flowedge.transport import protocol as p
 
 from stage_fuzz_helpers import Hung, decode_valid, random_message, time_bound

@@ -1,4 +1,4 @@
-"""`flowedge up`'s supervisor (daemon/supervisor.py) over stand-in node processes (a sleeping python each):
+"""`flowedge up`'s supervisor (launch/supervisor.py) over stand-in node processes (a sleeping python each):
 a stage that dies is said and started again after a delay that doubles with each death in a row; the head
 is not its to restart; a detached cluster's nodes (not its children) are watched by pid."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from flowedge.daemon.local_cluster import STATE_FILE, LocalCluster, LocalClusterSpec
-from flowedge.daemon.supervisor import Backoff, ForeignProcess, RecordedCluster, Supervisor, exit_text
+from flowedge.launch.local_cluster import STATE_FILE, LocalCluster, LocalClusterSpec
+from flowedge.launch.supervisor import Backoff, ForeignProcess, RecordedCluster, Supervisor, exit_text
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

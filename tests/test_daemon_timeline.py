@@ -1,10 +1,10 @@
-"""The head's recent past (daemon/timeline.py): a sample a second, bounded in count and in bytes, each
+"""The head's recent past (node/timeline.py): a sample a second, bounded in count and in bytes, each
 sample read from the status the head already builds (an empty slot and an odd stat drawn as null)."""
 from __future__ import annotations
 
 import json
 
-from flowedge.daemon.timeline import FIELDS, STAGE_FIELDS, Timeline, sample, stage_figures
+from flowedge.node.timeline import FIELDS, STAGE_FIELDS, Timeline, sample, stage_figures
 
 LIVE = {"queued": 2, "running": 1, "tokens_per_s": 12.3456}
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from flowedge.core.prune import PruneSet
-from flowedge.daemon import wire
-from flowedge.daemon.config import NodeConfig, split_addr
-from flowedge.daemon.config_file import load_node_config
 from flowedge.engine import events
 from flowedge.errors import ConfigError, ProtocolError
+from flowedge.launch.config_file import load_node_config
+from flowedge.node import wire
+from flowedge.node.node_config import NodeConfig
 from flowedge.transport import protocol as proto
+from flowedge.transport.addresses import split_addr
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "flowedge" / "data" / "flowedge.toml.example"
 
@@ -53,7 +54,7 @@ def test_the_file_model_has_every_node_config_key_and_its_defaults():
     """NodeFile lists NodeConfig's keys by hand (types and ranges); a key added to one only fails here."""
     from dataclasses import fields
 
-    from flowedge.daemon.config_file import NodeFile
+    from flowedge.launch.config_file import NodeFile
 
     assert list(NodeFile.model_fields) == [f.name for f in fields(NodeConfig)]
     assert NodeConfig(**NodeFile().model_dump()) == NodeConfig()

@@ -400,7 +400,7 @@ def test_auto_reports_its_choice_on_a_profile(tiny_pair):
 def test_auto_on_the_14_stage_70b_cluster_weighs_pipedec_and_picks_flowspec():
     """PipeDec's setting (docs/bench/orin-nano-70b-14stages): both speculative strategies are predicted
     far above ar-pp, flowspec above pipedec (measured 4.06 vs 3.64 vs ar-pp 0.835 tok/s on MT-bench/81)."""
-    from flowedge.plan.cluster import plan_cluster
+    from flowedge.plan.planned_cluster import plan_cluster
     from flowedge.plan.predict import cost_model
 
     costs = cost_model(plan_cluster("llama-2-70b", ["orin-nano-8gb"] * 14, quant="int4"), DRAFT,

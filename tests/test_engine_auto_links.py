@@ -11,9 +11,9 @@ from flowedge.costs.link_costs import ring_s_for_link, ring_s_from_rtts
 from flowedge.costs.pipeline import DRAFT_QUANT_OF_PATH, draft_path_for
 from flowedge.costs.profiles import load_device, load_link
 from flowedge.costs.sizing import sized_spec_for, tree_costs
-from flowedge.daemon.head_engines import RING_STEP_S, link_ring_s
-from flowedge.daemon.link_rtt import RttSamples
 from flowedge.engine.auto_policy import AR_PP, FLOWSPEC, Chooser, predict_from_costs
+from flowedge.node.head_engines import RING_STEP_S, link_ring_s
+from flowedge.node.link_rtt import RttSamples
 from flowedge.sim.run import balanced
 from tests.test_engine_auto import BASE, DRAFT
 

@@ -139,7 +139,7 @@ def test_plan_and_auto_price_a_head_below_the_draft_model(tiny_head):
     from flowedge.costs.profiles import load_device
     from flowedge.costs.sizing import tree_costs
     from flowedge.models.draft_head_io import read_config
-    from flowedge.plan.cluster import draft_shape, plan_cluster
+    from flowedge.plan.planned_cluster import draft_shape, plan_cluster
     from flowedge.plan.shapes import load_shape
 
     with_head = plan_cluster("qwen2.5-coder-1.5b", ["x86-cpu"] * 2, draft=str(tiny_head))

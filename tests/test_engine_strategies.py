@@ -198,7 +198,7 @@ def test_w4a16_long_answer_equals_ar_for_every_strategy(tiny_pair, strategy, act
     kernels a verified row equals the row `ar` computes alone, so no near-tie can flip; int8 activations
     are quantized per row, so the same holds for them."""
     from flowedge.kernels import int8act, w4a16
-    from flowedge.runner import GenerateRequest, run_generate
+    from flowedge.generate import GenerateRequest, run_generate
 
     monkeypatch.setenv(int8act.ACTIVATIONS_ENV, activations)
 

@@ -53,10 +53,10 @@ def test_one_hierarchy_under_flowedge_error():
 
 @pytest.mark.parametrize("module, name", [
     ("flowedge", "StageLost"), ("flowedge", "RequestFailed"), ("flowedge", "ContextOverflow"),
-    ("flowedge.daemon.membership", "StageLost"), ("flowedge.daemon.stage_node", "Rejoin"),
-    ("flowedge.daemon.prompting", "PromptError"), ("flowedge.plan.partition", "PlanError"),
+    ("flowedge.node.membership", "StageLost"), ("flowedge.node.stage_node", "Rejoin"),
+    ("flowedge.text.prompts", "PromptError"), ("flowedge.plan.partition", "PlanError"),
     ("flowedge.kernels.build", "BuildError"), ("flowedge.transport.validate", "InvalidMessage"),
-    ("flowedge.daemon.client", "RequestFailed"),
+    ("flowedge.client.sync_client", "RequestFailed"),
 ])
 def test_moved_names_are_the_same_class_where_they_were(module, name):
     import importlib

@@ -18,13 +18,13 @@ from test_engine_predraft import _IdleEngine
 from test_engine_scheduler import Echo as SchedulerEcho
 from test_tools_soak import FakeProcs, soak
 
-from flowedge.daemon.head_engines import HeadEngines
-from flowedge.daemon.head_ports import HeadOutbox
-from flowedge.daemon.membership import Membership
-from flowedge.daemon.requests import EnginePort, HeadRequests, OutPort
-from flowedge.daemon.shard_fetch import CacheRepair
 from flowedge.engine.head import Head
 from flowedge.engine.jobs import RequestEngine
+from flowedge.node.head_engines import HeadEngines
+from flowedge.node.head_ports import HeadOutbox
+from flowedge.node.head_requests import EnginePort, HeadRequests, OutPort
+from flowedge.node.membership import Membership
+from flowedge.node.shard_fetch import CacheRepair
 
 TESTS = Path(__file__).resolve().parent
 SUBCLASSING = [(FakeEngine, RequestEngine), (ChainEngine, RequestEngine), (QueueEcho, RequestEngine),

@@ -32,31 +32,38 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "home": (),
     "threads": (),
     "allocator": (),
-    "systemd": (),
+    "shipped": (),
+    "systemd": ("shipped",),
     "datasets": ("errors", "home"),
+    # the text room: tokenizer, prompts to token ids, an answer's ids back to text (below the engine)
+    "text": ("errors",),
     # the pure speculation core, then the costs of running it on profiled devices
     "core": ("errors",),
-    "costs": ("core", "errors"),
+    "costs": ("core", "errors", "shipped"),
     # the model runtime
     "kernels": ("errors", "home"),
     "models": ("allocator", "errors", "filenames", "home", "kernels", "progress"),
     # the sans-IO engine, and the wire (independent of each other)
-    "engine": ("core", "costs", "errors", "models"),
+    "engine": ("core", "costs", "errors", "models", "text"),
     "transport": ("core", "errors", "filenames", "home"),
     # drivers and users of the engine
-    "sim": ("core", "costs", "engine", "errors", "models"),
-    "runner": ("core", "engine", "errors", "models", "sim"),
-    "plan": ("core", "costs", "datasets", "engine", "errors", "models", "runner", "sim"),
-    "daemon": ("allocator", "core", "costs", "engine", "errors", "filenames", "home", "models", "plan", "progress",
-               "runner", "threads", "transport"),
-    "bench": ("core", "costs", "daemon", "datasets", "engine", "errors", "models", "runner", "sim"),
+    "sim": ("core", "costs", "engine", "errors", "models", "text"),
+    "generate": ("core", "engine", "errors", "models", "sim", "text"),
+    "plan": ("core", "costs", "datasets", "engine", "errors", "models", "sim", "text"),
+    # the client (torch-free: `pip install flowedge` with no extra) talks to a head over the wire, nothing more
+    "client": ("errors", "home", "transport"),
+    # what a node process runs (head, stage, standby, drafter), then the commands that start and ask nodes
+    "node": ("allocator", "core", "costs", "engine", "errors", "filenames", "home", "models", "plan", "progress",
+             "systemd", "text", "transport"),
+    "launch": ("allocator", "client", "core", "errors", "node", "progress", "threads", "transport"),
+    "bench": ("client", "core", "costs", "datasets", "engine", "errors", "launch", "models", "node", "sim", "text"),
     # self-distillation of a draft head from its base model (`flowedge draft-head train`)
-    "distill": ("datasets", "engine", "errors", "models", "progress", "runner", "threads"),
-    "api": ("allocator", "daemon", "errors"),
+    "distill": ("datasets", "engine", "errors", "models", "progress", "text", "threads"),
+    "api": ("allocator", "client", "errors", "launch", "systemd", "transport"),
     # the composition root and the public faces
-    "cli": ("api", "bench", "core", "daemon", "datasets", "distill", "engine", "errors", "models", "plan", "runner",
-            "systemd", "threads", "transport"),
-    "flowedge": ("daemon", "errors"),
+    "cli": ("api", "bench", "core", "datasets", "distill", "engine", "errors", "launch", "models", "node", "plan",
+            "generate", "systemd", "threads", "transport"),
+    "flowedge": ("client", "errors"),
     "__main__": ("cli",),
 }.items()}
 
@@ -78,13 +85,14 @@ class Forbidden:
 # Rules the table alone does not say, or says too quietly to be noticed when someone widens it.
 RULES: list[Forbidden] = [
     *(Forbidden(f"flowedge.{driver}", "the engine is sans-IO: drivers drive it, it knows none of them",
-                importers=("engine",)) for driver in ("sim", "daemon", "api", "transport", "cli")),
+                importers=("engine",)) for driver in ("sim", "node", "launch", "client", "api", "transport", "cli")),
+    Forbidden("torch", "the client installs without torch (`pip install flowedge`, no extra)", importers=("client",)),
     Forbidden("zmq", "ZeroMQ stays behind the link seam (transport/link.py): nodes, clients and the http "
                      "front hold a Link, never a socket", exempt=("transport",)),
 ]
 
 # Modules ("path") or functions ("path:Qual.name") over a limit while someone splits them, each with a
-# comment saying who and why. Empty now: the last two (daemon/requests.py, SimCluster.run_many) went with
+# comment saying who and why. Empty now: the last two (node/head_requests.py, SimCluster.run_many) went with
 # the one scheduler. Anything else over a limit fails, and so does an entry that is no longer over.
 PENDING: set[str] = set()
 
@@ -240,7 +248,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_the_import_reader_sees_function_level_and_type_only_imports() -> None:
     head_imports = {(i.name, i.type_only) for i in imports() if i.module == "flowedge.engine.round_view"}
     assert ("flowedge.engine.head", True) in head_imports
-    lazy = [i for i in imports() if i.module == "flowedge.cli" and i.name == "flowedge.runner"]
+    lazy = [i for i in imports() if i.module == "flowedge.cli" and i.name == "flowedge.generate"]
     assert lazy and not lazy[0].type_only   # imported inside `generate`
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from daemon_helpers import free_port_pair, logs, spawn_join
 from flowedge.api.metrics import ApiMetrics
-from flowedge.daemon.client import wait_ready
-from flowedge.daemon.link_rtt import KEEP_PINGS, Echo, RttProbe, RttSamples
-from flowedge.daemon.status_view import render
+from flowedge.client.sync_client import wait_ready
 from flowedge.errors import ProtocolError
+from flowedge.launch.status_view import render
+from flowedge.node.link_rtt import KEEP_PINGS, Echo, RttProbe, RttSamples
 from flowedge.transport import protocol as proto
 from flowedge.transport import security
 

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from flowedge.errors import ConfigError, ModelError
-from flowedge.models.commands import models, parse_layers, split
+from flowedge.models.model_commands import models, parse_layers, split
 from flowedge.models.tiny import make_tiny_model
 
 

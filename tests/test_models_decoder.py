@@ -65,7 +65,7 @@ def test_stage_processes_need_no_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; import flowedge.daemon.stage_node, flowedge.models.stage, flowedge.models.decoder; "
+    code = ("import sys; import flowedge.node.stage_node, flowedge.models.stage, flowedge.models.decoder; "
             "sys.exit(1 if 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon import shard_fetch
 from flowedge.engine.local import generate_ar_staged
 from flowedge.errors import ModelError
 from flowedge.models import registry, resolve
@@ -28,6 +27,7 @@ from flowedge.models.split import split_model
 from flowedge.models.stage import StageModel
 from flowedge.models.tiny import make_tiny_model
 from flowedge.models.tiny_gguf import write_tiny_gguf
+from flowedge.node import shard_fetch
 from flowedge.transport import protocol as proto
 
 NAME = "qwen2.5-coder-0.5b"

@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowedge.daemon import shard_fetch
-from flowedge.daemon.plan import ensure_split
-from flowedge.engine.local import generate_ar_staged
 from flowedge.core.sampling import SamplingParams
+from flowedge.engine.local import generate_ar_staged
 from flowedge.errors import ChecksumError, ModelError
 from flowedge.models.shard_refs import REF_SUFFIX, RefFile, resolve_file, tensor_locations
 from flowedge.models.shards import is_referenced, load_shard
 from flowedge.models.split import split_model
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.models.tiny import make_tiny_model
+from flowedge.node import shard_fetch
+from flowedge.node.partition_plan import ensure_split
 from flowedge.transport import protocol as proto
 
 PROMPTS = [[5, 17, 3, 99, 42, 7], [1, 2, 3, 4], [200, 100, 50, 25, 12], [77] * 6]

@@ -19,7 +19,7 @@ GATEWAY = ROOT / "docs" / "examples" / "gateway.py"   # the example app a user's
 NO_TORCH = """
 import sys
 from flowedge import AsyncClient, Client, ContextOverflow, RequestFailed
-from flowedge.daemon import async_client
+from flowedge.client import async_client
 from flowedge.transport import protocol as p
 client = Client("127.0.0.1:1", insecure=True)
 frames = p.PromptRequest(request_id=1, text="hi", max_new_tokens=4).to_frames()
@@ -135,11 +135,19 @@ def test_wheel_installs_and_generates_outside_the_source_tree(tmp_path, tiny_pai
     assert out["new_tokens"] > 0 and out["sim_tokens_per_s"] > 0
     if shutil.which(os.environ.get("CC") or "gcc"):   # the wheel carries the kernel's C source and builds it
         assert list((tmp_path / "home" / "kernels").glob("w4a16-*.so")), proc.stderr[-2000:]
-    example = subprocess.run([str(python), "-c", "from flowedge.daemon.config import EXAMPLE_CONFIG; from "
-                              "flowedge.daemon.config_file import load_node_config; "
+    example = subprocess.run([str(python), "-c", "from flowedge.node.node_config import EXAMPLE_CONFIG; from "
+                              "flowedge.launch.config_file import load_node_config; "
                               "print(load_node_config(EXAMPLE_CONFIG).role)"],
                              env=env, cwd=run_dir, capture_output=True, text=True)
     assert example.stdout.strip() == "head", example.stderr
+    # the device profiles and the systemd units (top-level folders in a checkout) are the wheel's own copies
+    shipped = subprocess.run([str(python), "-c", "from flowedge import systemd; from flowedge.costs.profiles import "
+                              "list_devices, profiles_dir; print(profiles_dir(), systemd.HERE, len(list_devices()), "
+                              "all((systemd.HERE / u).is_file() for u in systemd.UNITS))"],
+                             env=env, cwd=run_dir, capture_output=True, text=True)
+    profiles, units, devices, all_units = shipped.stdout.split()
+    assert str(tmp_path / "venv") in profiles and str(tmp_path / "venv") in units, shipped.stdout + shipped.stderr
+    assert int(devices) >= 6 and all_units == "True", shipped.stdout
 
 
 @pytest.mark.packaging
@@ -239,7 +247,7 @@ def test_a_gateway_app_type_checks_under_mypy_strict(tmp_path):
     broken.write_text(source.replace("rate = answer.wall_tokens_per_s or 0.0", "rate: str = answer.usage"))
     proc = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir",
                            str(tmp_path / "cache"), str(GATEWAY), str(broken), "flowedge/__init__.py",
-                           "flowedge/daemon/client_answer.py"], capture_output=True, text=True,
+                           "flowedge/client/client_answer.py"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)})
     errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
     assert len(errors) == 1 and errors[0].startswith(f"{broken}:") and '"Usage"' in errors[0], proc.stdout

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from daemon_helpers import free_port_pair, logs, spawn_join
-from flowedge.daemon.client import Client, wait_ready
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.plan import ensure_split, planned_counts, split_dir_for
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.models.content_hash import memo_at, model_sha256
 from flowedge.models.shards import Manifest, load_shard
 from flowedge.models.tiny import make_tiny_model
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.partition_plan import ensure_split, planned_counts, split_dir_for
 from flowedge.plan.shapes import load_shape
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.generate import GenerateRequest, run_generate
 from flowedge.transport import protocol as proto
 from flowedge.transport import security
 
@@ -45,7 +45,7 @@ def test_planned_counts_follow_the_devices_and_respect_manual_layers(caplog):
     assert counts is not None and counts[1] < 16
     # a device the planner would leave out: every slot still serves (the daemon keeps `stages`), and the
     # log says which node to stop
-    with caplog.at_level("WARNING", logger="flowedge.daemon.plan"):
+    with caplog.at_level("WARNING", logger="flowedge.node.partition_plan"):
         counts = planned_counts(cfg.with_(stages=3), config, [11, 11, 10],
                                 [_hello("agx-orin-64gb", 30), _hello("rpi5-8gb", node="pi"), _hello("orin-nano-8gb")])
     assert counts is not None and len(counts) == 3
@@ -65,7 +65,7 @@ def test_a_split_is_keyed_by_the_model_s_content_and_one_of_another_model_is_cut
     assert split_dir_for(home, a, key_a, [1, 1]) != split_dir_for(home, b, key_b, [1, 1])
     out = split_dir_for(home, a, key_a, [1, 1])
     assert ensure_split(a, [1, 1], out, "a", source_sha256=key_a).source_sha256 == key_a
-    with caplog.at_level("WARNING", logger="flowedge.daemon.plan"):
+    with caplog.at_level("WARNING", logger="flowedge.node.partition_plan"):
         manifest = ensure_split(b, [1, 1], out, "b", source_sha256=key_b)
     assert manifest.source_sha256 == key_b == Manifest.load(out).source_sha256
     assert f"was cut from model sha256 {key_a[:12]}" in caplog.text and "splitting again" in caplog.text

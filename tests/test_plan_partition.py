@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from flowedge.costs.profiles import list_devices, load_device, load_link
-from flowedge.plan.cluster import plan_cluster
+from flowedge.plan.planned_cluster import plan_cluster
 from flowedge.plan.memory import GiB
 from flowedge.plan.partition import IDLE_GAIN, PlanError, PlanInputs, plan_partition, stage_devices
 from flowedge.plan.shapes import list_shapes, load_shape, shape_from_dict

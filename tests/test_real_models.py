@@ -27,7 +27,7 @@ def real_pair():
 
 @pytest.fixture(scope="module")
 def encoded(real_pair):
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(real_pair[0])
     return [encode_prompt(tok, p, chat=True) for p in PROMPTS]
@@ -81,8 +81,8 @@ def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, t
     greedy of the same W4A16 model."""
     from daemon_helpers import free_port_pair, logs, start_cluster
 
-    from flowedge.daemon.client import Client
-    from flowedge.daemon.local_cluster import LocalClusterSpec
+    from flowedge.client.sync_client import Client
+    from flowedge.launch.local_cluster import LocalClusterSpec
 
     spec = LocalClusterSpec(nodes=3, port=free_port_pair(), wire_dtype="float32", tree_nodes=24,
                             stage_timeout_s=120.0)
@@ -108,11 +108,11 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
 
     from daemon_helpers import free_port_pair, logs, start_cluster
 
-    from flowedge.daemon.client import Client
-    from flowedge.daemon.local_cluster import LocalClusterSpec
+    from flowedge.client.sync_client import Client
+    from flowedge.launch.local_cluster import LocalClusterSpec
     from flowedge.engine.local import generate_ar_staged
     from flowedge.models.stage import StageModel
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(real_pair[0])
     model = StageModel.load(real_pair[0])

@@ -6,7 +6,7 @@ import pytest
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.local import GenerationResult, generate_ar_staged
 from flowedge.models.stage import StageModel
-from flowedge.runner import decode_stats
+from flowedge.generate import decode_stats
 
 
 def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_the_first():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from flowedge.systemd.commands import systemd_group
+from flowedge.systemd.systemd_commands import systemd_group
 
 
 def test_install_writes_every_unit_under_the_root(tmp_path) -> None:

@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from daemon_helpers import flowedge_home, free_port_pair
-from flowedge.daemon.config import NodeConfig
-from flowedge.daemon.roots import build_head
-from flowedge.transport.connections import GONE_REMEMBERED, ConnectionTracker
+from flowedge.node.node_config import NodeConfig
+from flowedge.node.roots import build_head
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, send_msg
+from flowedge.transport.connections import GONE_REMEMBERED, ConnectionTracker
 
 
 # ---- the tracker ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the decoder: random, truncated, mutated, wrong-version, oversized and
 schema-shaped frames. The decoder may only ever answer with a message or a short ProtocolError, and
 every error can be quoted in a reply (the 5 KB `type` that once ended the head). The same holds past
-the decoder, through the adapter to the engine's events (daemon/wire.py)."""
+the decoder, through the adapter to the engine's events (node/wire.py)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowedge.daemon import wire
 from flowedge.errors import ProtocolError
+from flowedge.node import wire
 from flowedge.transport import protocol as p
 
 from stage_fuzz_helpers import random_message

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from flowedge.errors import ConfigError
 from flowedge.transport import security
 from flowedge.transport.channel import recv_msg, send_msg
-from flowedge.transport.commands import keys as keys_cli
+from flowedge.transport.keys_commands import keys as keys_cli
 from flowedge.transport.protocol import Reset
 
 torch.set_num_threads(1)

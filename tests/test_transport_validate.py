@@ -185,7 +185,7 @@ def test_a_manifest_naming_a_file_outside_the_cache_is_refused(tmp_path, evil):
     the fetch is refused before a byte is requested, and nothing is written outside the cache."""
     import json
 
-    from flowedge.daemon import shard_fetch
+    from flowedge.node import shard_fetch
     from flowedge.errors import ModelError
     from flowedge.models.shards import Manifest
 

@@ -32,7 +32,7 @@ from flowedge.engine.local import generate_ar_staged
 from flowedge.kernels import int8act, w4a16, w8a16
 from flowedge.models.resolve import resolve_model
 from flowedge.models.stage import StageModel
-from flowedge.runner import encode_prompt, load_tokenizer
+from flowedge.text.prompts import encode_prompt, load_tokenizer
 
 DATASETS = ("humaneval", "mt-bench:writing", "mt-bench:math", "mt-bench:extraction")
 TILED = (w4a16.KERNEL, w8a16.KERNEL, int8act.KERNEL4, int8act.KERNEL8)

@@ -1,6 +1,6 @@
 """A board lost for good, measured: a local cluster (`flowedge up --nodes N`'s processes), answers in
 flight and queued, one stage killed -9 and never restarted; the head re-plans onto the stages left
-(daemon/shrink.py) and every answer must equal the undisturbed one (T=0).
+(node/shrink.py) and every answer must equal the undisturbed one (T=0).
 
 Figures: the undisturbed answer's wall time; the kill -> the head's loss event; the loss -> the re-plan
 decision (recovery_s - 2 s); the re-plan's own time (decision -> every survivor ready with its new layers,
@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
 
 log = logging.getLogger("bench_board_lost")
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."

@@ -3,7 +3,7 @@
     python tools/bench_draft_head.py --head head:qwen2.5-coder-1.5b [--draft qwen2.5-coder-0.5b]
         [--max-new-tokens 128] [--rounds 2] [--tree-nodes 16] [--out results.json]
 
-What `flowedge generate --strategy ar|tree [--draft ...]` runs (runner.py: the W4A16 base through
+What `flowedge generate --strategy ar|tree [--draft ...]` runs (generate.py: the W4A16 base through
 `generate_ar_staged`, `generate_tree` with a `Drafter` or a `HeadDrafter`), with every model loaded once and
 the three runs of a prompt interleaved (the order alternating from round to round), so a box shared with
 other work loads all three alike. Per run: decode tokens/s (tokens after the first over the seconds after
@@ -26,7 +26,8 @@ from flowedge.engine.head_drafter import load_draft, make_drafter
 from flowedge.engine.local import generate_ar_staged, generate_tree
 from flowedge.models.resolve import resolve_model
 from flowedge.models.stage import StageModel
-from flowedge.runner import decode_stats, encode_prompt, load_tokenizer
+from flowedge.generate import decode_stats
+from flowedge.text.prompts import encode_prompt, load_tokenizer
 
 PROMPTS = {
     "code": "Write a Python function that checks whether two strings are anagrams of each other, with doctests.",

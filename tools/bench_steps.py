@@ -9,7 +9,7 @@ model's layers [0, 14) alone (a 2-stage split's first stage), hidden in, hidden 
 not by default): layers [14, 28) plus the final norm and lm_head, hidden in, logits out. Each figure is the
 median of `repeats` calls after warm-up. Works on older checkouts too (only StageModel's public API).
 
-`--rows 1,2,4,8,16,32 --rounds 5` (the cost-model fit, `flowedge/device_profiles/README.md`) loads the
+`--rows 1,2,4,8,16,32 --rounds 5` (the cost-model fit, `device_profiles/README.md`) loads the
 asked models together and times every (model, rows) pair in turns, `rounds` times: each figure is the median
 of the rounds' medians, with the least and the most (`..._spread`) since the VM's speed drifts between minutes;
 `weight_bytes` counts each model's decoder-layer and lm_head weight bytes as loaded.

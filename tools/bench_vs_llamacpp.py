@@ -167,7 +167,7 @@ class LocalCluster:
         return proc.stdout
 
     def __enter__(self) -> LocalCluster:
-        from flowedge.daemon.config import flowedge_home
+        from flowedge.node.node_config import flowedge_home
 
         self.flowedge("up", "--nodes", "3", "--threads", str(self.threads), "--detach", "--port", str(self.port),
                       "--model", self.model)
@@ -209,7 +209,7 @@ def load_cases(datasets: list[str], samples: int, model: str) -> list[Case]:
     """The first `samples` prompts of each dataset, tokenized as `flowedge generate` does (chat template)."""
     from flowedge.datasets import load_prompts
     from flowedge.models.resolve import resolve_model
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(resolve_model(model, quant="int4"))
     return [Case(p.prompt_id, kind_of(ds), p.text, tuple(encode_prompt(tok, p.text, chat=True)))

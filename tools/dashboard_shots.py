@@ -21,9 +21,9 @@ import httpx
 
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import wait_ready
-from flowedge.daemon.local_cluster import LocalCluster, LocalClusterSpec
+from flowedge.client.sync_client import wait_ready
+from flowedge.launch import local_cluster
+from flowedge.launch.local_cluster import LocalCluster, LocalClusterSpec
 
 log = logging.getLogger("dashboard_shots")
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -16,9 +16,9 @@ import signal
 import sys
 import time
 
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
-from flowedge.runner import GenerateRequest, run_generate
+from flowedge.client.sync_client import Client, wait_ready
+from flowedge.launch import local_cluster
+from flowedge.generate import GenerateRequest, run_generate
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 

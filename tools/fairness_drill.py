@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 import soak
-from flowedge.daemon.async_client import AsyncClient
+from flowedge.client.async_client import AsyncClient
 
 log = logging.getLogger("fairness")
 

@@ -32,9 +32,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import FlowedgeError
+from flowedge.launch import local_cluster
 
 DRILLS = ("kill-restart", "never-back", "sigstop", "clients", "head-restart")
 PROMPT = "Once upon a time"

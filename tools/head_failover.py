@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowedge.client.async_client import AsyncClient
+from flowedge.client.sync_client import Client, wait_ready
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon.async_client import AsyncClient
-from flowedge.daemon.client import Client, wait_ready
 from flowedge.errors import FlowedgeError
 
 log = logging.getLogger("head-failover")

@@ -39,9 +39,9 @@ import psutil
 from soak_faults import Schedule, schedule
 from soak_load import Load, Readiness, Tally
 from soak_standby import Standby
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import wait_ready
+from flowedge.client.sync_client import wait_ready
 from flowedge.errors import ConfigError
+from flowedge.launch import local_cluster
 
 log = logging.getLogger("soak")
 
@@ -340,7 +340,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--memdebug", default=None, metavar="FILE",
                     help="run the head with FLOWEDGE_MEMDEBUG=FILE (tracemalloc) and ask it for a report every "
-                         "--memdebug-every s (daemon/memdebug.py); for finding memory only: tracing slows the "
+                         "--memdebug-every s (node/memdebug.py); for finding memory only: tracing slows the "
                          "head enough on 2 cores that clients time out on HELLO (~17%% failed in 5 min)")
     ap.add_argument("--memdebug-every", type=float, default=60.0)
     ap.add_argument("--memdebug-heap-only", action="store_true",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from flowedge.daemon.client import Client
+from flowedge.client.sync_client import Client
 from flowedge.errors import FlowedgeError
 
 log = logging.getLogger("soak")

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from flowedge.daemon.client import Client
+from flowedge.client.sync_client import Client
 from flowedge.errors import FlowedgeError
 
 log = logging.getLogger("soak")

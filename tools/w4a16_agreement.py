@@ -24,7 +24,7 @@ from flowedge.engine.local import generate_ar_staged
 from flowedge.models import registry
 from flowedge.models.resolve import resolve_model
 from flowedge.models.stage import StageModel
-from flowedge.runner import encode_prompt, load_tokenizer
+from flowedge.text.prompts import encode_prompt, load_tokenizer
 
 KINDS = ("humaneval", "mt-bench:writing", "mt-bench:math", "mt-bench:extraction")
 

@@ -11,8 +11,8 @@ import json
 import logging
 import time
 
-from flowedge.daemon import local_cluster
-from flowedge.daemon.client import Client, wait_ready
+from flowedge.client.sync_client import Client, wait_ready
+from flowedge.launch import local_cluster
 
 
 def main() -> None:

@@ -36,8 +36,8 @@ from flowedge.api.headers import SecurityHeaders
 from flowedge.api.metrics import ApiMetrics
 from flowedge.api.schema import ChatRequest, CompletionRequest, Reply
 from flowedge.api.settings import ApiSettings
-from flowedge.daemon.async_client import AsyncClient, AsyncLink, client_link
-from flowedge.daemon.client_core import prompt_request
+from flowedge.client.async_client import AsyncClient, AsyncLink, client_link
+from flowedge.client.client_core import prompt_request
 from flowedge.errors import (ApiError, Busy, ClusterNotReady, ContextOverflow, FlowedgeError, HeadUnreachable,
                              ProtocolError, RequestFailed)
 

@@ -1,6 +1,6 @@
 """The live dashboard of `flowedge http`: the page at `/`, its static files under `/dashboard/`, and
 `/v1/status/stream`, the head's status as server-sent events, and `/v1/timeline`, the head's last minutes
-(daemon/timeline.py), which the page fetches once when it opens so that it draws what came before.
+(node/timeline.py), which the page fetches once when it opens so that it draws what came before.
 
 The page and its files hold no cluster data, so they are served without an API key (a browser cannot
 send one on navigation); the data comes only from `/v1/status/stream` and `/v1/chat/completions`, which

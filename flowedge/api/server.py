@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from flowedge.daemon.sd_notify import Notifier
+from flowedge.systemd.sd_notify import Notifier
 
 from flowedge.api.admission import Admission
 from flowedge.api.app import create_app

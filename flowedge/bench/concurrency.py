@@ -76,7 +76,7 @@ def run_concurrency(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, 
                     say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.engine.local import generate_ar, stop_ids
     from flowedge.sim.cluster import BatchConfig
-    from flowedge.runner import encode_prompt
+    from flowedge.text.prompts import encode_prompt
     from flowedge.sim.cluster import SimRequest
 
     out.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def sim_cluster(cfg: BenchConfig):
     """The simulated cluster a bench runs on, built once: (cluster, tokenizer, base model dir, draft quant)."""
     from flowedge.engine.head_drafter import draft_source
     from flowedge.models.resolve import resolve_model
-    from flowedge.runner import load_tokenizer
+    from flowedge.text.prompts import load_tokenizer
     from flowedge.costs.pipeline import draft_quant_for
     from flowedge.sim.run import Cluster
 
@@ -76,7 +76,7 @@ def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path,
               say: Callable[[str], None] = lambda s: None) -> dict:
     from flowedge.bench.timeline import plot_timeline
     from flowedge.engine.local import generate_ar, stop_ids
-    from flowedge.runner import encode_prompt
+    from flowedge.text.prompts import encode_prompt
 
     out.mkdir(parents=True, exist_ok=True)
     cluster, tok, base_dir, draft_quant = sim_cluster(cfg)

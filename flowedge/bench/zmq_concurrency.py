@@ -19,12 +19,12 @@ from typing import Callable
 
 from flowedge.bench.concurrency import concurrency_table, percentile, plot_concurrency
 from flowedge.bench.runner import BenchConfig
-from flowedge.daemon.config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 
 
 def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> None:
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
 
     t0 = time.monotonic()
     stamps: list[float] = []
@@ -39,8 +39,8 @@ def _ask(addr: str, prompt: str, cfg: BenchConfig, strategy: str, out: dict) -> 
 def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[int, ...], out: Path,
                         say: Callable[[str], None] = lambda s: None, *, wire_dtype: str = DEFAULT_WIRE_DTYPE,
                         threads: int = 0, port: int = 5585) -> dict:
-    from flowedge.daemon import local_cluster
-    from flowedge.daemon.client import wait_ready
+    from flowedge.launch import local_cluster
+    from flowedge.client.sync_client import wait_ready
 
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": {k: v for k, v in asdict(cfg).items() if k != "spec"} | {
@@ -84,7 +84,7 @@ def run_concurrency_zmq(cfg: BenchConfig, prompts: list[Prompt], levels: tuple[i
 def _batch_counts(addr: str) -> dict[str, dict]:
     """From one status reading: node 0's packed draft forwards and the calls they held ("draft"), and the
     stages' batched forwards and the requests they held, summed over the stages ("stage")."""
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
 
     with Client(addr) as client:
         nodes = client.status()

@@ -9,20 +9,20 @@ from typing import Callable
 
 from flowedge.bench.runner import BenchConfig, record_run, write_table
 from flowedge.core.sampling import SamplingParams
-from flowedge.daemon.config import DEFAULT_WIRE_DTYPE
 from flowedge.datasets import Prompt
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE
 
 log = logging.getLogger(__name__)
 
 
 def run_bench_zmq(cfg: BenchConfig, prompts: list[Prompt], out: Path, say: Callable[[str], None] = lambda s: None,
                   *, wire_dtype: str = DEFAULT_WIRE_DTYPE, threads: int = 0, port: int = 5575) -> dict:
-    from flowedge.daemon import local_cluster
-    from flowedge.daemon.client import Client, wait_ready
+    from flowedge.launch import local_cluster
+    from flowedge.client.sync_client import Client, wait_ready
     from flowedge.engine.local import generate_ar
     from flowedge.models.resolve import resolve_model
     from flowedge.models.stage import StageModel
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     base_dir = resolve_model(cfg.model)

@@ -52,7 +52,7 @@ def ring_s_for_link(link: LinkProfile, n_stages: int, nbytes: int = 0) -> float:
 
 
 def ring_s_from_rtts(rtts_ms: list[float | None], n_stages: int) -> float:
-    """One trip's link time from the round trips the head measures to each stage (daemon/link_rtt.py):
+    """One trip's link time from the round trips the head measures to each stage (node/link_rtt.py):
     n + 1 one-way hops at half the median round trip. A stage without a figure yet (an older peer, no
     heartbeat echoed so far) counts as the others; none at all: 0 (the profiles' view, links free)."""
     known = sorted(r for r in rtts_ms if r is not None and r >= 0)

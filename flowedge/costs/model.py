@@ -2,7 +2,7 @@
 
 A forward either streams its weights (and the KV cache) through memory or is bound by arithmetic,
 whichever is slower, plus fixed per-call and per-layer overheads that dominate small models on
-Python runtimes. Calibration and sources: `flowedge/device_profiles/README.md`.
+Python runtimes. Calibration and sources: `device_profiles/README.md`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Device and link profiles for the cost model (the simulator, the planner, the head's tree sizing), read
-from `flowedge/device_profiles/*.toml` (package data: they ship inside the wheel, so an installed
-flowedge finds them anywhere).
+from `device_profiles/*.toml` at the repository's top (they ship inside the wheel, so an installed
+flowedge finds them anywhere: flowedge/shipped.py).
 
 The numbers live in data files (with their sources) rather than in code, so a person can add a
 board or re-calibrate one without touching the cost model.
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flowedge.errors import ConfigError
+from flowedge.shipped import shipped_dir
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +129,11 @@ class LinkProfile:
 
 
 def profiles_dir() -> Path:
-    """The profiles directory: $FLOWEDGE_PROFILES, else the one shipped inside the package."""
+    """The profiles directory: $FLOWEDGE_PROFILES, else the one shipped with flowedge."""
     env = os.environ.get(PROFILES_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1] / "device_profiles"
+    return shipped_dir("device_profiles")
 
 
 def list_devices() -> list[str]:

@@ -78,7 +78,7 @@ def train_device(name: str) -> torch.device:
 
 def prepare_records(cfg: TrainConfig, model, tokenizer, stops: set[int]) -> FeatureStore:
     """The base's answers and the teacher-forced text, extracted once (resumes where it stopped)."""
-    from flowedge.runner import encode_prompt
+    from flowedge.text.prompts import encode_prompt
 
     store = FeatureStore(cfg.work / "records")
     prompts = [encode_prompt(tokenizer, text, chat=True) for text in corpus.INSTRUCTIONS[: cfg.answers]]

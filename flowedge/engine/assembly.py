@@ -1,7 +1,7 @@
 """Engine assembly shared by both drivers: build a strategy's engine head, size its first tree, and
 turn a finished request into the result stats both report.
 
-The simulator (`sim/run.py`) and the ZeroMQ head (`daemon/head_node.py`) used to do each of these in
+The simulator (`sim/run.py`) and the ZeroMQ head (`node/head_node.py`) used to do each of these in
 their own words; one function each keeps their answers and their stats comparable.
 """
 from __future__ import annotations

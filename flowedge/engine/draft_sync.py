@@ -121,7 +121,7 @@ def check_growth(snap: DraftSnapshot, growth: DraftGrowth) -> None:
     """Refuse (ValueError) an answer that is not a growth of `snap`: the job's nodes first with their
     scores, finite K/V rows, log-probability scores in [MIN_LOG_SCORE, 0], new nodes only under run
     nodes, and no more of them than the job's calls can make. A drafter is a peer: what it sends is
-    checked, not trusted (the rows' magnitude is checked on the wire, daemon/draft_wire.py)."""
+    checked, not trusted (the rows' magnitude is checked on the wire, node/draft_wire.py)."""
     n, m = int(snap.tokens.numel()), int(growth.tokens.numel())
     if m < n or not torch.equal(growth.tokens[:n], snap.tokens) or not torch.equal(growth.parents[:n], snap.parents) \
             or not torch.equal(growth.log_scores[:n], snap.log_scores):

@@ -14,8 +14,8 @@ from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.select import select_top
 from flowedge.core.verify import walk
 from flowedge.engine.drafter import Drafter, TreeShape
-from flowedge.errors import ContextOverflow
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask
+from flowedge.text.prompts import check_context
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,6 @@ class GenerationResult:
     @property
     def mean_accept_len(self) -> float | None:
         return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else None
-
-
-def check_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
-    if prompt_len == 0:
-        raise ContextOverflow("the prompt is empty after tokenization")
-    if prompt_len + max_new_tokens > context:   # OpenAI's words, which clients and their libraries match on
-        raise ContextOverflow(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the messages, {max_new_tokens} in the "
-            f"completion). Please reduce the length of the messages or completion "
-            f"(at most {max(context - prompt_len, 0)} completion tokens fit).")
 
 
 def stop_ids(config) -> set[int]:

@@ -22,7 +22,7 @@ from flowedge.costs.model import (draft_time_s, forward_time_s, lm_head_segment_
 from flowedge.costs.pipeline import CostModel, draft_path_for
 from flowedge.costs.sizing import SIZING_CONTEXT, tree_costs
 from flowedge.errors import ConfigError
-from flowedge.plan.cluster import ClusterSpec
+from flowedge.plan.planned_cluster import ClusterSpec
 from flowedge.plan.partition import HIDDEN_WIRE_BYTES
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def simulate(cluster: ClusterSpec, base_dir: Path, draft_dir: Path, prompts: Seq
     from flowedge.core.sampling import SamplingParams
     from flowedge.costs.pipeline import draft_quant_for
     from flowedge.engine.local import stop_ids
-    from flowedge.runner import encode_prompt, load_tokenizer
+    from flowedge.text.prompts import encode_prompt, load_tokenizer
     from flowedge.sim.cluster import SimCluster
     from flowedge.sim.run import Cluster
 

@@ -13,7 +13,8 @@ from flowedge.engine.draft_sync import DrafterDevice
 from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.engine.head import Head
 from flowedge.engine.jobs import KvBudget
-from flowedge.engine.local import GenerationResult, check_context, stop_ids
+from flowedge.engine.local import GenerationResult, stop_ids
+from flowedge.text.prompts import check_context
 from flowedge.engine.scheduler import Scheduler
 from flowedge.engine.stage_worker import StageWorker
 from flowedge.engine.strategies import make_strategy

@@ -1,5 +1,6 @@
-"""The systemd units, the sysusers.d file and their notes, shipped as package data, and
-`flowedge systemd install`, which puts them where systemd looks.
+"""The systemd units, the sysusers.d file and their notes (`systemd/` at the repository's top, shipped
+inside the wheel: flowedge/shipped.py), and `flowedge systemd install`, which puts them where systemd
+looks; sd_notify.py is what a node and the HTTP server tell systemd while they run.
 
 The units name `/opt/flowedge/.venv/bin/flowedge`; install rewrites that to the `flowedge` next to
 the running interpreter, so a venv anywhere works. Installed (under `root`, default `/`):
@@ -13,7 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from flowedge.shipped import shipped_dir
+
+HERE = shipped_dir("systemd")
 UNITS = ("flowedge-head.service", "flowedge-stage.service", "flowedge-http.service")
 SYSUSERS = HERE / "flowedge.sysusers.conf"
 NOTES = HERE / "systemd.md"

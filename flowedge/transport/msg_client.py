@@ -44,7 +44,7 @@ class PromptRequest(Message):
     connection is the client). Any node with the cluster's keys may set it.
     1.8: `resumed` >= 0 sends again a request the client began with a head that was lost: the client
     already holds that many of its tokens (`held_ids`), and the new head continues after the committed
-    ones (daemon/replication.py). -1: a new request.
+    ones (node/replication.py). -1: a new request.
     """
 
     TYPE: ClassVar[str] = "prompt"
@@ -155,7 +155,7 @@ class ErrorReply(Message):
 @dataclass(**MESSAGE_OPTIONS)
 class StatusRequest(Message):
     """Client -> head: describe the cluster. 1.7: `timeline` asks for the head's recent past too (its
-    row's `timeline`: a sample a second of the last minutes, daemon/timeline.py); an older head ignores it."""
+    row's `timeline`: a sample a second of the last minutes, node/timeline.py); an older head ignores it."""
 
     TYPE: ClassVar[str] = "status_request"
     timeline: bool = False

@@ -57,7 +57,7 @@ class Welcome(Message):
     node_id: str
     heartbeat_interval_ms: int
     version: tuple[int, int] = PROTOCOL_VERSION
-    term: int = 0   # 1.8: the head's fencing term (daemon/fencing.py; 0: an older head)
+    term: int = 0   # 1.8: the head's fencing term (node/fencing.py; 0: an older head)
 
     def __post_init__(self) -> None:
         _str(self, "node_id", max_len=256)
@@ -182,14 +182,14 @@ class Heartbeat(Message):
 
     Round trips (1.8): the head numbers its heartbeats (`ping`); a peer's next heartbeat echoes the latest
     number it read (`echo`) and how long it held it (`held_ms`), so the head times the link without either
-    clock crossing it (daemon/link_rtt.py). Older peers neither send nor read these fields: no round trip."""
+    clock crossing it (node/link_rtt.py). Older peers neither send nor read these fields: no round trip."""
 
     TYPE: ClassVar[str] = "heartbeat"
     node_id: str
     load: float
     rss_bytes: int
     stats: dict[str, Any] = field(default_factory=dict)  # e.g. steps, step_ms_median
-    term: int = 0   # 1.8: from a head, its fencing term (daemon/fencing.py); 0 from other nodes
+    term: int = 0   # 1.8: from a head, its fencing term (node/fencing.py); 0 from other nodes
     ping: int | None = None     # head -> peer: this heartbeat's number
     echo: int | None = None     # peer -> head: the latest number read
     held_ms: float = 0.0        # peer -> head: from reading `echo` to sending this

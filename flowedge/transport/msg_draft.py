@@ -7,7 +7,7 @@ in the draft cache's dtype, without copies, as a Segment's hidden states do.
 
 What is checked here is what holds for any model: shapes consistent with each other, trees topological,
 sizes bounded, dtypes. What depends on the draft model (vocabulary, layers, K/V heads, head size) each
-side checks against its own model (daemon/draft_wire.py)."""
+side checks against its own model (node/draft_wire.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,5 @@
 """Head -> standby messages (1.8): the request log and the head's state, which a standby head follows so
-that it can take over (daemon/standby.py). Both carry the head's fencing term (daemon/fencing.py).
+that it can take over (node/standby.py). Both carry the head's fencing term (node/fencing.py).
 
 The log is keyed by whom a request belongs to on the wire: the client's node id (its HELLO) and the
 request id on that client's connection. A client that reconnects to the new head sends the same pair

@@ -7,7 +7,7 @@ sizes a node is willing to hold. A failed check raises `InvalidMessage` naming t
 key a node counts drops under); no check asserts, and none looks at node state, so they are plain
 functions both the stages and the head call.
 
-Wire conventions checked here (see daemon/wire.py and protocol.Segment, 1.4): node, parent and prune
+Wire conventions checked here (see node/wire.py and protocol.Segment, 1.4): node, parent and prune
 ids are the engine's own (no shift); `root_rows` names the tree nodes that hang off the committed
 context; a prefill chunk carries no tree ids.
 """

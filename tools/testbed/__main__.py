@@ -2,7 +2,7 @@
 
 Each device is a network namespace whose CPU and memory a cgroup limits (--cpus, --memory-mb, as a board's);
 every byte between devices crosses a userspace relay that impairs the link (presets from
-flowedge/device_profiles/links.toml: lan, wifi, bad-wifi). Everything is torn down afterwards, after a failure
+device_profiles/links.toml: lan, wifi, bad-wifi). Everything is torn down afterwards, after a failure
 or a signal too; `cleanup` removes what a killed testbed left.
 
     python -m tools.testbed run --devices 3 --preset wifi [--each 'CMD {ip} {i}'] -- CMD ...

@@ -24,13 +24,13 @@ WARM_UP = "Say hi."
 
 
 def flowedge_ready(head: str, timeout_s: float) -> None:
-    from flowedge.daemon.client import wait_ready
+    from flowedge.client.sync_client import wait_ready
 
     wait_ready(head, timeout_s, insecure=True)
 
 
 def flowedge_prompts(head: str, cases: list[dict], max_new: int, strategy: str) -> None:
-    from flowedge.daemon.client import Client
+    from flowedge.client.sync_client import Client
 
     with Client(head, insecure=True, timeout_s=600.0) as client:
         client.generate(WARM_UP, max_new_tokens=8, temperature=0.0, strategy=strategy)   # untimed

@@ -1,4 +1,4 @@
-"""The testbed's link presets, read from the simulator's own link file (flowedge/device_profiles/links.toml,
+"""The testbed's link presets, read from the simulator's own link file (device_profiles/links.toml,
 entries `testbed-<preset>`), so a measured run and its simulated prediction use the same figures."""
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.costs.pipeline import draft_quant_for
 from flowedge.datasets import load_prompts
 from flowedge.models.resolve import resolve_model
-from flowedge.plan.cluster import plan_cluster
+from flowedge.plan.planned_cluster import plan_cluster
 from flowedge.plan.predict import cost_model, _stage_path
-from flowedge.runner import encode_prompt, load_tokenizer
+from flowedge.text.prompts import encode_prompt, load_tokenizer
 from flowedge.sim.cluster import SimCluster
 from flowedge.sim.run import Cluster
 

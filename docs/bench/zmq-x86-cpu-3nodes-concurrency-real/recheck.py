@@ -1,7 +1,7 @@
 """The re-check after batched stage forwards became bit-identical per request: ar-pp alone (the
 strategy whose MT-bench/81 answer diverged under batching), the same 4 prompts, 1, 2 and 4 concurrent."""
 import functools, sys
-from flowedge.daemon import local_cluster
+from flowedge.launch import local_cluster
 local_cluster.LocalClusterSpec = functools.partial(local_cluster.LocalClusterSpec, stage_timeout_s=30.0, client_timeout_s=60.0)
 from flowedge.cli import main
 sys.argv = ["flowedge", "bench", "--driver", "zmq", "--dataset", "mt-bench", "--dataset", "humaneval", "--samples", "2",

@@ -214,7 +214,7 @@ function kvFacts(n) {
   if (used == null && budget == null) return [];
   return [["KV cache", (used == null ? "-" : used) + (budget != null ? " / " + budget : "") + " tokens"]];
 }
-// the head's fencing term and the standby heads that follow it (daemon/standby_status.py)
+// the head's fencing term and the standby heads that follow it (node/standby_status.py)
 function standbyFacts(n) {
   if (n.role !== "head" || num(n.term) == null) return [];
   const rows = Array.isArray(n.standbys) ? n.standbys : [];
@@ -265,7 +265,7 @@ function drawClients(rows) {
   document.body.dataset.clients = rows.length;
 }
 
-// boards lost, re-plans onto the boards left, spares waiting (daemon/shrink.py), the latest last
+// boards lost, re-plans onto the boards left, spares waiting (node/shrink.py), the latest last
 function drawMembership(m) {
   const events = m && Array.isArray(m.events) ? m.events.slice(-6) : [];
   const spares = m && Array.isArray(m.spares) ? m.spares : [];
