@@ -26,6 +26,7 @@ import time
 from flowedge.allocator import settle
 from flowedge.node import memdebug
 from flowedge.node.beating import BeatingWorker
+from flowedge.node.deposition import Deposition
 from flowedge.node.node_config import NodeConfig, flowedge_home
 from flowedge.transport.addresses import split_addr
 from flowedge.node.kv_budget import with_budgets
@@ -57,6 +58,7 @@ class HeadNode:
         self.members, self.engines, self.requests = parts.members, parts.engines, parts.requests
         self.drops, self.drafts, self.shrink = parts.drops, parts.drafts, parts.shrink
         self.replica, self.resumes = parts.replica, parts.resumes
+        self.deposition = Deposition(self.link, lambda: self.control.term, self.members, self.requests, self.node_id)
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -190,7 +192,8 @@ class HeadNode:
             return
         peer = self.members.seen(identity)
         if peer is None:
-            admit = (self.shrink or self.members).admit   # the shrinker's: a board back after a re-plan is a spare
+            # the shrinker's (a board back after a re-plan is a spare), unless a standby has replaced this head
+            admit = self.deposition.admit((self.shrink or self.members).admit)
             try:
                 with self.control.lock:
                     hello = answer_hello(self.ctrl, identity, body, self.control.stamp(self.members.welcome()),
@@ -201,6 +204,7 @@ class HeadNode:
                 self._events(self.members.register(identity, hello))
                 if self.replica is not None:
                     self.replica.joined(identity, hello)
+                    self.deposition.joined(hello)
             return
         try:
             msg = proto.decode(body)
@@ -316,6 +320,7 @@ class HeadNode:
             "draft_batching": self.engines.batcher.counts() if self.engines.batcher is not None else None,
             "turn_ms_longest": round(1000 * self.compute.longest_s, 3),
             "term": self.control.term, "standbys": standby_rows(self.replica, self.members),
+            "deposed": self.deposition.status(),
         }
         if timeline:
             head["timeline"] = self.timeline.snapshot()
@@ -369,6 +374,7 @@ class HeadNode:
             self.shrink.tick()
         if self.replica is not None:
             self.replica.tick()
+            self.deposition.tick()
         if self.drafts is not None:
             self.drafts.expire()
         self._sample()

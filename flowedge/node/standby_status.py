@@ -89,7 +89,8 @@ def standby_lines(nodes: list[dict]) -> list[str]:
     if first.get("term") is None:
         return []
     rows = first.get("standbys") or []
-    lines = [f"fencing term {first['term']}; standby heads: {len(rows) or 'none'}"]
+    lines = [first["deposed"]] if first.get("deposed") else []
+    lines.append(f"fencing term {first['term']}; standby heads: {len(rows) or 'none'}")
     for r in rows:
         behind = r.get("log_behind_tokens")
         age = r.get("state_age_s")
