@@ -10,6 +10,7 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Done, Emit, Send, Stats
 from flowedge.engine.jobs import (REPLAY_ID_SHIFT, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
                                   Limits, RequestEngine, ResetStages, State, kv_need, tree_reserve)
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.scheduler import Scheduler
 from flowedge.errors import ConfigError
 
@@ -17,8 +18,8 @@ from flowedge.errors import ConfigError
 class Echo(RequestEngine):
     """Emits the token each event carries; done after max_new tokens. Records its start."""
 
-    def __init__(self, log: list) -> None:
-        self.log, self.clock = log, None
+    def __init__(self, log: list, context: EngineContext = EngineContext()) -> None:
+        self.log, self.clock = log, context.clock
 
     def start(self, request_id, prompt_ids, max_new_tokens, params):
         self.log.append((request_id, list(prompt_ids), max_new_tokens, params))
@@ -34,7 +35,7 @@ class Echo(RequestEngine):
 
 def sched(**limits) -> tuple[Scheduler, list]:
     starts: list = []
-    return Scheduler(lambda req: Echo(starts), Limits(**limits)), starts
+    return Scheduler(lambda req, context: Echo(starts), Limits(**limits)), starts
 
 
 def test_a_job_runs_and_its_whole_answer_comes_back_in_order():
@@ -94,7 +95,7 @@ def test_a_queued_job_fails_past_its_own_deadline():
 
 def test_kv_admission_is_first_come_first_served_and_a_job_that_never_fits_fails_at_once():
     starts: list = []
-    s = Scheduler(lambda req: Echo(starts), Limits(max_running=4), lambda: KvBudget(100, 2, "test"))
+    s = Scheduler(lambda req, context: Echo(starts), Limits(max_running=4), lambda: KvBudget(100, 2, "test"))
     (failed,) = s.submit(1, Job((5,), 4, kv_tokens=101), 0.0)
     assert isinstance(failed, Failed) and "needs 101 KV tokens" in failed.message
     assert "stage 2 can hold 100" in failed.message
@@ -123,7 +124,7 @@ def test_cancel_end_and_a_contained_engine_error():
 
 
 def test_an_uncontained_engine_error_propagates():
-    s = Scheduler(lambda req: Echo([]), contain_errors=False)
+    s = Scheduler(lambda req, context: Echo([]), contain_errors=False)
     s.submit(1, Job((5,), 4), 0.0)
     s.tick(0.0, True)
     s.add_work(1, "boom", 0.1)
@@ -134,8 +135,8 @@ def test_an_uncontained_engine_error_propagates():
 def test_the_engines_read_the_scheduler_s_time():
     engines: list = []
 
-    def make(req):
-        engines.append(Echo([]))
+    def make(req, context):
+        engines.append(Echo([], context))
         return engines[-1]
 
     s = Scheduler(make)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import ROOT, DraftTree
 from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.drafter import Drafter
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.head_drafter import FeatureFeed
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
@@ -42,10 +42,10 @@ class Expand:
 class Head:
     def __init__(self, model: StageModel, drafter: Drafter | None, strategy, n_stages: int,
                  config: SpecConfig, stop_ids: set[int], oracle=None, lm_head_at: str = "head",
-                 predraft_call_s: float | None = None) -> None:
+                 predraft_call_s: float | None = None, context: EngineContext = EngineContext()) -> None:
         self.model, self.drafter, self.strategy = model, drafter, strategy
         # pre-drafting (config.predraft): the tree grown in node 0's gaps or on a drafter device
-        self.predraft = PreDrafting(drafter, config, predraft_call_s) \
+        self.predraft = PreDrafting(drafter, config, predraft_call_s, context.drafters_present) \
             if drafter is not None and config.predraft != "off" else None
         self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
         # a draft head's input: the base's final hidden states of verified tokens (engine/head_drafter.py)
@@ -56,9 +56,8 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         # a stage's KV cache holds at most this many positions per request (the model's context)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
-        # requests sharing the pipeline now, this one included: set by the scheduler (engine/scheduler.py)
-        self.running_requests: Callable[[], int] = lambda: 1
+        # the driver's clock and load (the scheduler's: engine/engine_context.py); strategy `auto` reads them
+        self.clock, self.running_requests = context.clock, context.running_requests
         self.view = RoundView(self)   # all a strategy sees of this head
         self.answer = Answer()
         self.round: Round | None = None   # None before the first round of a request

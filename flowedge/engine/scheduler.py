@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.fair_queue import FairQueue
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
@@ -40,14 +41,15 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 
 
 class Scheduler:
-    """`make_engine(request)` builds a request's engine (a `Head`); `accept(engine, item)` turns what came
+    """`make_engine(request, context)` builds a request's engine (a `Head`) reading the scheduler's clock and
+    load through `context` (engine/engine_context.py); `accept(engine, item)` turns what came
     back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
     `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
     `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
     `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the
     simulator, tests)."""
 
-    def __init__(self, make_engine: Callable[[Request], RequestEngine], limits: Limits = Limits(),
+    def __init__(self, make_engine: Callable[[Request, EngineContext], RequestEngine], limits: Limits = Limits(),
                  kv_budget: Callable[[], KvBudget | None] = lambda: None,
                  accept: Callable[..., object] = lambda engine, item: item,
                  batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True,
@@ -64,6 +66,7 @@ class Scheduler:
         self.ended: dict[int, Request] = {}       # recently ended (bounded)
         self.releasing: list[Request] = []        # ended since the last call: their engines still held
         self.now_s = 0.0                          # the latest time passed in: the engines' clock
+        self.context = EngineContext(clock=lambda: self.now_s, running_requests=self.running_count)
         self.ever_ready = False
         self.lost_why = ""
 
@@ -263,13 +266,9 @@ class Scheduler:
     def _launch(self, req: Request, now: float) -> list[Action]:
         """Start (or restart, for a replay) the engine on the prompt plus what was already handed out."""
         try:
-            req.engine = self.make_engine(req)
+            req.engine = self.make_engine(req, self.context)   # auto measures its rates on the driver's time
         except FlowedgeError as err:
             return self._end(req, State.FAILED, str(err), prefix="")
-        if hasattr(req.engine, "running_requests"):   # every engine Head (the tests' fakes may not)
-            req.engine.running_requests = self.running_count
-        if hasattr(req.engine, "clock"):
-            req.engine.clock = lambda: self.now_s   # strategy `auto` measures its rates on the driver's time
         req.engine_id = req.next_engine_id()
         req.work.clear()   # a replay: whatever the old run had queued is void
         req.idle = None
