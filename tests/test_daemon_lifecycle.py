@@ -25,12 +25,12 @@ class FakeEngine(RequestEngine):
     def __init__(self) -> None:
         self.starts: list[tuple[int, list[int], int, SamplingParams]] = []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.starts.append((request_id, list(prompt_ids), max_new_tokens, params))
         self.left = max_new_tokens
         return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         if event == "boom":
             raise IndexError("node id 99 out of range")   # what a bogus returned segment did
         self.left -= 1
@@ -392,11 +392,11 @@ class ChainEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log, self.left = log, 0
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.id, self.left = request_id, max_new_tokens
         return []
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.log.append((self.id, event))
         if event.count(".") < (1 if event.endswith(".2") else 2):
             return [Continue(event + ".1")] + ([Continue(event + ".2")] if "." not in event else [])

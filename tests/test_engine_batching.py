@@ -278,10 +278,10 @@ def test_every_admitted_head_sees_the_requests_running():
         stats = None
         finished = False
 
-        def start(self, request_id, prompt_ids, max_new_tokens, params):
+        def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
             return []
 
-        def receive(self, event):
+        def receive(self, event, now=None):
             return []
 
     heads = []

@@ -110,11 +110,11 @@ def test_the_cap_refuses_past_it_with_a_busy_message_and_counts_who():
 class Echo(RequestEngine):
     """Emits one token per event; done after max_new."""
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.left, self.stats = max_new_tokens, Stats()
         return [Send(1, request_id)]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.left -= 1
         return [Emit([event])] + ([Done([event], self.stats)] if self.left == 0 else [])
 

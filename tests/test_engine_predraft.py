@@ -106,10 +106,10 @@ class _IdleEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         return [WhenIdle("idle")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.log.append(event)
         return [WhenIdle("idle")] if event == "idle" and self.log.count("idle") < 3 else []
 

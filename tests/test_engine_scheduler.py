@@ -10,7 +10,6 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Done, Emit, Send, Stats
 from flowedge.engine.jobs import (REPLAY_ID_SHIFT, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
                                   Limits, RequestEngine, ResetStages, State, kv_need, tree_reserve)
-from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.scheduler import Scheduler
 from flowedge.errors import ConfigError
 
@@ -18,15 +17,17 @@ from flowedge.errors import ConfigError
 class Echo(RequestEngine):
     """Emits the token each event carries; done after max_new tokens. Records its start."""
 
-    def __init__(self, log: list, context: EngineContext = EngineContext()) -> None:
-        self.log, self.clock = log, context.clock
+    def __init__(self, log: list) -> None:
+        self.log, self.times = log, []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+        self.times.append(now)
         self.log.append((request_id, list(prompt_ids), max_new_tokens, params))
         self.left, self.stats = max_new_tokens, Stats()
         return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
+        self.times.append(now)
         if event == "boom":
             raise IndexError("bad node id")
         self.left -= 1
@@ -133,18 +134,22 @@ def test_an_uncontained_engine_error_propagates():
 
 
 def test_the_engines_read_the_scheduler_s_time():
+    """Strategy `auto` measures its rates on the driver's time (virtual under simulation): every call into an
+    engine carries it, the idle work's and the follow-ups' too."""
     engines: list = []
 
     def make(req, context):
-        engines.append(Echo([], context))
+        engines.append(Echo([]))
         return engines[-1]
 
     s = Scheduler(make)
     s.submit(1, Job((5,), 4), 0.0)
     s.tick(2.5, True)
-    assert engines[0].clock() == 2.5
+    s.add_work(1, 11, 3.0)
     s.step(4.0)
-    assert engines[0].clock() == 4.0
+    s.deliver(1, 12)
+    s.step(4.5)
+    assert engines[0].times == [2.5, 4.0, 4.5]
 
 
 def test_the_kv_need_is_the_context_plus_the_largest_tree_in_flight():

@@ -1,10 +1,10 @@
-"""What an engine reads of the driver that runs it: its clock, the load on the pipeline, and whether a
-drafter device is there. Given to the engine's constructor by its composition root (the scheduler and the
-driver's engine factory), so no one patches an engine after it is built.
+"""What an engine reads of the driver that runs it: the load on the pipeline and whether a drafter device
+is there. Given to the engine's constructor by its composition roots (the scheduler and the driver's
+engine factory), so no one patches an engine after it is built; the driver's time comes with each call
+(`RequestEngine.start` / `receive`), as befits a sans-I/O engine.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,10 +19,8 @@ def _yes() -> bool:
 
 @dataclass(frozen=True)
 class EngineContext:
-    """`clock`: seconds on the driver's time (the simulator's virtual clock under the scheduler; strategy
-    `auto` measures its rates on it); `running_requests`: requests sharing the pipeline now, this one
+    """`running_requests`: requests sharing the pipeline now, this one
     included (auto weighs its predictions by it); `drafters_present`: whether a drafter device can take
     pre-draft jobs (with none, no job is made: no snapshot copied for nobody)."""
-    clock: Callable[[], float] = time.monotonic
     running_requests: Callable[[], int] = _one
     drafters_present: Callable[[], bool] = _yes

@@ -56,8 +56,9 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         # a stage's KV cache holds at most this many positions per request (the model's context)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        # the driver's clock and load (the scheduler's: engine/engine_context.py); strategy `auto` reads them
-        self.clock, self.running_requests = context.clock, context.running_requests
+        # the driver's load (engine/engine_context.py) and its time at the current call (None: wall time);
+        # strategy `auto` measures its rates on that time (virtual under simulation)
+        self.running_requests, self.now = context.running_requests, None
         self.view = RoundView(self)   # all a strategy sees of this head
         self.answer = Answer()
         self.round: Round | None = None   # None before the first round of a request
@@ -94,8 +95,13 @@ class Head:
         return self.round.alive if self.round is not None else torch.zeros(0, dtype=torch.bool)
 
     # ---- request lifecycle ------------------------------------------------------------------------
+    def clock(self) -> float:
+        """Seconds on the driver's time, as passed in with the current call (wall time when none was)."""
+        return time.monotonic() if self.now is None else self.now
+
     def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
-              params: SamplingParams) -> list:
+              params: SamplingParams, now: float | None = None) -> list:
+        self.now = now
         self.answer = Answer(request_id, list(prompt_ids), max_new_tokens, params, make_generator(params))
         self.round = None
         self.times = StepTimes()
@@ -114,7 +120,8 @@ class Head:
         self.answer.prefill_left = len(actions)
         return actions
 
-    def receive(self, event) -> list:
+    def receive(self, event, now: float | None = None) -> list:
+        self.now = now
         a = self.answer
         if a.finished:
             return []
