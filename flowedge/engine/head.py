@@ -58,7 +58,8 @@ class Head:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         # the driver's load (engine/engine_context.py) and its time at the current call (None: wall time);
         # strategy `auto` measures its rates on that time (virtual under simulation)
-        self.running_requests, self.now = context.running_requests, None
+        self.running_requests = context.running_requests
+        self.now: float | None = None
         self.view = RoundView(self)   # all a strategy sees of this head
         self.answer = Answer()
         self.round: Round | None = None   # None before the first round of a request
