@@ -19,8 +19,8 @@ def _yes() -> bool:
 
 @dataclass(frozen=True)
 class EngineContext:
-    """`running_requests`: requests sharing the pipeline now, this one
-    included (auto weighs its predictions by it); `drafters_present`: whether a drafter device can take
-    pre-draft jobs (with none, no job is made: no snapshot copied for nobody)."""
+    """`running_requests`: requests sharing the pipeline now, this one included (strategy `auto` weighs its
+    predictions by it); `drafters_present`: whether a drafter device can take pre-draft jobs (with none, no
+    job is made: no snapshot copied for nobody)."""
     running_requests: Callable[[], int] = _one
     drafters_present: Callable[[], bool] = _yes

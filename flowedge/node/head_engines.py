@@ -106,7 +106,7 @@ class HeadEngines:
         """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
         draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
         placement are worked out once per strategy and set of stage devices. `context`: the scheduler's
-        clock and load; a drafter device is present while the membership has one (pre-draft jobs)."""
+        load; a drafter device is present while the membership has one (pre-draft jobs)."""
         ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
         devices = self.members.stage_devices()
         ring_s = link_ring_s(self.members)
