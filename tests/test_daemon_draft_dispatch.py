@@ -73,9 +73,8 @@ def setup(draft_model=None, ready: int = 1):
         m.register(b"d%d" % k, drafter_hello(f"d{k}"))
         m.on_draft_ready(m.peers[b"d%d" % k], proto.DraftReady(model="m"))
     d = DraftDispatch(m, lambda i, msg: sent.append((i, msg)), lambda: draft_model,
-                      DropLog(logging.getLogger("test")), clock=clock,
+                      DropLog(logging.getLogger("test")), lambda key, ev: got.append((key, ev)), clock=clock,
                       event=lambda job, growth: ("predrafted", job.seq, growth))
-    d.deliver = lambda key, ev: got.append((key, ev))
     return m, d, clock, sent, got
 
 

@@ -25,12 +25,12 @@ class FakeEngine(RequestEngine):
     def __init__(self) -> None:
         self.starts: list[tuple[int, list[int], int, SamplingParams]] = []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.starts.append((request_id, list(prompt_ids), max_new_tokens, params))
         self.left = max_new_tokens
         return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         if event == "boom":
             raise IndexError("node id 99 out of range")   # what a bogus returned segment did
         self.left -= 1
@@ -70,7 +70,8 @@ class FakePort(EnginePort, OutPort):
             raise FlowedgeError("unknown strategy 'bad'")
         return Prepared(list(PROMPT), SamplingParams(msg.temperature, seed=msg.seed), msg.strategy or "flowspec")
 
-    def engine(self, strategy):
+    def engine(self, strategy, context):
+        self.context = context   # the scheduler's clock and load, as every engine gets them
         return self.engine_
 
     def accept(self, engine, msg):
@@ -190,19 +191,18 @@ def test_client_mistakes_are_counted_rejected_and_cluster_faults_failed():
 def test_an_engine_sees_how_many_requests_are_running():
     """Strategy `auto` weighs its predictions by the requests sharing the pipeline (engine/auto_policy.py)."""
     b, port = book(max_running=2)
-    port.engine_.running_requests = lambda: 1
     b.tick(0.0, True)
     for rid, owner in ((1, b"a"), (2, b"b"), (3, b"c")):
         b.submit(owner, prompt(rid, max_new=1), 0.0, True, [])
     b.tick(0.1, True)
-    assert port.engine_.running_requests() == 2   # the third waits in the queue: not counted
+    assert port.context.running_requests() == 2   # the third waits in the queue: not counted
     first = port.engine_.starts[0][0]
     b.on_segment(first, 11, 0.2)   # the first one's single token: done
-    assert port.done(b"a") and port.engine_.running_requests() == 1
+    assert port.done(b"a") and port.context.running_requests() == 1
     b.tick(0.3, True)              # the third starts in its place
-    assert port.engine_.running_requests() == 2
+    assert port.context.running_requests() == 2
     b.stage_lost("stage 1 died", 0.4)   # paused requests wait for a stage, they do not run
-    assert port.engine_.running_requests() == 0
+    assert port.context.running_requests() == 0
 
 
 def test_a_lost_stage_pauses_the_request_and_the_replay_continues_from_the_committed_tokens():
@@ -392,11 +392,11 @@ class ChainEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log, self.left = log, 0
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.id, self.left = request_id, max_new_tokens
         return []
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.log.append((self.id, event))
         if event.count(".") < (1 if event.endswith(".2") else 2):
             return [Continue(event + ".1")] + ([Continue(event + ".2")] if "." not in event else [])
@@ -415,7 +415,7 @@ def test_each_step_takes_one_piece_of_work_per_request_follow_ups_first():
         return out
 
     port = FakePort()
-    port.engine = lambda strategy: ChainEngine(work)
+    port.engine = lambda strategy, context: ChainEngine(work)
     b = HeadRequests(port, port, Limits(max_running=2), run_handlers=side_by_side)
     b.tick(0.0, True)
     b.submit(b"a", prompt(1, max_new=3), 0.0, True, [])

@@ -271,19 +271,21 @@ def test_every_admitted_head_sees_the_requests_running():
     from flowedge.engine.scheduler import Scheduler
 
     class Head(RequestEngine):
-        running_requests = staticmethod(lambda: 1)
+        def __init__(self, context) -> None:
+            self.running_requests = context.running_requests
+
         outputs: list[int] = []
         stats = None
         finished = False
 
-        def start(self, request_id, prompt_ids, max_new_tokens, params):
+        def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
             return []
 
-        def receive(self, event):
+        def receive(self, event, now=None):
             return []
 
     heads = []
-    multi = Scheduler(lambda req: heads.append(Head()) or heads[-1], Limits(max_running=2))
+    multi = Scheduler(lambda req, context: heads.append(Head(context)) or heads[-1], Limits(max_running=2))
     for rid in (1, 2, 3):
         multi.submit(rid, Job((5, 6), 4), 0.0)
         multi.tick(0.0, True)

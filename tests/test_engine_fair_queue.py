@@ -110,11 +110,11 @@ def test_the_cap_refuses_past_it_with_a_busy_message_and_counts_who():
 class Echo(RequestEngine):
     """Emits one token per event; done after max_new."""
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         self.left, self.stats = max_new_tokens, Stats()
         return [Send(1, request_id)]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.left -= 1
         return [Emit([event])] + ([Done([event], self.stats)] if self.left == 0 else [])
 
@@ -127,7 +127,7 @@ def finish(s: Scheduler, key: int, now: float) -> None:
 
 
 def test_under_the_scheduler_a_flood_is_capped_and_a_second_client_starts_at_the_next_free_slot():
-    s = Scheduler(lambda r: Echo(), Limits(max_running=2, max_queued_per_client=5))
+    s = Scheduler(lambda r, context: Echo(), Limits(max_running=2, max_queued_per_client=5))
     refused = [a for key in range(1, 21) for a in s.submit(key, Job((1,), 1, client="flood"), 0.0)]
     assert len(refused) == 15 and all(isinstance(a, Failed) and a.message.startswith(Busy.PREFIX) for a in refused)
     assert s.get(20).state is State.FAILED and len(s.queue) == 5

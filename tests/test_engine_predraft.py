@@ -106,17 +106,17 @@ class _IdleEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
         return [WhenIdle("idle")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
         self.log.append(event)
         return [WhenIdle("idle")] if event == "idle" and self.log.count("idle") < 3 else []
 
 
 def test_idle_work_runs_only_when_no_real_work_waits():
     log: list = []
-    sched = Scheduler(lambda req: _IdleEngine(log), Limits(max_running=1))
+    sched = Scheduler(lambda req, context: _IdleEngine(log), Limits(max_running=1))
     sched.submit(1, Job((1, 2), 4), 0.0)
     sched.tick(0.0, True)
     assert sched.has_idle_work() and not sched.has_work()
@@ -226,9 +226,9 @@ def test_no_drafter_job_is_made_while_no_drafter_is_there(tiny_pair):
     drafter = Drafter(StageModel.load(tiny_pair[1]))
     context = list(range(3, 15))
     drafter.build(context, TreeShape(4, 2))
-    pre = PreDrafting(drafter, SpecConfig(topk=4, l_max=4, predraft="drafter"))
-    pre.present = lambda: False
+    present = [False]
+    pre = PreDrafting(drafter, SpecConfig(topk=4, l_max=4, predraft="drafter"), present=lambda: present[0])
     assert pre.plan(context, in_flight=True) == [] and pre.stats.jobs == 0
-    pre.present = lambda: True
+    present[0] = True
     (offload,) = pre.plan(context, in_flight=True)
     assert isinstance(offload, Offload) and offload.snapshot.context == tuple(context)

@@ -18,14 +18,16 @@ class Echo(RequestEngine):
     """Emits the token each event carries; done after max_new tokens. Records its start."""
 
     def __init__(self, log: list) -> None:
-        self.log, self.clock = log, None
+        self.log, self.times = log, []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params):
+    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+        self.times.append(now)
         self.log.append((request_id, list(prompt_ids), max_new_tokens, params))
         self.left, self.stats = max_new_tokens, Stats()
         return [Send(1, f"prefill-{request_id}")]
 
-    def receive(self, event):
+    def receive(self, event, now=None):
+        self.times.append(now)
         if event == "boom":
             raise IndexError("bad node id")
         self.left -= 1
@@ -34,7 +36,7 @@ class Echo(RequestEngine):
 
 def sched(**limits) -> tuple[Scheduler, list]:
     starts: list = []
-    return Scheduler(lambda req: Echo(starts), Limits(**limits)), starts
+    return Scheduler(lambda req, context: Echo(starts), Limits(**limits)), starts
 
 
 def test_a_job_runs_and_its_whole_answer_comes_back_in_order():
@@ -94,7 +96,7 @@ def test_a_queued_job_fails_past_its_own_deadline():
 
 def test_kv_admission_is_first_come_first_served_and_a_job_that_never_fits_fails_at_once():
     starts: list = []
-    s = Scheduler(lambda req: Echo(starts), Limits(max_running=4), lambda: KvBudget(100, 2, "test"))
+    s = Scheduler(lambda req, context: Echo(starts), Limits(max_running=4), lambda: KvBudget(100, 2, "test"))
     (failed,) = s.submit(1, Job((5,), 4, kv_tokens=101), 0.0)
     assert isinstance(failed, Failed) and "needs 101 KV tokens" in failed.message
     assert "stage 2 can hold 100" in failed.message
@@ -123,7 +125,7 @@ def test_cancel_end_and_a_contained_engine_error():
 
 
 def test_an_uncontained_engine_error_propagates():
-    s = Scheduler(lambda req: Echo([]), contain_errors=False)
+    s = Scheduler(lambda req, context: Echo([]), contain_errors=False)
     s.submit(1, Job((5,), 4), 0.0)
     s.tick(0.0, True)
     s.add_work(1, "boom", 0.1)
@@ -132,18 +134,22 @@ def test_an_uncontained_engine_error_propagates():
 
 
 def test_the_engines_read_the_scheduler_s_time():
+    """Strategy `auto` measures its rates on the driver's time (virtual under simulation): every call into an
+    engine carries it, the idle work's and the follow-ups' too."""
     engines: list = []
 
-    def make(req):
+    def make(req, context):
         engines.append(Echo([]))
         return engines[-1]
 
     s = Scheduler(make)
     s.submit(1, Job((5,), 4), 0.0)
     s.tick(2.5, True)
-    assert engines[0].clock() == 2.5
+    s.add_work(1, 11, 3.0)
     s.step(4.0)
-    assert engines[0].clock() == 4.0
+    s.deliver(1, 12)
+    s.step(4.5)
+    assert engines[0].times == [2.5, 4.0, 4.5]
 
 
 def test_the_kv_need_is_the_context_plus_the_largest_tree_in_flight():

@@ -64,14 +64,14 @@ def test_every_fake_in_the_tests_is_checked_here():
 
 def test_a_stale_fake_is_caught():
     class Renamed(RequestEngine):
-        def start(self, request_id, prompt, max_new_tokens, params):
+        def start(self, request_id, prompt, max_new_tokens, params, now=None):
             return []
 
-        def receive(self, event):
+        def receive(self, event, now=None):
             return []
 
     class Missing(RequestEngine):
-        def start(self, request_id, prompt_ids, max_new_tokens, params):
+        def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
             return []
 
     class Loose(RequestEngine):

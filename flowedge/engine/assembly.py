@@ -13,6 +13,7 @@ from flowedge.costs.pipeline import draft_path_for, path_for_quant
 from flowedge.costs.profiles import load_device, load_named_device
 from flowedge.costs.sizing import sized_spec_for, tree_costs
 from flowedge.engine.auto_policy import predict_from_costs
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Done
 from flowedge.engine.head import Head
 from flowedge.errors import ConfigError
@@ -20,11 +21,18 @@ from flowedge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def check_strategy(strategy_name: str, draft_model):
-    """The strategy, or ConfigError when it needs a draft model and there is none (or it is unknown)."""
-    from flowedge.engine.strategies import make_strategy
+def check_strategy(strategy_name: str, draft_model, predict_costs=None):
+    """The strategy, or ConfigError when it needs a draft model and there is none (or it is unknown);
+    `auto` starts its choice from `predict_costs` (TreeCosts: engine/auto_policy.predict_from_costs)."""
+    from flowedge.engine.strategies import STRATEGIES, make_strategy
+    from flowedge.engine.strategies.auto import Auto
 
-    strategy = make_strategy(strategy_name)
+    prediction = None
+    if STRATEGIES.get(strategy_name) is Auto and predict_costs is not None:
+        # auto starts from the profiles. A drafter board's hit rate (auto_policy.DrafterCosts) is not passed:
+        # simulated with the graft, its answers add no node node 0 does not draft itself (docs/bench/predraft)
+        prediction = predict_from_costs(predict_costs)
+    strategy = make_strategy(strategy_name, prediction)
     if strategy.needs_draft and draft_model is None:
         raise ConfigError(f"strategy {strategy_name} needs a draft model; this head runs without one")
     return strategy
@@ -52,28 +60,24 @@ def sized_spec(spec: SpecConfig, strategy_name: str, tree_costs=None) -> SpecCon
 
 def build_head(head_model, draft_model, strategy_name: str, n_stages: int, spec: SpecConfig,
                stop_ids: set[int], *, tree_costs=None, lm_head_ratio: float | None = None,
-               oracle=None, batcher=None, predict_costs=None) -> Head:
+               oracle=None, batcher=None, predict_costs=None, context: EngineContext = EngineContext()) -> Head:
     """The engine head for one strategy (one request at a time; a fresh one per request under batching).
 
     `tree_costs`: where given, flowspec's initial tree is sized from it (`sized_spec`); `lm_head_ratio`:
     how a segment's lm_head scales on the last stage (None: the strategy's own placement choice holds);
     `batcher`: the draft batcher shared by concurrent requests (engine/draft_batch.py); `predict_costs`:
-    the TreeCosts strategy `auto` starts its choice from (engine/auto_policy.predict_from_costs)."""
+    the TreeCosts strategy `auto` starts its choice from (engine/auto_policy.predict_from_costs); `context`:
+    what the engine reads of its driver (engine/engine_context.py)."""
     from flowedge.engine.head_drafter import make_drafter
-    from flowedge.engine.strategies.auto import Auto
 
-    strategy = check_strategy(strategy_name, draft_model)
-    if isinstance(strategy, Auto) and predict_costs is not None:
-        # auto starts from the profiles. A drafter board's hit rate (auto_policy.DrafterCosts) is not passed:
-        # simulated with the graft, its answers add no node node 0 does not draft itself (docs/bench/predraft)
-        strategy.prediction = predict_from_costs(predict_costs)
+    strategy = check_strategy(strategy_name, draft_model, predict_costs)
     spec = sized_spec(spec, strategy_name, tree_costs)
     drafter = make_drafter(draft_model, head_model, batcher) if strategy.needs_draft else None
     lm_head_at = spec.lm_head_for(strategy, lm_head_ratio)
     if drafter is not None and drafter.wants_features:
         spec, lm_head_at = head_draft_spec(spec, lm_head_at)
     return Head(head_model, drafter, strategy, n_stages, spec, stop_ids, oracle, lm_head_at=lm_head_at,
-                predraft_call_s=predict_costs.draft_call_s if predict_costs is not None else None)
+                predraft_call_s=predict_costs.draft_call_s if predict_costs is not None else None, context=context)
 
 
 def head_draft_spec(spec: SpecConfig, lm_head_at: str) -> tuple[SpecConfig, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from flowedge.core.sampling import SamplingParams, choose_token, make_generator
 from flowedge.core.tree import ROOT, DraftTree
 from flowedge.core.verify import WalkResult, walk_chosen
 from flowedge.engine.drafter import Drafter
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.head_drafter import FeatureFeed
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
@@ -42,10 +42,10 @@ class Expand:
 class Head:
     def __init__(self, model: StageModel, drafter: Drafter | None, strategy, n_stages: int,
                  config: SpecConfig, stop_ids: set[int], oracle=None, lm_head_at: str = "head",
-                 predraft_call_s: float | None = None) -> None:
+                 predraft_call_s: float | None = None, context: EngineContext = EngineContext()) -> None:
         self.model, self.drafter, self.strategy = model, drafter, strategy
         # pre-drafting (config.predraft): the tree grown in node 0's gaps or on a drafter device
-        self.predraft = PreDrafting(drafter, config, predraft_call_s) \
+        self.predraft = PreDrafting(drafter, config, predraft_call_s, context.drafters_present) \
             if drafter is not None and config.predraft != "off" else None
         self.oracle = oracle   # sim.oracle.PathOracle: logits from the node's path, not its hidden state
         # a draft head's input: the base's final hidden states of verified tokens (engine/head_drafter.py)
@@ -56,9 +56,10 @@ class Head:
         self.n_stages, self.config, self.stop_ids = n_stages, config, stop_ids
         # a stage's KV cache holds at most this many positions per request (the model's context)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.clock = time.monotonic   # seconds; the simulator sets its virtual clock (strategy `auto` reads it)
-        # requests sharing the pipeline now, this one included: set by the scheduler (engine/scheduler.py)
-        self.running_requests: Callable[[], int] = lambda: 1
+        # the driver's load (engine/engine_context.py) and its time at the current call (None: wall time);
+        # strategy `auto` measures its rates on that time (virtual under simulation)
+        self.running_requests = context.running_requests
+        self.now: float | None = None
         self.view = RoundView(self)   # all a strategy sees of this head
         self.answer = Answer()
         self.round: Round | None = None   # None before the first round of a request
@@ -95,8 +96,13 @@ class Head:
         return self.round.alive if self.round is not None else torch.zeros(0, dtype=torch.bool)
 
     # ---- request lifecycle ------------------------------------------------------------------------
+    def clock(self) -> float:
+        """Seconds on the driver's time, as passed in with the current call (wall time when none was)."""
+        return time.monotonic() if self.now is None else self.now
+
     def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
-              params: SamplingParams) -> list:
+              params: SamplingParams, now: float | None = None) -> list:
+        self.now = now
         self.answer = Answer(request_id, list(prompt_ids), max_new_tokens, params, make_generator(params))
         self.round = None
         self.times = StepTimes()
@@ -115,7 +121,8 @@ class Head:
         self.answer.prefill_left = len(actions)
         return actions
 
-    def receive(self, event) -> list:
+    def receive(self, event, now: float | None = None) -> list:
+        self.now = now
         a = self.answer
         if a.finished:
             return []

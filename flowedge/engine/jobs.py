@@ -58,11 +58,12 @@ class RequestEngine(Protocol):
     """One request's speculative decoding, sans I/O: events in, actions out (engine/events.py)."""
 
     def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
-              params: SamplingParams) -> list[Any]:
-        """Begin (or begin again, for a replay) on `prompt_ids`: the first actions, usually prefill sends."""
+              params: SamplingParams, now: float | None = None) -> list[Any]:
+        """Begin (or begin again, for a replay) on `prompt_ids`: the first actions, usually prefill sends.
+        `now`: the driver's time (virtual under simulation; None: wall time), here and in `receive`."""
         ...
 
-    def receive(self, event: Any) -> list[Any]:
+    def receive(self, event: Any, now: float | None = None) -> list[Any]:
         """A pipeline segment back, or a follow-up the engine queued (`Continue`): the next actions."""
         ...
 

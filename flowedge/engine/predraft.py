@@ -123,15 +123,16 @@ class PreDrafting:
     """Node 0's side: hands out jobs while segments are in flight, runs or merges their calls on node 0's
     draft tree, and tells the expansion whether it may skip its draft call (counting hits and misses)."""
 
-    def __init__(self, drafter: Drafter, config, call_s: float | None = None) -> None:
+    def __init__(self, drafter: Drafter, config, call_s: float | None = None,
+                 present: Callable[[], bool] = lambda: True) -> None:
         """`config`: the SpecConfig (mode, calls per job, expansion width and lookup rows; an expansion
         skips its call with `l_max` unsent nodes, a segment's worth); `call_s`: one draft call on the
-        head's clock (from the device profile; None: measured wall time, the head's clock on a daemon)."""
+        head's clock (from the device profile; None: measured wall time, the head's clock on a daemon);
+        `present`: whether a drafter device is there to take jobs (the daemon's head asks its membership);
+        with none, no job is made: no snapshot copied for nobody."""
         self.drafter, self.config, self.call_s = drafter, config, call_s
         self.mode, self.calls, self.min_fresh = config.predraft, config.predraft_calls, config.l_max
-        # whether a drafter device is there to take jobs (the daemon's head asks its membership); with
-        # none, no job is made: no snapshot copied for nobody
-        self.present: Callable[[], bool] = lambda: True
+        self.present = present
         self.reset()
 
     def reset(self) -> None:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Compute, Continue, Done, Emit, Offload, Send, Stats, WhenIdle
 from flowedge.engine.fair_queue import FairQueue
 from flowedge.engine.jobs import (Action, Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget,
@@ -40,14 +41,15 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 
 
 class Scheduler:
-    """`make_engine(request)` builds a request's engine (a `Head`); `accept(engine, item)` turns what came
-    back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
+    """`make_engine(request, context)` builds a request's engine (a `Head`) that reads the scheduler's load
+    through `context` (engine/engine_context.py; the time goes with each call); `accept(engine, item)` turns
+    what came back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
     `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
     `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
     `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the
     simulator, tests)."""
 
-    def __init__(self, make_engine: Callable[[Request], RequestEngine], limits: Limits = Limits(),
+    def __init__(self, make_engine: Callable[[Request, EngineContext], RequestEngine], limits: Limits = Limits(),
                  kv_budget: Callable[[], KvBudget | None] = lambda: None,
                  accept: Callable[..., object] = lambda engine, item: item,
                  batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True,
@@ -64,13 +66,14 @@ class Scheduler:
         self.ended: dict[int, Request] = {}       # recently ended (bounded)
         self.releasing: list[Request] = []        # ended since the last call: their engines still held
         self.now_s = 0.0                          # the latest time passed in: the engines' clock
+        self.context = EngineContext(running_requests=self.running_count)   # time goes with each call
         self.ever_ready = False
         self.lost_why = ""
 
     @classmethod
     def single(cls, engine) -> "Scheduler":
-        """One request at a time through an existing engine (the single-request drivers)."""
-        return cls(lambda req: engine, Limits(max_running=1), contain_errors=False)
+        """One request at a time through an existing engine (the single-request drivers; its load is one)."""
+        return cls(lambda req, context: engine, Limits(max_running=1), contain_errors=False)
 
     # ---- events in --------------------------------------------------------------------------------
     def submit(self, key: int, job: Job, now: float, ready: bool = True) -> list[Action]:
@@ -110,7 +113,8 @@ class Scheduler:
         batch = [(req, ev) for req in list(self.running.values()) if (ev := self._next_event(req)) is not None]
         out: list[Action] = []
         if batch:
-            results = self.run_handlers([partial(_guarded, req.engine.receive, ev) for req, ev in batch])
+            results = self.run_handlers([partial(_guarded, partial(req.engine.receive, now=now), ev)
+                                         for req, ev in batch])
             for (req, _), result in zip(batch, results):
                 if req.state is State.RUNNING:
                     out += self._run(req, partial(_reraise, result))
@@ -139,7 +143,7 @@ class Scheduler:
         for req in self.running.values():
             if req.state is State.RUNNING and req.idle is not None:
                 event, req.idle = req.idle, None
-                return self._run(req, partial(req.engine.receive, event))
+                return self._run(req, partial(req.engine.receive, event, now=self.now_s))
         return []
 
     def cancel(self, key: int, why: str = "cancelled by its client") -> list[Action]:
@@ -263,13 +267,9 @@ class Scheduler:
     def _launch(self, req: Request, now: float) -> list[Action]:
         """Start (or restart, for a replay) the engine on the prompt plus what was already handed out."""
         try:
-            req.engine = self.make_engine(req)
+            req.engine = self.make_engine(req, self.context)
         except FlowedgeError as err:
             return self._end(req, State.FAILED, str(err), prefix="")
-        if hasattr(req.engine, "running_requests"):   # every engine Head (the tests' fakes may not)
-            req.engine.running_requests = self.running_count
-        if hasattr(req.engine, "clock"):
-            req.engine.clock = lambda: self.now_s   # strategy `auto` measures its rates on the driver's time
         req.engine_id = req.next_engine_id()
         req.work.clear()   # a replay: whatever the old run had queued is void
         req.idle = None
@@ -281,7 +281,7 @@ class Scheduler:
                  req.engine_id, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.key,
                  f", replay {req.replays}" if req.replays else "")   # tools/fault_inject.py checks FIFO on it
         ids, params = list(job.prompt_ids) + req.emitted, replay_params(job.params, len(req.emitted))
-        return self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params))
+        return self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params, now=self.now_s))
 
     def _replay(self, req: Request, now: float) -> list[Action]:
         if req.replays >= self.limits.max_replays:

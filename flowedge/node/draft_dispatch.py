@@ -53,13 +53,13 @@ def predrafted(job, growth):
 
 class DraftDispatch:
     def __init__(self, members: Membership, send: Callable[[bytes, proto.Message], None],
-                 draft_model: Callable[[], object], drops: DropLog, timeout_s: float = DRAFT_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic, event=predrafted) -> None:
+                 draft_model: Callable[[], object], drops: DropLog, deliver: Callable[[int, object], None],
+                 timeout_s: float = DRAFT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 event=predrafted) -> None:
         """`send`: to one peer over control; `draft_model()`: node 0's draft model (answers are checked
-        against it); `deliver` (set once the scheduler exists): `Scheduler.deliver(key, event)`."""
+        against it); `deliver`: the request scheduler's (`Scheduler.deliver(key, event)`, built first)."""
         self.members, self.send, self.draft_model, self.drops = members, send, draft_model, drops
-        self.timeout_s, self.clock, self.event = timeout_s, clock, event
-        self.deliver: Callable[[int, object], None] = lambda key, event: None
+        self.timeout_s, self.clock, self.event, self.deliver = timeout_s, clock, event, deliver
         self.out: dict[tuple[int, int], Outstanding] = {}
         self.expired: dict[tuple[int, int], Outstanding] = {}   # timed out; due_s: until when an answer counts
         self.home: dict[int, bytes] = {}   # request key -> the drafter holding its replica

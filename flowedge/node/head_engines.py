@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -16,6 +17,7 @@ from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine import assembly
 from flowedge.engine.draft_batch import DraftBatcher
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Done
 from flowedge.engine.head_drafter import is_head
 from flowedge.engine.jobs import kv_need
@@ -100,10 +102,11 @@ class HeadEngines:
 
         return TextStream(self.plan.tokenizer, sink)
 
-    def engine(self, strategy: str):
+    def engine(self, strategy: str, context: EngineContext):
         """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
         draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
-        placement are worked out once per strategy and set of stage devices."""
+        placement are worked out once per strategy and set of stage devices. `context`: the scheduler's
+        load; a drafter device is present while the membership has one (pre-draft jobs)."""
         ratio = self._last_stage_lm_head_ratio() if self.config.lm_head_at == "auto" else None
         devices = self.members.stage_devices()
         ring_s = link_ring_s(self.members)
@@ -124,10 +127,10 @@ class HeadEngines:
                                         cfg.stages, spec, stop_ids(plan.base_config),
                                         tree_costs=costs if sizing else None, lm_head_ratio=ratio,
                                         predict_costs=costs, batcher=self.batcher)
-        head = self.builders[key]()
-        if head.predraft is not None and head.predraft.mode == "drafter":   # jobs only while a drafter is in
-            head.predraft.present = lambda: bool(self.members.drafters())
-        return head
+        return self.builders[key](context=replace(context, drafters_present=self._drafters_present))
+
+    def _drafters_present(self) -> bool:
+        return bool(self.members.drafters())
 
     def _last_stage_lm_head_ratio(self) -> float | None:
         """For `lm_head_at = "auto"`: how a segment's lm_head scales on the last stage's device profile

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flowedge.core.sampling import SamplingParams
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Done, Offload, Send
 from flowedge.node.live_figures import TokenRate
 from flowedge.text.streams import StopText
@@ -52,7 +53,7 @@ class EnginePort(Protocol):
     def accept(self, engine, msg: proto.Segment): ...   # a returned segment -> engine event, or None (dropped)
     def kv_budget(self) -> KvBudget | None: ...   # the tightest stage's KV tokens (None: no limit known)
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int: ...
-    def engine(self, strategy: str): ...
+    def engine(self, strategy: str, context: EngineContext): ...   # one request's engine (engine_context.py)
     def text_stream(self, sink): ...
     def finish_stats(self, req: "ClientRequest", done: Done) -> dict: ...
 
@@ -116,14 +117,23 @@ def client_name(owner: bytes, msg: proto.PromptRequest) -> str:
     return msg.client or f"zmq:{owner.hex()}"
 
 
+def request_scheduler(engines: EnginePort, limits: Limits = Limits(),
+                      run_handlers: Handlers = run_in_turn) -> Scheduler:
+    """The head's request scheduler: its engines come from `engines`, reading the scheduler's clock and load."""
+    return Scheduler(lambda req, context: engines.engine(req.job.strategy, context), limits, engines.kv_budget,
+                     engines.accept, run_handlers=run_handlers)
+
+
 class HeadRequests:
     def __init__(self, engines: EnginePort, out: OutPort, limits: Limits = Limits(),
-                 run_handlers: Handlers = run_in_turn, client_weights: Mapping[str, float] | None = None) -> None:
-        """`client_weights`: a client's share of the starts by its name (`client_name`; others 1)."""
+                 run_handlers: Handlers = run_in_turn, client_weights: Mapping[str, float] | None = None,
+                 scheduler: Scheduler | None = None) -> None:
+        """`client_weights`: a client's share of the starts by its name (`client_name`; others 1);
+        `scheduler`: one built first (`request_scheduler`, with `limits` and `run_handlers` of its own) by a
+        root that hands its `deliver` to a part built before these requests (node/roots.py)."""
         self.engines, self.out = engines, out
         self.client_weights = dict(client_weights or {})
-        self.scheduler = Scheduler(lambda req: engines.engine(req.job.strategy), limits, engines.kv_budget,
-                                   engines.accept, run_handlers=run_handlers)
+        self.scheduler = scheduler or request_scheduler(engines, limits, run_handlers)
         self.clients: dict[int, ClientRequest] = {}   # key -> live request
         self.keys = 0
         self.served = {"requests": 0, "tokens": 0, "rejected": 0, "failed": 0, "cancelled": 0}   # status, metrics

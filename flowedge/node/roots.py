@@ -20,7 +20,7 @@ from flowedge.node.head_engines import HeadEngines
 from flowedge.node.head_node import HeadNode
 from flowedge.node.head_parts import HeadParts
 from flowedge.node.head_ports import ControlPort, HeadOutbox
-from flowedge.node.head_requests import HeadRequests
+from flowedge.node.head_requests import HeadRequests, request_scheduler
 from flowedge.node.head_search import HeadSearch
 from flowedge.node.membership import Membership
 from flowedge.node.node_base import NodeParts
@@ -58,13 +58,14 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     drops = DropLog(head_node.log)
     members = Membership(config, control.send, replanner=Replanner(config, flowedge_home()), drops=drops)
     engines = HeadEngines(config, members, drops)
-    drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops)
+    scheduler = request_scheduler(engines, Limits(   # first: the draft dispatcher hands it the drafters' answers
+        recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
+        max_queued_per_client=config.max_queued_per_client))
+    drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops, scheduler.deliver)
     outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)
     replica = Replicator(control, members, config.name, config.heartbeat_ms / 1000)
-    requests = HeadRequests(engines, ReplicatingOut(outbox, replica), Limits(
-        recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
-        max_queued_per_client=config.max_queued_per_client), client_weights=config.client_weights)
-    drafts.deliver = requests.deliver
+    requests = HeadRequests(engines, ReplicatingOut(outbox, replica), client_weights=config.client_weights,
+                            scheduler=scheduler)
     shrink = Shrinker(config, members, engines, requests, flowedge_home())
     return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, shrink,
                                       drafts, replica, resumes), stop)

@@ -10,6 +10,7 @@ from flowedge.costs.pipeline import CostModel, draft_quant_for, profile_costs
 from flowedge.engine.assembly import build_head, check_strategy, result_stats, sized_spec
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.draft_sync import DrafterDevice
+from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.engine.head import Head
 from flowedge.engine.jobs import KvBudget
@@ -96,11 +97,11 @@ class Cluster:
         ratio = costs.lm_head_segment_ratio if costs else None
         stops = stop_ids(self.config)
 
-        def make_head(req) -> Head:
+        def make_head(req, context: EngineContext = EngineContext()) -> Head:
             oracle = self.prompt_oracle(req.job.prompt_ids) if own_oracle and self.oracle is not None else self.oracle
             return build_head(self.head_model, self.draft_model, strategy_name, n, spec, stops,
                               lm_head_ratio=ratio, oracle=oracle, batcher=batcher,
-                              predict_costs=costs.tree if costs is not None else None)
+                              predict_costs=costs.tree if costs is not None else None, context=context)
         return make_head, spec
 
     def prompt_oracle(self, prompt_ids) -> PathOracle:

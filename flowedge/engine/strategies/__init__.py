@@ -1,6 +1,7 @@
 """Strategies by name: one class per pipeline algorithm, one interface (`base.Strategy`)."""
 from __future__ import annotations
 
+from flowedge.engine.auto_policy import Prediction
 from flowedge.engine.strategies.ar_pp import ArPP
 from flowedge.engine.strategies.auto import Auto
 from flowedge.engine.strategies.base import Strategy
@@ -16,9 +17,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(name: str) -> Strategy:
+def make_strategy(name: str, prediction: Prediction | None = None) -> Strategy:
+    """A fresh strategy; `prediction`: where `auto` starts its choice from (given only to `auto`)."""
     try:
-        return STRATEGIES[name]()
+        cls = STRATEGIES[name]
     except KeyError:
         raise ConfigError(f"unknown strategy '{name}'; known: {', '.join(STRATEGIES)}, "
                           "or ar / tree for one process") from None
+    return Auto(prediction) if cls is Auto else cls()
