@@ -1,4 +1,4 @@
-"""The head's parts without sockets: its requests (requests.py, the driver of engine/scheduler.py) and
+"""The head's parts without sockets: its requests (head_requests.py, the driver of engine/scheduler.py) and
 membership (membership.py), fed events, checked on the actions they take."""
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     # what a node process runs (head, stage, standby, drafter), then the commands that start and ask nodes
     "node": ("allocator", "core", "costs", "engine", "errors", "filenames", "home", "models", "plan", "progress",
              "systemd", "text", "transport"),
-    "launch": ("allocator", "client", "core", "errors", "node", "progress", "threads", "transport"),
+    "launch": ("allocator", "client", "core", "errors", "home", "node", "progress", "threads", "transport"),
     "bench": ("client", "core", "costs", "datasets", "engine", "errors", "launch", "models", "node", "sim", "text"),
     # self-distillation of a draft head from its base model (`flowedge draft-head train`)
     "distill": ("datasets", "engine", "errors", "models", "progress", "text", "threads"),

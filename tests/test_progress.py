@@ -73,7 +73,7 @@ def test_tail_shows_only_new_whole_progress_lines(tmp_path):
     tail = ProgressTail([head, tmp_path / "stage-1.log"], lambda node, line: seen.append((node, line)))
     with open(head, "a") as f:
         f.write("2026 INFO flowedge.progress: progress: converting m:   5%|#  | 1.0M/20.0M\n")
-        f.write("2026 INFO flowedge.daemon: something else\n")
+        f.write("2026 INFO flowedge.node: something else\n")
         f.write("2026 INFO flowedge.progress: progress: converting m:  50%|#####")   # not yet a whole line
     tail.poll()
     assert seen == [("head", "converting m:   5%|#  | 1.0M/20.0M")]

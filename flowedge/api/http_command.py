@@ -9,7 +9,7 @@ import click
 
 from flowedge.errors import ConfigError
 from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION
-from flowedge.launch.cluster_commands import daemon_logging
+from flowedge.launch.cli_options import daemon_logging
 from flowedge.transport.addresses import split_addr
 
 EX_CONFIG = 78   # sysexits.h: what systemd units are told not to restart on

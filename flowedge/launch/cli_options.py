@@ -2,6 +2,8 @@
 front (`flowedge http`), so that each is spelled and documented once."""
 from __future__ import annotations
 
+import logging
+
 import click
 
 from flowedge.transport.addresses import DEFAULT_PORT
@@ -38,3 +40,10 @@ def liveness_options(head: bool):
             fn = opt(fn)
         return fn
     return apply
+
+
+def daemon_logging() -> None:
+    """Long-running processes (nodes, the HTTP front) log at INFO unless -v/-vv asked for more."""
+    root = logging.getLogger()
+    if root.level > logging.INFO:
+        root.setLevel(logging.INFO)

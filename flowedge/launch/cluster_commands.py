@@ -14,20 +14,13 @@ import click
 from flowedge.client.client_answer import Answer
 from flowedge.core.config import DRAFT_QUANTS
 from flowedge.errors import ConfigError, FlowedgeError
-from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, liveness_options
+from flowedge.launch.cli_options import HEAD_OPTION, INSECURE_OPTION, KEYS_OPTION, daemon_logging, liveness_options
 from flowedge.node.head_search import HeadSearch, search_lan
-from flowedge.node.node_config import DEFAULT_CONFIG_PATH, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, WIRE_DTYPES
+from flowedge.node.node_config import DEFAULT_CONFIG_PATH, DEFAULT_WIRE_DTYPE, EXAMPLE_CONFIG, ROLES, WIRE_DTYPES
 from flowedge.threads import set_threads
 from flowedge.transport.addresses import DEFAULT_PORT
 
 log = logging.getLogger("flowedge")
-
-
-def daemon_logging() -> None:
-    """Daemons log at INFO unless -v/-vv asked for more."""
-    root = logging.getLogger()
-    if root.level > logging.INFO:
-        root.setLevel(logging.INFO)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -57,7 +50,7 @@ def _run_node(cfg, search: HeadSearch | None = None) -> None:
 @click.command()
 @click.option("--config", "config_path", default=str(DEFAULT_CONFIG_PATH), show_default=True,
               help=f"TOML node configuration (commented example: {EXAMPLE_CONFIG}).")
-@click.option("--role", type=click.Choice(["head", "stage", "drafter"]), default=None,
+@click.option("--role", type=click.Choice(list(ROLES)), default=None,
               help="Override the file's role.")
 @click.option("--threads", type=int, default=None, help="Torch threads for this process.")
 @click.option("--cluster", default=None, help="Head: the name it announces on the LAN (default: flowedge).")
@@ -65,7 +58,7 @@ def _run_node(cfg, search: HeadSearch | None = None) -> None:
 @liveness_options(head=True)
 def serve(config_path, role, threads, cluster, no_discovery, heartbeat_ms, stage_timeout, client_timeout, recovery,
           stall_timeout, max_concurrent, kv_budget_tokens) -> None:
-    """Run one node (head or stage) as a long-lived daemon."""
+    """Run one node (head, stage, drafter or standby head) as a long-lived daemon."""
     daemon_logging()
     from flowedge.launch.config_file import load_node_config   # pydantic: the node extra
     _run_node(load_node_config(config_path, role=role, threads=threads, cluster=cluster,
@@ -216,7 +209,7 @@ def _supervise(cluster) -> None:
 def supervise(port) -> None:
     """Restart the stages of a detached local cluster that die (started by `flowedge up --detach`, stopped
     by `flowedge down`)."""
-    from flowedge.node.node_config import flowedge_home
+    from flowedge.home import flowedge_home
     from flowedge.launch.supervisor import watch_detached
 
     daemon_logging()
@@ -310,7 +303,7 @@ def _conversation(path: str) -> list[dict]:
 
 @click.command()
 @HEAD_OPTION
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Every node's row as JSON (what the dashboard reads).")
 @click.option("--watch", is_flag=True, help="Refresh in place: per-node load, tokens/s, acceptance, queue.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds between refreshes (--watch).")
@@ -321,7 +314,7 @@ def status(head, as_json, watch, interval, iterations, keys_dir, insecure) -> No
     """Show every node: address, role, layer range, model, memory, load, last heartbeat."""
     from flowedge.launch import status_view
     from flowedge.client.sync_client import Client
-    from flowedge.node.standby_status import status_of
+    from flowedge.launch.standby_view import status_of
 
     with Client(head, keys_dir=keys_dir, insecure=insecure, timeout_s=10.0) as client:
         if watch:

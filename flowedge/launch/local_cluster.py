@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowedge.errors import ConfigError, FlowedgeError
-from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, NodeConfig, flowedge_home
+from flowedge.home import flowedge_home
+from flowedge.node.node_config import DEFAULT_WIRE_DTYPE, NodeConfig
 from flowedge.transport import security
 from flowedge.transport.addresses import DEFAULT_PORT
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from flowedge.node.standby_status import standby_lines
+from flowedge.launch.standby_view import standby_lines
 
 CLEAR = "\x1b[H\x1b[J"
 

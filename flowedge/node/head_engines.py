@@ -1,4 +1,4 @@
-"""The engine side of the head's requests: what `requests.HeadRequests` computes with.
+"""The engine side of the head's requests: what `head_requests.HeadRequests` computes with.
 
 Preparing a prompt (token ids, sampling params, the context check), its KV need and the stages' KV
 budget, building one request's engine head the way the simulator builds it (`engine.assembly`), the

@@ -1,5 +1,5 @@
 """The head node (node 0): a thin poll loop over three parts with one job each —
-`membership` (peers, slots, heartbeats and liveness, assignments, shard serving), `requests` (the
+`membership` (peers, slots, heartbeats and liveness, assignments, shard serving), `head_requests` (the
 request lifecycle: queue, pause, replay, cancel, deadlines) and `head_engines` (prompts, KV budgets and
 engine heads, built by `engine.assembly` as the simulator builds them).
 
@@ -14,7 +14,7 @@ never run the engine at once; their sends on the control socket share a lock.
 Robustness: every inbound message is decoded defensively (a malformed one is logged and dropped, a
 client gets an ErrorReply); peers that speak another major version or lack the cluster's keys are
 refused without touching the requests in flight; a lost stage pauses the request in flight until its
-slot is filled again (see `requests.py`); an unexpected error while handling one message fails at most
+slot is filled again (see `head_requests.py`); an unexpected error while handling one message fails at most
 that message's request.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ class HeadNode:
 
         try:
             self.compute.run(turn, beat, self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
-        except Exception as err:  # noqa: BLE001 - requests fail one by one (requests.py); this is a bug past them
+        except Exception as err:  # noqa: BLE001 - requests fail one by one (head_requests.py); this is a bug past them
             self.drops.drop("internal", f"an engine turn raised {type(err).__name__}: {err}",
                             level=logging.ERROR, exc_info=True)
 

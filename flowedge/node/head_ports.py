@@ -1,6 +1,6 @@
 """The head's ways out: its control endpoint (shared by the poll loop and the compute thread) and the
 request lifecycle's outbox (to a client, into the pipeline, to every stage). No socket kinds here:
-the endpoints come from the link the composition root (`head_root.py`) opened."""
+the endpoints come from the link the composition root (`roots.py`) opened."""
 from __future__ import annotations
 
 import logging

@@ -26,7 +26,8 @@ from flowedge.node.head_node import HeadNode
 from flowedge.node.partition_plan import prepare_plan
 from flowedge.node.replication import RequestLog
 from flowedge.node.plan_follow import PlanFollower
-from flowedge.node.standby_status import beat_stats, refusal
+from flowedge.node.standby_status import beat_stats
+from flowedge.transport.msg_standby import standby_refusal
 from flowedge.errors import FlowedgeError, HeadRefusedStandby, PeerUnreachable, ProtocolError, StaleTerm
 from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import welcome_from
@@ -172,7 +173,7 @@ class StandbyNode:
         """A HELLO at our own address before the takeover: refused, naming the head."""
         got = self.head.ctrl.receive(wait_s)
         if isinstance(got, Inbound):
-            why = refusal(self.config.name, self.config.head, self.fence.highest)
+            why = standby_refusal(self.config.name, self.config.head, self.fence.highest)
             try:
                 self.head.ctrl.send(proto.Refuse(reason=why), got.peer)
             except PeerUnreachable:

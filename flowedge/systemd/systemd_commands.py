@@ -8,7 +8,8 @@ from flowedge import systemd
 
 @click.group("systemd")
 def systemd_group() -> None:
-    """The systemd units shipped in the package (see systemd/systemd.md)."""
+    """The systemd units shipped in the package (`flowedge systemd install --help`; notes: systemd.md beside
+    the units, in the repository's systemd/ folder)."""
 
 
 @systemd_group.command("install")

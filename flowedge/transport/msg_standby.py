@@ -6,6 +6,7 @@ request id on that client's connection. A client that reconnects to the new head
 again (PromptRequest.resumed), which is how the two are matched."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -65,3 +66,14 @@ class HeadState(Message):
                 type(n) is int and 0 < n < 1 << 16 for n in self.layers):
             raise _fail(self, "layers", f"at most {MAX_MEMBERS} layer counts, each 1..65535")
         object.__setattr__(self, "layers", list(self.layers))
+
+
+# A standby refuses every HELLO at its own address until it takes over (a client trying addresses in turn
+# moves on at once); the refusal's wording is fixed so that `flowedge status` asked there can read it back.
+STANDBY_REFUSAL = re.compile(r"(?P<name>\S+) is a standby, not the head \(the head is at (?P<head>\S+?)"
+                             r"(?:, term (?P<term>\d+))?\)")
+
+
+def standby_refusal(name: str, head: str, term: int) -> str:
+    """The reason a standby gives a HELLO at its own address (STANDBY_REFUSAL reads it back)."""
+    return f"{name} is a standby, not the head (the head is at {head}, term {term})"
