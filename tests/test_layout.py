@@ -87,6 +87,8 @@ RULES: list[Forbidden] = [
     *(Forbidden(f"flowedge.{driver}", "the engine is sans-IO: drivers drive it, it knows none of them",
                 importers=("engine",)) for driver in ("sim", "node", "launch", "client", "api", "transport", "cli")),
     Forbidden("torch", "the client installs without torch (`pip install flowedge`, no extra)", importers=("client",)),
+    Forbidden("torch", "the HTTP front runs on a gateway without torch (the `http` extra has none)",
+              importers=("api",)),
     Forbidden("zmq", "ZeroMQ stays behind the link seam (transport/link.py): nodes, clients and the http "
                      "front hold a Link, never a socket", exempt=("transport",)),
 ]
