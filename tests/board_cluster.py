@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon_helpers import READY_TIMEOUT_S, free_port_pair, logs
+from cluster_helpers import READY_TIMEOUT_S, free_port_pair, logs
 from flowedge.client.sync_client import Client, wait_ready
 
 HEARTBEAT_MS = 200   # the head's heartbeat period: a standby's liveness signal too

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from daemon_helpers import flowedge_home
+from cluster_helpers import flowedge_home
 from flowedge.client.client_answer import Answer
 from flowedge.client.sync_client import Client
 from flowedge.node.node_config import NodeConfig

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_port_pair, logs, wait_for_text
+from cluster_helpers import READY_TIMEOUT_S, flowedge_cli, flowedge_home, free_port_pair, logs, wait_for_text
 from flowedge import AsyncClient
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings

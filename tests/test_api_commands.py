@@ -26,7 +26,7 @@ def test_http_warns_at_start_when_its_head_is_unreachable() -> None:
     import threading
     import time
 
-    from daemon_helpers import free_port_pair
+    from cluster_helpers import free_port_pair
 
     head = f"127.0.0.1:{free_port_pair()}"   # nothing listens there
     proc = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", "127.0.0.1:0", "--head", head,

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from browser_helpers import Page, why_not
-from daemon_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
+from cluster_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
 from flowedge.api import dashboard
 from flowedge.api.app import create_app
 from flowedge.api.headers import CONTENT_SECURITY_POLICY

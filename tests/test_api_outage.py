@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from daemon_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
+from cluster_helpers import READY_TIMEOUT_S, flowedge_home, free_port_pair, logs
 from flowedge.api.server import build_server
 from flowedge.api.settings import ApiSettings
 from flowedge.client.sync_client import Client, wait_ready

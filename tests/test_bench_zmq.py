@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from daemon_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_pair
 from flowedge.bench.runner import BenchConfig
 from flowedge.bench.zmq_driver import run_bench_zmq
 from flowedge.datasets import Prompt

@@ -92,7 +92,7 @@ def test_spec_rejects_unknown_predraft_modes():
 
 
 def test_a_daemon_takes_every_predraft_mode_and_refuses_others():
-    """`drafter` runs on a daemon too since the drafter node (node/drafter_node.py, test_daemon_drafter.py)."""
+    """`drafter` runs on a daemon too since the drafter node (node/drafter_node.py, test_node_drafter.py)."""
     from flowedge.node.node_config import NodeConfig
 
     assert [NodeConfig(predraft=m).predraft for m in ("off", "idle", "drafter")] == ["off", "idle", "drafter"]

@@ -1,5 +1,5 @@
 """The request scheduler alone (engine/scheduler.py), fed events with fake engines, checked on its actions.
-Its drivers have their own tests: the daemon's in test_daemon_lifecycle.py, the simulator's in
+Its drivers have their own tests: the daemon's in test_node_lifecycle.py, the simulator's in
 test_engine_batching.py and test_sim_stage_loss.py."""
 from __future__ import annotations
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import psutil
 import pytest
 from interface_check import signature_drift
-from test_daemon_lifecycle import ChainEngine, FakeEngine, FakePort
-from test_daemon_live_figures import FakeProcess
-from test_daemon_node_base import FakeRepair
-from test_daemon_shrink import FakeMembers, FakeRequests
 from test_engine_fair_queue import Echo as QueueEcho
 from test_engine_predraft import _IdleEngine
 from test_engine_scheduler import Echo as SchedulerEcho
+from test_node_base import FakeRepair
+from test_node_lifecycle import ChainEngine, FakeEngine, FakePort
+from test_node_live_figures import FakeProcess
+from test_node_shrink import FakeMembers, FakeRequests
 from test_tools_soak import FakeProcs, soak
 
 from flowedge.engine.head import Head

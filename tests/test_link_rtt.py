@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from daemon_helpers import free_port_pair, logs, spawn_join
+from cluster_helpers import free_port_pair, logs, spawn_join
 from flowedge.api.metrics import ApiMetrics
 from flowedge.client.sync_client import wait_ready
 from flowedge.errors import ProtocolError

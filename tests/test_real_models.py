@@ -79,7 +79,7 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
 def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, tmp_path):
     """`flowedge up` on the real pair (3 processes, W4A16 stages, float32 wire) + a streamed prompt == plain
     greedy of the same W4A16 model."""
-    from daemon_helpers import free_port_pair, logs, start_cluster
+    from cluster_helpers import free_port_pair, logs, start_cluster
 
     from flowedge.client.sync_client import Client
     from flowedge.launch.local_cluster import LocalClusterSpec
@@ -106,7 +106,7 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
     row-invariant through every kernel, so neither the strategy nor the load changes a token."""
     import threading
 
-    from daemon_helpers import free_port_pair, logs, start_cluster
+    from cluster_helpers import free_port_pair, logs, start_cluster
 
     from flowedge.client.sync_client import Client
     from flowedge.launch.local_cluster import LocalClusterSpec

@@ -2,7 +2,7 @@
 flood of 40 requests on each channel from one client, and another client's 8-token request is still
 answered within 2 x its idle time + one running request's time, token-identical; the flood past its cap
 is refused with Busy / 429, and nothing goes unanswered. The in-process version of the same rule, and
-the fair queue's finer rules, are in test_daemon_fairness.py and test_engine_fair_queue.py."""
+the fair queue's finer rules, are in test_node_fairness.py and test_engine_fair_queue.py."""
 from __future__ import annotations
 
 import json

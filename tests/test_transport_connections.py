@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from daemon_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_pair
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.roots import build_head
 from flowedge.transport import protocol as p

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from daemon_helpers import free_port_pair
+from cluster_helpers import free_port_pair
 from flowedge.errors import AddressInUse, PeerUnreachable
 from flowedge.transport import protocol as p
 from flowedge.transport.link import Event, Inbound, Kind, PeerEvent, port_of

@@ -4,7 +4,7 @@ Both faces (`Client`, sync; `AsyncClient`, asyncio) drive this core and only mov
 send what it returns, feed it what arrives (`receive`), a lost connection (`lost_connection`) and
 the time (`expire`, `next_deadline`), and hand its events to their callers. So the handshake,
 heartbeats, timeouts, cancel, late replies, typed errors and the totals are written once, and tested
-by events without a socket (tests/test_daemon_client_core.py).
+by events without a socket (tests/test_client_core.py).
 
     core = ClientCore("127.0.0.1:5555")
     send(core.hello(now))                          # -> Welcomed, or Failed(CONTROL, FlowedgeError)

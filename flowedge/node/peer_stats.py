@@ -23,7 +23,7 @@ MAX_MS = 1e9                   # durations in ms (11 days): a step time past thi
 MAX_TEXT_CHARS = 200
 MAX_MAP_KEYS = 32
 MAX_NAME_CHARS = 40
-MAX_STATS_BYTES = 8192         # what STATS keeps, packed, at most (tests/test_daemon_peer_stats.py)
+MAX_STATS_BYTES = 8192         # what STATS keeps, packed, at most (tests/test_node_peer_stats.py)
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,%d}" % MAX_NAME_CHARS)   # rule names, message types
 UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 

@@ -15,7 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_pair
 from flowedge.client.sync_client import Client, wait_ready
 from flowedge.errors import ProtocolError
 from flowedge.node.node_config import NodeConfig

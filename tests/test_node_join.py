@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon_helpers import free_port_pair, logs, spawn_join
+from cluster_helpers import free_port_pair, logs, spawn_join
 from flowedge.client.sync_client import Client, RequestFailed, wait_ready
 from flowedge.models.shard_refs import RefFile, resolve_file
 from flowedge.models.shards import Manifest, file_sha256
@@ -169,7 +169,7 @@ def test_interrupted_fetch_leaves_no_cache_entry(tmp_path):
 
 
 def test_up_detach_status_prompt_down_from_the_command_line(tiny_pair, tmp_path):
-    from daemon_helpers import flowedge_cli
+    from cluster_helpers import flowedge_cli
 
     base, draft = tiny_pair
     port, data = str(free_port_pair()), free_port_pair()
@@ -280,7 +280,7 @@ def test_a_cached_shard_reused_for_another_model_takes_its_side_files_and_drops_
     assert Manifest.load(entry).source_sha256 == "b" * 64 and (entry / "config.json").read_text() == '{"rope_theta": 2}'
     assert not (entry / "head.safetensors").exists() and (entry / "stage-0.safetensors").read_bytes() == data
 def _a_killed_stage_is_started_again_by_the_supervisor(run_dir: Path, port: str, env: dict) -> None:
-    from daemon_helpers import flowedge_cli, flowedge_home, wait_for_text
+    from cluster_helpers import flowedge_cli, flowedge_home, wait_for_text
 
     state = json.loads((run_dir / "cluster.json").read_text())
     os.kill(state["pids"][1], signal.SIGKILL)

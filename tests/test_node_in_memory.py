@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from daemon_helpers import flowedge_home
+from cluster_helpers import flowedge_home
 from memory_cluster import HEAD, MAX_NEW, PROMPT, Cluster, ask
 from flowedge.client.async_client import AsyncClient
 from flowedge.client.client_answer import Answer

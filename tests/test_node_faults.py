@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
+from cluster_helpers import flowedge_home, free_port_pair, logs, start_cluster
 from flowedge.launch.local_cluster import LocalClusterSpec
 
 RECOVERY_S = 30.0   # > a stage's restart on a loaded 2-core box (python, torch, layers: up to ~20 s seen)

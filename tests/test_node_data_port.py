@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_pair
 from flowedge.errors import ConfigError
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.data_port import bind_data_port

@@ -1,5 +1,5 @@
 """The head's fair queue end to end, on an in-process cluster (the memory link, tiny pair; see
-test_daemon_in_memory.py): one client floods the head, over ZeroMQ and over the HTTP API, and another
+test_node_in_memory.py): one client floods the head, over ZeroMQ and over the HTTP API, and another
 client's short request is answered about as soon as a slot frees, not after the flood's whole queue;
 the flood past its cap is told "busy" (ZeroMQ: an error reply; HTTP: 429 with Retry-After). The fair
 queue's own rules are tested without a cluster in test_engine_fair_queue.py."""
@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from daemon_helpers import flowedge_home
+from cluster_helpers import flowedge_home
 from flowedge.api.app import create_app
 from flowedge.api.clients import key_client
 from flowedge.api.settings import ApiSettings
@@ -21,7 +21,7 @@ from flowedge.errors import Busy, ConfigError
 from flowedge.launch.status_view import render
 from flowedge.node.node_config import NodeConfig
 from flowedge.transport.async_link import MemoryAsyncLink
-from test_daemon_in_memory import HEAD, PROMPT, Cluster
+from test_node_in_memory import HEAD, PROMPT, Cluster
 
 RUNNING, CAP = 2, 8          # the head's max_concurrent and max_queued_per_client
 FLOOD_TOKENS, POLITE_TOKENS = 64, 8

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import ScriptedHead
+from cluster_helpers import ScriptedHead
 from flowedge.errors import ConfigError
 from flowedge.node import node_base
 from flowedge.node.droplog import DropLog

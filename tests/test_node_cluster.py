@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from daemon_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
+from cluster_helpers import (flowedge_cli, flowedge_home, free_port_pair, logs, spawn_join, start_cluster,
                             wait_for_text)
 from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.core.config import STRATEGY_NAMES

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from board_cluster import BoardCluster
-from daemon_helpers import free_port_pair, logs
-from test_daemon_board_lost import MAX_NEW, PROMPT, RECOVERY_S, _wait, reference  # noqa: F401 - a fixture
+from cluster_helpers import free_port_pair, logs
+from test_node_board_lost import MAX_NEW, PROMPT, RECOVERY_S, _wait, reference  # noqa: F401 - a fixture
 
 
 def _port_with_room_for_a_standby() -> int:

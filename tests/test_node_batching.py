@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair, start_cluster
+from cluster_helpers import flowedge_home, free_port_pair, start_cluster
 from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.generate import GenerateRequest, run_generate

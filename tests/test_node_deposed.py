@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from test_daemon_failover import MAX_NEW, hf, nodes  # noqa: F401 - `nodes` is the cluster fixture
+from test_node_failover import MAX_NEW, hf, nodes  # noqa: F401 - `nodes` is the cluster fixture
 from flowedge.client.sync_client import Client
 from flowedge.errors import FlowedgeError
 

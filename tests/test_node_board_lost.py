@@ -10,7 +10,7 @@ import time
 import pytest
 
 from board_cluster import BoardCluster
-from daemon_helpers import logs
+from cluster_helpers import logs
 from flowedge.errors import ClusterNotReady, FlowedgeError
 
 PROMPT = "1 2 3 4"   # the tiny model does not stop by itself on this one

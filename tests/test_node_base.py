@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import ScriptedHead
+from cluster_helpers import ScriptedHead
 from flowedge.errors import ChecksumError, ConfigError, FlowedgeError
 from flowedge.node import shard_fetch
 from flowedge.node.droplog import DropLog

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from daemon_helpers import free_port_pair, logs, spawn_join
+from cluster_helpers import free_port_pair, logs, spawn_join
 from flowedge.errors import ConfigError
 from flowedge.systemd.sd_notify import Notifier, watchdog_interval_s
 from flowedge.transport import security

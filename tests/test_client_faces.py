@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from daemon_helpers import ScriptedHead
+from cluster_helpers import ScriptedHead
 from flowedge import Answer, AsyncClient, Chunk, Client, FlowedgeError
 from flowedge.client.client_core import prompt_request
 from flowedge.transport import protocol as proto

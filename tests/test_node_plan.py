@@ -10,7 +10,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from daemon_helpers import free_port_pair, logs, spawn_join
+from cluster_helpers import free_port_pair, logs, spawn_join
 from flowedge.client.sync_client import Client, wait_ready
 from flowedge.models.content_hash import memo_at, model_sha256
 from flowedge.models.shards import Manifest, load_shard

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon_helpers import ScriptedHead
+from cluster_helpers import ScriptedHead
 from flowedge.errors import HeadRefusedStandby, StaleTerm
 from flowedge.node import wire
 from flowedge.node.droplog import DropLog
@@ -24,7 +24,7 @@ from flowedge.node.standby import StandbyNode
 from flowedge.transport import protocol as p
 from flowedge.transport.link import Kind
 from flowedge.transport.memory_link import MemoryNetwork
-from test_daemon_node_base import TinyNode
+from test_node_base import TinyNode
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,7 @@ def test_a_finished_answer_whose_end_the_client_missed_is_sent_with_its_text():
 def _resumed_with_stop(next_token: int):
     """The old head logged "ca" (tokens 3, 1 as letters) under the stop string "ab", so it held the "a" back
     from the client; the new head resumes after them and makes `next_token`: what the client gets."""
-    from test_daemon_lifecycle import book, prompt
+    from test_node_lifecycle import book, prompt
 
     from flowedge.node.replication import resume
 

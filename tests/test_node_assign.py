@@ -20,7 +20,7 @@ from flowedge.node.shard_fetch import SIDE_FILES, cached_dir, read_chunk, stage_
 from flowedge.transport import protocol as p
 from flowedge.transport.channel import recv_msg, recv_routed, send_msg, send_routed
 
-from daemon_helpers import free_port_pair
+from cluster_helpers import free_port_pair
 
 H = 64   # the tiny model's hidden width
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_pair
 from flowedge.client.sync_client import Client
 from flowedge.errors import FlowedgeError
 from flowedge.transport import security

@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import torch
 
-from daemon_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
+from cluster_helpers import ScriptedHead, flowedge_home, free_port_pair, logs, spawn_join, start_cluster
 from flowedge.client.sync_client import Client
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.drafter_node import DrafterNode

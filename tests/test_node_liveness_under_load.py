@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import flowedge_home, free_port_pair, logs, start_cluster
+from cluster_helpers import flowedge_home, free_port_pair, logs, start_cluster
 from flowedge.client.sync_client import Client
 from flowedge.launch.local_cluster import LocalClusterSpec
 from flowedge.node.beating import BeatingWorker

@@ -1,4 +1,4 @@
-"""Daemon pieces without processes: node config files, the engine <-> wire adapter."""
+"""Node pieces without processes: node config files, the engine <-> wire adapter."""
 from __future__ import annotations
 
 from pathlib import Path

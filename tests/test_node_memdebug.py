@@ -34,7 +34,7 @@ def test_sigusr2_reports_the_site_that_grew(tmp_path, restore_sigusr2):
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
     assert first["rss_mb"] > 0 and first["pid"] == os.getpid()
     top = second["grew"][0]
-    assert "test_daemon_memdebug.py" in top["site"] and top["kb"] > 4000, second["grew"][:3]
+    assert "test_node_memdebug.py" in top["site"] and top["kb"] > 4000, second["grew"][:3]
     assert second["objects"]["list"] - first["objects"]["list"] >= 4500 and len(hoard) == 5000
 
 

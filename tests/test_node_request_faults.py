@@ -1,6 +1,6 @@
 """A bug met while serving one request fails that request and nothing else: the head keeps serving.
 
-A whole cluster in this process on the memory link (as in test_daemon_in_memory.py), with one
+A whole cluster in this process on the memory link (as in test_node_in_memory.py), with one
 strategy's handler or one outgoing send made to raise."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from flowedge.client.sync_client import Client, RequestFailed
 from flowedge.engine.strategies.ar_pp import ArPP
 from memory_cluster import HEAD, MAX_NEW, PROMPT, ask, started
-from test_daemon_in_memory import reference  # noqa: F401 - a fixture
+from test_node_in_memory import reference  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")

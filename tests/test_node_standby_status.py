@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from test_daemon_failover import MAX_NEW, hf, nodes  # noqa: F401 - `nodes` is the cluster fixture
+from test_node_failover import MAX_NEW, hf, nodes  # noqa: F401 - `nodes` is the cluster fixture
 
 ASYNC_FAILOVER_LIMIT_S = 4.0   # head_timeout_s is 5 s: a client that waits for it cannot make this
 
