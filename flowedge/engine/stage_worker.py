@@ -63,7 +63,11 @@ def tree_rows(parent_of: torch.Tensor, is_root: torch.Tensor, seg_ids: torch.Ten
 
 
 CLOSED_REMEMBERED = 4096   # finished request ids a stage remembers, so a late prefill cannot revive one
-HISTORY_REMEMBERED = 100_000   # prune records (and batch sizes) kept for checks and reports: a daemon runs for months
+# Requests whose prune records (version, prefix length) are kept for the lossless checks. Small on purpose:
+# the records of 4,096 requests of 24 tokens grew a soaked stage by ~12 MB, which read as a leak for half an hour
+HISTORY_REQUESTS = 256
+BATCHES_REMEMBERED = 1024   # requests per forward, the most recent (tests and reports read them)
+HISTORY_REMEMBERED = 4096   # the most recent prune records of all requests, for the same checks
 
 
 @dataclass
@@ -112,11 +116,11 @@ class StageWorker:
         self.next_node = 0 if index == n_stages else index + 1
         self.slots: dict[int, RequestSlot] = {}
         self._closed: deque[int] = deque(maxlen=CLOSED_REMEMBERED)
-        # (prune version, prefix_len after it), all requests, and per request for the last
-        # CLOSED_REMEMBERED requests: what the lossless checks compare with the head's record
+        # (prune version, prefix_len after it): the last HISTORY_REMEMBERED of all requests, and per request for
+        # the last HISTORY_REQUESTS requests: what the lossless checks compare with the head's record
         self.history: deque[tuple[int, int]] = deque(maxlen=HISTORY_REMEMBERED)
         self.history_by_request: dict[int, list[tuple[int, int]]] = {}
-        self.batch_sizes: deque[int] = deque(maxlen=HISTORY_REMEMBERED)   # requests per forward, recent
+        self.batch_sizes: deque[int] = deque(maxlen=BATCHES_REMEMBERED)
         self.forwards = 0            # batched forwards run, and the requests they held (all time: status)
         self.forward_requests = 0
 
@@ -220,7 +224,7 @@ class StageWorker:
         else:
             slot.last_prune = p.prune
         self.history.append((p.version, slot.prefix_len))
-        if slot.request_id not in self.history_by_request and len(self.history_by_request) >= CLOSED_REMEMBERED:
+        if slot.request_id not in self.history_by_request and len(self.history_by_request) >= HISTORY_REQUESTS:
             del self.history_by_request[next(iter(self.history_by_request))]   # the oldest request's
         self.history_by_request.setdefault(slot.request_id, []).append((p.version, slot.prefix_len))
 
