@@ -403,10 +403,10 @@ def test_page_moves_while_an_answer_streams(stack, browser, shots):
     browser.open(stack["url"] + "/?ask=1%202%203%204&max=1500")   # long enough to be seen moving on a loaded box
     assert browser.wait_for("Number(document.body.dataset.updates || 0) >= 1", 30), browser.eval(BODY)
     browser.eval("document.getElementById('send').click()")   # ?ask= fills the box; a click sends it
-    assert browser.wait_for("Number(document.body.dataset.maxTps || 0) > 0", 60), browser.eval(BODY)
-    assert browser.eval("document.body.dataset.answered") is None   # it moved before the answer ended
+    # the page saw tokens/s > 0 with the request running before the answer ended (marked by the page itself:
+    # on a loaded box the answer can end between this test's polls)
+    assert browser.wait_for("document.body.dataset.movedWhileAnswering", 60), browser.eval(BODY)
     assert browser.eval("Number(document.body.dataset.maxRunning)") >= 1
-    assert browser.eval("document.getElementById('running').textContent") == "1"
     assert browser.wait_for("document.getElementById('requests').textContent.includes('http:addr-127.0.0.1')", 10)
     browser.eval("window.scrollTo(0, 0)")   # the picture while it runs (the tiny model's answers are short)
     browser.screenshot(shots / "dashboard-answering.png")
