@@ -21,13 +21,18 @@ READY_TIMEOUT_S = 180.0
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 both free (the head binds both)."""
+    return free_port_run(2)
+
+
+def free_port_run(span: int) -> int:
+    """A port p with p .. p + span - 1 all free (a head binds two; a standby beside it, at p + 2, two more)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port < 65000 and _free(port + 1):
+        if port < 65000 and all(_free(port + k) for k in range(1, span)):
             return port
-    raise RuntimeError("no free port pair")
+    raise RuntimeError(f"no {span} free ports in a row")
 
 
 def _free(port: int) -> bool:

@@ -7,32 +7,14 @@ from __future__ import annotations
 import time
 
 from board_cluster import BoardCluster
-from cluster_helpers import free_port_pair, logs
+from cluster_helpers import free_port_run, logs
 from test_node_board_lost import MAX_NEW, PROMPT, RECOVERY_S, _wait, reference  # noqa: F401 - a fixture
-
-
-def _port_with_room_for_a_standby() -> int:
-    """p, p + 1 for the head and p + 2, p + 3 for the standby, all free."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-
-    port = free_port_pair()
-    while not (free(port + 2) and free(port + 3)):
-        port = free_port_pair()
-    return port
 
 
 def test_a_standby_that_takes_over_after_a_replan_serves_the_replanned_split(tiny_pair, tmp_path, reference):
     base, draft = tiny_pair
     cluster = BoardCluster(tmp_path, base, draft, recovery_s=RECOVERY_S, standby=True,
-                           port=_port_with_room_for_a_standby()).start()
+                           port=free_port_run(4)).start()
     try:
         assert _wait(lambda: "following head" in cluster.log("standby"), 60), logs(tmp_path)
         cluster.kill("stage-2")   # never restarted: the head re-plans onto stage-1 and stage-3

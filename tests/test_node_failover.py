@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_helpers import flowedge_home, free_port_pair
+from cluster_helpers import flowedge_home, free_port_run
 from flowedge.client.sync_client import Client
 from flowedge.errors import FlowedgeError
 from flowedge.transport import security
@@ -41,9 +41,7 @@ def nodes(tiny_pair, tmp_path):
         security.init_keys(home / "keys")
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        port = free_port_pair()
-        while not all(hf.free(p) for p in (port + 2, port + 3)):
-            port = free_port_pair()
+        port = free_port_run(4)   # the head's two ports, then the standby's
         cluster = hf.Nodes(base, draft, run_dir, port, "flowspec")
         try:
             hf.up(cluster)
