@@ -105,3 +105,17 @@ def test_the_llama_cpp_peer_decodes_exactly_n_greedy_tokens_from_given_ids_twice
     assert a["token_ids"] == b["token_ids"]   # greedy: the second prompt starts from a cleared sequence
     assert a["decode_tokens_per_s"] == pytest.approx(3 / a["decode_s"], rel=1e-2)
     assert json.loads(proc.stderr.splitlines()[-1])["gpu"] is False
+
+
+def test_a_built_llama_server_s_answer_is_measured_as_flowedge_measures_itself():
+    """predicted_ms runs from the first sampled token to the last: (n - 1) steps, as flowedge's decode rate."""
+    import llama_server_peer
+
+    res = {"tokens": [5, 6, 7], "timings": {"predicted_n": 11, "predicted_ms": 500.0, "prompt_ms": 80.0,
+                                            "predicted_per_second": 22.0}}
+    got = llama_server_peer.answer_figures(res)
+    assert got["decode_tokens_per_s"] == pytest.approx(20.0)
+    assert got["decode_s"] == pytest.approx(0.5) and got["prefill_s"] == pytest.approx(0.08)
+    assert got["token_ids"] == [5, 6, 7] and got["llama_predicted_per_second"] == 22.0
+    assert llama_server_peer.answer_figures({"timings": {"predicted_n": 1, "predicted_ms": 3.0}})[
+        "decode_tokens_per_s"] is None

@@ -22,17 +22,20 @@ llama.cpp's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
 import subprocess
 import sys
-import tempfile
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_server_peer import LlamaServer, answer_figures  # noqa: E402
+from measured_process import RUN_TIMEOUT_S, last_json, run_measured  # noqa: E402
 
 log = logging.getLogger("bench_vs_llamacpp")
 
@@ -42,7 +45,6 @@ LLAMA = "llama.cpp"
 CLUSTER = "up-3"
 DEFAULT_GGUF = Path.home() / ".cache" / "flowedge" / "gguf" / "qwen2.5-coder-1.5b.gguf"
 DEFAULT_DATASETS = ("humaneval", "mt-bench:writing", "mt-bench:math", "mt-bench:extraction")
-RUN_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -90,42 +92,6 @@ def decode_rate(new_tokens: int, decode_s: float | None) -> float | None:
 
 
 # --- running one side ------------------------------------------------------------------------------------
-
-def run_measured(cmd: list[str], stdin_text: str = "", timeout_s: float = RUN_TIMEOUT_S,
-                 env: dict | None = None) -> tuple[str, str, float]:
-    """Run cmd to the end; return its stdout, its stderr and its peak RSS in MB (ru_maxrss of that child)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env, cwd=ROOT)
-        proc.stdin.write(stdin_text.encode())
-        proc.stdin.close()
-        status, usage = _wait4(proc, time.monotonic() + timeout_s)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(), err.read().decode()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: {stderr.strip()[-800:]}")
-    return stdout, stderr, usage.ru_maxrss / 1024   # Linux: kilobytes
-
-
-def _wait4(proc: subprocess.Popen, deadline: float):
-    """Reap proc with its own resource usage (Popen.wait would discard it); kill it past the deadline."""
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            return status, usage
-        if time.monotonic() > deadline:
-            proc.kill()
-            return os.wait4(proc.pid, 0)[1:]
-        time.sleep(0.05)
-
-
-def last_json(stdout: str) -> dict:
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"no JSON line in the output: {stdout[-400:]!r}")
-    return json.loads(lines[-1])
-
 
 def run_llama(case: Case, gguf: Path, threads: int, max_new: int, repeat: int) -> Run:
     cmd = ["node", str(PEER_DIR / "bench.mjs"), "--model", str(gguf), "--threads", str(threads),
@@ -236,22 +202,39 @@ def schedule(cases: list[Case], sides: list[str], repeats: int) -> list[tuple[in
     return order
 
 
+def run_served(server: LlamaServer, case: Case, max_new: int, repeat: int) -> Run:
+    """llama.cpp built from source (`--peer-bin`): one answer from the block's llama-server."""
+    got = answer_figures(server.complete(list(case.ids), max_new))
+    return Run(LLAMA, server.threads, case.prompt_id, case.kind, repeat, got["new_tokens"], got["decode_s"],
+               got["decode_tokens_per_s"], got["prefill_s"], server.peak_rss_mb(), got["token_ids"],
+               {"llama_predicted_per_second": got["llama_predicted_per_second"], "build": server.version()})
+
+
 def run_block(args, cases: list[Case], threads: int, cluster: LocalCluster | None, sink) -> list[Run]:
     sides = [LLAMA, *args.strategies] + ([CLUSTER] if cluster else [])
     runs = []
-    for repeat, case, side in schedule(cases, sides, args.repeats):
-        if side == LLAMA:
-            run = run_llama(case, args.gguf, threads, args.max_new_tokens, repeat)
-        elif side == CLUSTER:
-            run = cluster.run(case, args.max_new_tokens, repeat, threads)
-        else:
-            run = run_flowedge(case, args.model, side, threads, args.max_new_tokens, repeat)
-        log.info("threads %d, %s, %s: %s decode tok/s, %d tokens, peak %.0f MB", threads, case.prompt_id, side,
-                 run.decode_tokens_per_s, run.new_tokens, run.peak_rss_mb)
-        sink.write(json.dumps(asdict(run)) + "\n")
-        sink.flush()
-        runs.append(run)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(LlamaServer(args.peer_bin, args.gguf, threads)) if args.peer_bin else None
+        for repeat, case, side in schedule(cases, sides, args.repeats):
+            run = run_side(args, side, case, threads, repeat, cluster, server)
+            log.info("threads %d, %s, %s: %s decode tok/s, %d tokens, peak %.0f MB", threads, case.prompt_id,
+                     side, run.decode_tokens_per_s, run.new_tokens, run.peak_rss_mb)
+            sink.write(json.dumps(asdict(run)) + "\n")
+            sink.flush()
+            runs.append(run)
     return runs
+
+
+def run_side(args, side: str, case: Case, threads: int, repeat: int, cluster: LocalCluster | None,
+             server: LlamaServer | None) -> Run:
+    if side == LLAMA:
+        if server is not None:
+            return run_served(server, case, args.max_new_tokens, repeat)
+        return run_llama(case, args.gguf, threads, args.max_new_tokens, repeat)
+    if side == CLUSTER:
+        assert cluster is not None
+        return cluster.run(case, args.max_new_tokens, repeat, threads)
+    return run_flowedge(case, args.model, side, threads, args.max_new_tokens, repeat)
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -319,6 +302,9 @@ def box_note() -> str:
 
 
 def peer_note(runs: list[Run]) -> str:
+    built = next((r.extra["build"] for r in runs if r.side == LLAMA and "build" in r.extra), None)
+    if built is not None:
+        return f"llama.cpp built from source ({built}), llama-server, one slot, no prompt cache"
     version = json.loads((PEER_DIR / "node_modules" / "node-llama-cpp" / "package.json").read_text())["version"]
     info = next((r.extra["llama_cpp"] for r in runs if r.side == LLAMA), {})
     return (f"llama.cpp {info.get('release')} ({info.get('build')} binary, gpu {info.get('gpu')}) through "
@@ -343,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-out" / "vs-llamacpp")
+    ap.add_argument("--peer-bin", type=Path, help="llama.cpp built from source (tools/llamacpp_build.py "
+                    "--print-dir): its llama-server is the peer instead of node-llama-cpp's prebuilt binary")
     args = ap.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
     args.threads = [int(t) for t in args.threads.split(",") if t]
@@ -353,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     args = parse_args(argv)
-    if not (PEER_DIR / "node_modules" / "node-llama-cpp").is_dir():
+    if not args.peer_bin and not (PEER_DIR / "node_modules" / "node-llama-cpp").is_dir():
         raise SystemExit(f"llama.cpp peer not installed: cd {PEER_DIR} && npm ci (see its README.md)")
     check_same_weights(args.model, args.gguf)
     cases = load_cases(args.datasets, args.samples, args.model)
