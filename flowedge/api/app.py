@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request
@@ -80,6 +80,7 @@ class EventStream(StreamingResponse):
     whatever ASGI version the server speaks."""
 
     media_type = "text/event-stream"
+    body_iterator: AsyncGenerator[bytes, None]   # Routes.events: closed here, so the request is cancelled
 
     async def __call__(self, scope, receive, send) -> None:
         async with anyio.create_task_group() as group:
@@ -267,7 +268,8 @@ class Routes:
             raise
         return EventStream(self.events(request.url.path, reply, first, pieces, c, body.include_usage))
 
-    async def whole(self, request: Request, reply: Reply, pieces: AsyncIterator[str], c: AsyncClient) -> Response:
+    async def whole(self, request: Request, reply: Reply, pieces: AsyncGenerator[str, None],
+                    c: AsyncClient) -> Response:
         """The answer in one JSON body; a client that disconnects meanwhile has its request cancelled."""
         endpoint = request.url.path
         collect = asyncio.ensure_future(_join(pieces))
@@ -291,7 +293,7 @@ class Routes:
         self.metrics.requests.labels(endpoint, "ok").inc()
         return JSONResponse(reply.whole({**result, "text": text}))
 
-    async def events(self, endpoint: str, reply: Reply, first: str | None, pieces: AsyncIterator[str],
+    async def events(self, endpoint: str, reply: Reply, first: str | None, pieces: AsyncGenerator[str, None],
                      c: AsyncClient, include_usage: bool) -> AsyncIterator[bytes]:
         """The answer as server-sent events; an error after the first byte is an error event."""
         outcome = "cancelled"
@@ -320,7 +322,7 @@ class Routes:
                 log.info("%s: the client went away mid-stream; request cancelled at the head", endpoint)
             await self.close(pieces, c)
 
-    async def close(self, pieces: AsyncIterator[str], c: AsyncClient) -> None:
+    async def close(self, pieces: AsyncGenerator[str, None], c: AsyncClient) -> None:
         """End one request: its stream (sends Cancel if it had not finished), its socket, the in-flight count."""
         try:
             await pieces.aclose()
@@ -341,9 +343,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.state.routes = routes
     app.add_middleware(RequestGuard, settings=settings, on_refused=routes.refused)
     app.add_middleware(SecurityHeaders)   # added last: the outermost, so every response carries them
-    app.add_exception_handler(RequestValidationError, routes.bad_body)
-    app.add_exception_handler(ApiError, routes.api_error)
-    app.add_exception_handler(HTTPException, routes.http_error)
+    # the decorator form registers the same handlers: its type says a handler takes the exception it is for
+    app.exception_handler(RequestValidationError)(routes.bad_body)
+    app.exception_handler(ApiError)(routes.api_error)
+    app.exception_handler(HTTPException)(routes.http_error)
     for path, handler in (("/health", routes.health), ("/metrics", routes.metrics_text),
                           ("/v1/status", routes.status), (dashboard.STREAM_PATH, routes.status_stream),
                           (dashboard.TIMELINE_PATH, routes.timeline),

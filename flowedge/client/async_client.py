@@ -17,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flowedge.client.client_answer import Answer, Chunk
-from flowedge.client.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
-                                         Turns, Welcomed)
+from flowedge.client.client_core import (CONTROL, ClientCore, Done, Event, Failed, Pending, Piece, Prompt, Send, Status,
+                                         Stops, Turns, Welcomed)
 from flowedge.home import flowedge_home
 from flowedge.transport.addresses import DEFAULT_PORT, head_addresses, split_addr, tcp
 from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError
@@ -35,6 +35,7 @@ from flowedge.transport.link import Inbound, PeerEvent
 
 log = logging.getLogger(__name__)
 FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
+_Reply = TypeVar("_Reply", Welcomed, Status)   # what a HELLO, or a status request, is answered with
 
 
 class _AsyncSocket:
@@ -94,7 +95,7 @@ class AsyncClient:
         addr = self.addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
-        self._socket = _AsyncSocket(addr, client_link(keys_dir, insecure) if own else link, own)
+        self._socket = _AsyncSocket(addr, link if link is not None else client_link(keys_dir, insecure), own)
         self._control_lock: asyncio.Lock | None = None   # one HELLO or status exchange at a time
         self._queues: dict[int, asyncio.Queue[Event]] = {}   # request id (or CONTROL) -> its events
         self._reader: asyncio.Task[None] | None = None
@@ -116,9 +117,15 @@ class AsyncClient:
         self._socket.close()
 
     # ---- the socket's one reader, and the waiters ---------------------------------------------------
+    @property
+    def _lock(self) -> asyncio.Lock:
+        """The control lock, made on first use (in the loop that runs the reader)."""
+        if self._control_lock is None:
+            self._control_lock = asyncio.Lock()
+        return self._control_lock
+
     def _start_reader(self) -> None:
         if self._reader is None or self._reader.done():
-            self._control_lock = self._control_lock or asyncio.Lock()
             self._queues.setdefault(CONTROL, asyncio.Queue())
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -133,10 +140,10 @@ class AsyncClient:
                 if isinstance(got, PeerEvent):   # the head's connection closed: news at once, as for `Client`
                     await self._dispatch(self.core.lost_connection(now))
                     continue
-                bad = isinstance(got, ProtocolError)
-                await self._dispatch(self.core.malformed(got, now) if bad else self.core.receive(got, now))
+                await self._dispatch(self.core.malformed(got, now) if isinstance(got, ProtocolError)
+                                     else self.core.receive(got, now))
 
-    async def _dispatch(self, events: list[Event]) -> None:
+    async def _dispatch(self, events: Sequence[Event]) -> None:
         for ev in events:
             if isinstance(ev, Send):
                 await self._socket.send(ev.msg)
@@ -156,21 +163,24 @@ class AsyncClient:
             except TimeoutError:
                 await self._dispatch(self.core.expire(time.monotonic()))
 
-    async def _control(self, msg: proto.Message) -> Welcomed | Status:
-        """Send a HELLO or status request (under the control lock) and wait for its answer."""
+    async def _control(self, msg: proto.Message, answer: type[_Reply]) -> _Reply:
+        """Send a HELLO or status request (under the control lock) and wait for its answer (Welcomed or
+        Status: the core ends the exchange with it or with a Failed, which is raised)."""
         await self._socket.send(msg)
-        ev = await self._next(CONTROL)
-        if isinstance(ev, Failed):
-            raise ev.error
-        return ev
+        while True:
+            ev = await self._next(CONTROL)
+            if isinstance(ev, Failed):
+                raise ev.error
+            if isinstance(ev, answer):
+                return ev
 
     async def _hello(self) -> None:
         self._start_reader()
-        async with self._control_lock:
+        async with self._lock:
             if not self.core.welcomed and len(self.heads) > 1:
                 await self._reach_head(move=False)
             elif not self.core.welcomed:
-                await self._control(self.core.hello(time.monotonic()))
+                await self._control(self.core.hello(time.monotonic()), Welcomed)
 
     async def _reach_head(self, move: bool) -> None:
         """Each head address in turn (from the next one when `move`) until one WELCOMEs this client, for up
@@ -187,7 +197,7 @@ class AsyncClient:
                 self._start_reader()
             move = True
             try:
-                await self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
+                await self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S), Welcomed)
                 return
             except FlowedgeError as err:
                 last = err
@@ -195,10 +205,10 @@ class AsyncClient:
         raise HeadLost(f"head failover: no head answered at {', '.join(self.heads)} within {self.failover_s:g} s "
                        f"({last})")
 
-    async def _follow_head(self, request: proto.PromptRequest, pending, lost_at: str) -> None:
+    async def _follow_head(self, request: proto.PromptRequest, pending: Pending, lost_at: str) -> None:
         """The head was lost mid-answer: reach the one that took over (unless another request already has)
         and send it the request again with the tokens held so far."""
-        async with self._control_lock:
+        async with self._lock:
             if self.addr == lost_at or not self.core.welcomed:
                 await self._reach_head(move=True)
         log.warning("head failover: request %d follows the head to %s, holding %d tokens", request.request_id,
@@ -278,8 +288,8 @@ class AsyncClient:
     async def status(self, timeline: bool = False) -> list[dict[str, Any]]:
         """One map per node, as `flowedge status --json`; `timeline`: with the head's recent past."""
         await self._hello()
-        async with self._control_lock:
-            return (await self._control(self.core.status(time.monotonic(), timeline))).nodes
+        async with self._lock:
+            return (await self._control(self.core.status(time.monotonic(), timeline), Status)).nodes
 
 
 async def _texts(chunks: AsyncGenerator[Chunk, None]) -> AsyncGenerator[str, None]:

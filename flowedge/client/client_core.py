@@ -92,7 +92,7 @@ def prompt_request(rid: int, prompt: Prompt | None, *, messages: Turns | None = 
         raise FlowedgeError("give exactly one of a prompt or messages")
     if raw and (messages is not None or system is not None):
         raise FlowedgeError("raw mode sends the prompt as is: no messages, no system prompt")
-    text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, list(prompt))
+    text, ids = (prompt, None) if isinstance(prompt, str) or prompt is None else (None, tuple(prompt))
     turns = None if messages is None else [dict(m) for m in messages]
     if system is not None:
         if ids is not None:
@@ -238,7 +238,7 @@ class ClientCore:
         """A frame that would not decode: the head speaks another protocol, so every waiter fails."""
         self.last_heard_s = now
         if self.control is not None and self.control.kind == "hello":
-            err = HeadUnreachable(f"cannot reach a flowedge head at {self.addr}: {err}")
+            return self._fail_all(HeadUnreachable(f"cannot reach a flowedge head at {self.addr}: {err}"))
         return self._fail_all(err)
 
     def lost_connection(self, now: float) -> list[Event]:

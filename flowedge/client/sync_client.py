@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import replace
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flowedge.client.client_answer import Answer, Chunk
-from flowedge.client.client_core import (CONTROL, ClientCore, Done, Event, Failed, Piece, Prompt, Send, Status, Stops,
-                                         Turns, Welcomed, prompt_request)
+from flowedge.client.client_core import (CONTROL, ClientCore, Done, Event, Failed, Pending, Piece, Prompt, Send, Status,
+                                         Stops, Turns, Welcomed, prompt_request)
 from flowedge.errors import FlowedgeError, HeadLost, LinkError, ProtocolError, RequestFailed
 from flowedge.home import flowedge_home
 from flowedge.transport import protocol as proto
@@ -33,6 +33,7 @@ from flowedge.transport.zmq_link import ZmqLink
 log = logging.getLogger(__name__)
 
 FAILOVER_HELLO_S = 1.0   # with several head addresses: each address's HELLO waits this long
+_Reply = TypeVar("_Reply", Welcomed, Status)   # what a HELLO, or a status request, is answered with
 
 __all__ = ["Answer", "Chunk", "Client", "RequestFailed", "prompt_request", "wait_ready"]
 
@@ -110,7 +111,8 @@ class Client:
         addr = self.addr
         self.core = ClientCore(addr, timeout_s=timeout_s, head_timeout_s=head_timeout_s, client=client)
         own = link is None
-        self._socket = _Socket(addr, ZmqLink(keys_dir or flowedge_home() / "keys", insecure) if own else link, own)
+        link = link if link is not None else ZmqLink(keys_dir or flowedge_home() / "keys", insecure)
+        self._socket = _Socket(addr, link, own)
         self._streaming: int | None = None
         self.last_result: Answer | None = None   # the answer of the request that finished last
 
@@ -139,7 +141,7 @@ class Client:
         """The core's next events for a caller (heartbeat answers sent on the way); blocks until some."""
         while True:
             now = time.monotonic()
-            events = list(self.core.expire(now))
+            events: list[Event] = list(self.core.expire(now))
             if not events:
                 deadline = self.core.next_deadline()
                 events = self._socket.pump(self.core, 0.1 if deadline is None else deadline - now)
@@ -150,12 +152,13 @@ class Client:
             if events:
                 return events
 
-    def _control(self, msg: proto.Message) -> Welcomed | Status:
-        """Send a HELLO or status request and wait for its answer (replies to a request are dropped)."""
+    def _control(self, msg: proto.Message, answer: type[_Reply]) -> _Reply:
+        """Send a HELLO or status request and wait for its answer, Welcomed or Status (replies to a request
+        are dropped)."""
         self._socket.send(msg)
         while True:
             for ev in self._events():
-                if isinstance(ev, (Welcomed, Status)):
+                if isinstance(ev, answer):
                     return ev
                 if isinstance(ev, Failed) and ev.request_id == CONTROL:
                     raise ev.error
@@ -166,7 +169,7 @@ class Client:
         if len(self.heads) > 1:
             self._reach_head(move=False)
             return
-        self._control(self.core.hello(time.monotonic()))
+        self._control(self.core.hello(time.monotonic()), Welcomed)
         self._socket.forget_disconnects()
 
     def _reach_head(self, move: bool) -> None:
@@ -180,7 +183,7 @@ class Client:
                 self._socket = self._socket.moved(self.addr)
             move = True
             try:
-                self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S))
+                self._control(self.core.hello(time.monotonic(), FAILOVER_HELLO_S), Welcomed)
             except FlowedgeError as err:
                 last = err
                 time.sleep(0.1)
@@ -255,7 +258,7 @@ class Client:
     def _can_follow(self, error: FlowedgeError) -> bool:
         return isinstance(error, HeadLost) and len(self.heads) > 1
 
-    def _follow_head(self, request: proto.PromptRequest, pending) -> None:
+    def _follow_head(self, request: proto.PromptRequest, pending: Pending) -> None:
         """The head was lost mid-answer: find the head that took over (each address in turn, for up to
         `failover_s`) and send it the request again with the tokens held so far; FlowedgeError naming
         the failover if none answers."""
@@ -270,7 +273,7 @@ class Client:
         """One map per node, as `flowedge status --json`; `timeline`: the head's row carries its recent
         past too (`timeline`, node/timeline.py)."""
         self._hello()
-        return self._control(self.core.status(time.monotonic(), timeline)).nodes
+        return self._control(self.core.status(time.monotonic(), timeline), Status).nodes
 
     def shutdown(self, reason: str = "") -> None:
         """Ask the head to stop itself and every stage."""

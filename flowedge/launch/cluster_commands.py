@@ -104,6 +104,7 @@ def join(head_addr, cluster, discover_timeout, config_path, node_id, device, thr
             raise click.UsageError("finding the head on the LAN needs the zeroconf package "
                                    "(pip install zeroconf), or give its address: `flowedge join HOST:PORT`") from None
         search = search_lan(browse, cluster, discover_timeout, lambda text: click.echo(text, err=True))
+        assert search.head is not None   # search_lan returns a search that found its first head
         head_addr = search.head.addr
     from flowedge.launch.config_file import load_node_config
     cfg = load_node_config(config_path, role="standby" if standby else "drafter" if drafter else None,

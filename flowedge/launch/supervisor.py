@@ -42,8 +42,12 @@ class Backoff:
 class Supervised(Protocol):
     """What the supervisor watches: node 0 is the head; `restart(k)` starts node k again."""
     procs: list
-    names: list[str]
-    run_dir: Path
+
+    @property
+    def names(self) -> list[str]: ...
+
+    @property
+    def run_dir(self) -> Path: ...
 
     def restart(self, k: int, detach: bool = False): ...
 

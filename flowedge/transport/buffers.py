@@ -55,7 +55,7 @@ def tokens_to_frame(ids: tuple[int, ...]) -> tuple[dict[str, Any], memoryview]:
     """(meta, buffer) for validated token ids: int16 when every id fits, else int32."""
     name = "int16" if max(ids, default=0) <= _INT16_MAX else "int32"
     arr = np.asarray(ids, dtype=TOKEN_WIRE_DTYPES[name])
-    return {"dtype": name, "shape": [len(ids)]}, memoryview(arr).cast("B")
+    return {"dtype": name, "shape": [len(ids)]}, arr.data.cast("B")
 
 
 def frame_to_tokens(meta: dict[str, Any], frame: Any) -> tuple[int, ...]:

@@ -111,7 +111,7 @@ def answer_hello(
     """Server side (ROUTER): WELCOME a valid HELLO and return it, else REFUSE with the reason (logged)."""
     hello, reason = judge_hello(frames, admit)
     log_hello(identity, hello, reason)
-    send_routed(sock, identity, welcome if hello is not None else Refuse(reason=reason))
+    send_routed(sock, identity, welcome if reason is None else Refuse(reason=reason))
     return hello
 
 

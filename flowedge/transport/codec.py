@@ -170,7 +170,7 @@ def _tokens(msg: Message, name: str, optional: bool = False) -> None:
 
 
 def _version(msg: Message) -> None:
-    v = msg.version
+    v = getattr(msg, "version")
     if not isinstance(v, (tuple, list)) or len(v) != 2 or any(type(x) is not int or x < 0 for x in v):
         raise _fail(msg, "version", "a (major, minor) pair")
     object.__setattr__(msg, "version", tuple(v))

@@ -63,7 +63,7 @@ def _as_buffer(t: torch.Tensor) -> memoryview:
     """A byte memoryview over a contiguous CPU tensor, sharing its memory (keeps the tensor alive)."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # numpy has no bf16: same 2-byte elements, different name
-    return memoryview(t.reshape(-1).numpy()).cast("B")  # 1-D: memoryview cannot cast 0-sized N-D views
+    return t.reshape(-1).numpy().data.cast("B")  # 1-D: memoryview cannot cast 0-sized N-D views
 
 
 def tensor_to_frame(
@@ -107,9 +107,10 @@ def _check_meta(meta: Any) -> tuple[torch.dtype, list[int], int]:
     """Validate a peer's tensor meta; returns (dtype, shape, nbytes)."""
     if not isinstance(meta, dict):
         raise ProtocolError("tensor meta must be a map")
-    dtype = WIRE_DTYPES.get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
+    name = meta.get("dtype")
+    dtype = WIRE_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise ProtocolError(f"unknown tensor dtype {quote(meta.get('dtype'))}")
+        raise ProtocolError(f"unknown tensor dtype {quote(name)}")
     shape = meta.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ProtocolError(f"tensor shape must be a list of at most {MAX_DIMS} sizes")

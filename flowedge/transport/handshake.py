@@ -28,5 +28,5 @@ def answer_hello(endpoint: Endpoint, identity: bytes, frames: Sequence[Any], wel
     PeerUnreachable if the peer hung up before the answer."""
     hello, reason = judge_hello(frames, admit)
     log_hello(identity, hello, reason)
-    endpoint.send(welcome if hello is not None else Refuse(reason=reason), identity)
+    endpoint.send(welcome if reason is None else Refuse(reason=reason), identity)
     return hello

@@ -45,7 +45,7 @@ class MemoryEndpoint(Endpoint):
         self.peers: dict[bytes, MemoryEndpoint] = {}    # ROUTER: its DEALERs by identity
         self.server: MemoryEndpoint | None = None        # DEALER: the ROUTER it is connected to
         self.identity = b""                              # DEALER: its identity there
-        self.held: list[list[bytes]] = []                # DEALER: sent before a server listened
+        self.held: list[list[bytearray]] = []            # DEALER: sent before a server listened
 
     def _deliver(self, item: Inbound | PeerEvent) -> None:   # under net.cond
         if not self.closed:
@@ -58,7 +58,7 @@ class MemoryEndpoint(Endpoint):
             if self.closed:
                 raise LinkError(f"{self.kind.value} {self.address} is closed")
             if self.kind is Kind.ROUTER:
-                peer = self.peers.get(to)
+                peer = self.peers.get(to) if to is not None else None
                 if peer is None:
                     raise PeerUnreachable(f"no peer {to!r} on {self.address}")
                 peer._deliver(Inbound(owned))
@@ -155,9 +155,10 @@ class MemoryLink(Link):
         return endpoint
 
     def wait(self, endpoints: Sequence[Endpoint], timeout_s: float) -> list[Endpoint]:
+        mine = [_own(e) for e in endpoints]
         with self.net.cond:
-            self.net.cond.wait_for(lambda: any(e.inbox for e in endpoints), timeout_s)
-            return [e for e in endpoints if e.inbox]
+            self.net.cond.wait_for(lambda: any(e.inbox for e in mine), timeout_s)
+            return [e for e in mine if e.inbox]
 
     def close(self) -> None:
         self.closed = True
@@ -165,3 +166,10 @@ class MemoryLink(Link):
             endpoint.close()
         self.endpoints = []
 
+
+
+def _own(endpoint: Endpoint) -> MemoryEndpoint:
+    """`endpoint` as the MemoryEndpoint it is: a link waits only on endpoints it made."""
+    if not isinstance(endpoint, MemoryEndpoint):
+        raise LinkError(f"a memory link cannot wait on a {type(endpoint).__name__}")
+    return endpoint

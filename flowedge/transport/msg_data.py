@@ -77,7 +77,7 @@ class Segment(Message):
         n = 0 if self.kind == "prefill" else rows
         _index(self, "node_ids", n)
         _index(self, "parent_ids", n)
-        if _index(self, "root_rows", optional=True) and (
+        if self.root_rows is not None and _index(self, "root_rows") and (
                 int(self.root_rows.max()) >= n or bool((self.root_rows[1:] <= self.root_rows[:-1]).any())):
             raise _fail(self, "root_rows", f"ascending rows below {n}")
         if (self.hidden is None) == (self.token_ids is None):

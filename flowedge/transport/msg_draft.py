@@ -43,7 +43,7 @@ MAX_ROWS_A_CALL = 1024        # rows of one draft call (width), and children per
 DECLINE_REASONS = ("behind", "error")
 
 
-def _tree(msg: Message, rows_expected: int) -> int:
+def _tree(msg: DraftJob | DraftAnswer, rows_expected: int) -> int:
     """Check a tree (tokens [n], parents of nodes 1.. [n - 1], log_scores [n], ran [r]) and its K/V
     rows [layers, 2, kv_heads, rows_expected + r, head_dim]; returns n."""
     import torch
@@ -69,7 +69,7 @@ def _tree(msg: Message, rows_expected: int) -> int:
     return n
 
 
-def _job_shape(msg: Message) -> None:
+def _job_shape(msg: DraftJob) -> None:
     _ints(msg, "calls", lo=1, hi=MAX_CALLS)
     _ints(msg, "width", "topk", lo=1, hi=MAX_ROWS_A_CALL)
     _ints(msg, "lookup", hi=msg.width)

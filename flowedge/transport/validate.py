@@ -148,5 +148,5 @@ def check_returned_segment(msg: proto.Segment, plan: ReturnPlan, known_ids: int)
         if msg.hidden.shape[1] != plan.hidden_size:
             raise InvalidMessage("return_width", f"hidden width {msg.hidden.shape[1]}, "
                                                  f"model has {plan.hidden_size}")
-    elif msg.token_ids.numel() and int(msg.token_ids.max()) >= plan.vocab_size:
+    elif msg.token_ids is not None and msg.token_ids.numel() and int(msg.token_ids.max()) >= plan.vocab_size:
         raise InvalidMessage("return_tokens", f"token ids beyond the vocabulary of {plan.vocab_size}")

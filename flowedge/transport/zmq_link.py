@@ -53,9 +53,13 @@ class ZmqEndpoint(Endpoint):
     def send_frames(self, frames: Sequence[Any], to: bytes | None = None) -> None:
         if self.kind is Kind.INBOUND:
             raise LinkError("an INBOUND endpoint only receives")
+        parts = list(frames)
+        if self.kind is Kind.ROUTER:
+            if to is None:   # as on the memory link: nobody by that name
+                raise PeerUnreachable(f"{self.kind.value} {self.address}: a send must name its peer")
+            parts.insert(0, to)
         try:
-            self.sock.send_multipart([to, *frames] if self.kind is Kind.ROUTER else list(frames),
-                                     copy=False, flags=zmq.NOBLOCK if self.kind is Kind.OUTBOUND else 0)
+            self.sock.send_multipart(parts, copy=False, flags=zmq.NOBLOCK if self.kind is Kind.OUTBOUND else 0)
         except zmq.ZMQError as err:   # EHOSTUNREACH (the peer left), EAGAIN (not taking more)
             raise PeerUnreachable(f"{self.kind.value} {self.address}: {err}") from None
 
@@ -103,6 +107,8 @@ class ZmqEndpoint(Endpoint):
 
 class ZmqRouter(ZmqEndpoint):
     """A ROUTER: every message names its sender (the identity ZeroMQ gave its connection)."""
+
+    monitor: zmq.Socket   # always there: its peer events
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
         monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -186,10 +192,11 @@ class ZmqLink(Link):
         return endpoint
 
     def wait(self, endpoints: Sequence[Endpoint], timeout_s: float) -> list[Endpoint]:
-        ready = [e for e in endpoints if e.has_pending()]
+        mine = [_own(e) for e in endpoints]
+        ready: list[Endpoint] = [e for e in mine if e.has_pending()]
         poller = zmq.Poller()
         owner: dict[zmq.Socket, Endpoint] = {}
-        for e in endpoints:
+        for e in mine:
             for sock in e.sockets():
                 poller.register(sock, zmq.POLLIN)
                 owner[sock] = e
@@ -204,6 +211,13 @@ class ZmqLink(Link):
         self.security.stop()
         if self.own_ctx:
             self.ctx.term()
+
+
+def _own(endpoint: Endpoint) -> ZmqEndpoint:
+    """`endpoint` as the ZmqEndpoint it is: a link waits only on endpoints it made."""
+    if not isinstance(endpoint, ZmqEndpoint):
+        raise LinkError(f"a ZeroMQ link cannot wait on a {type(endpoint).__name__}")
+    return endpoint
 
 
 def _bind(sock: zmq.Socket, interface: str, lo: int, hi: int) -> int:
