@@ -104,6 +104,14 @@ class _Row:
     allowed: torch.Tensor     # [n, past + n] bool
     past: int
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The rows' input: a segment on its way to a stage carries hidden states (token choices only leave
+        the last one)."""
+        if self.seg.hidden is None:
+            raise ValueError(f"segment {self.seg.seq} reached a stage without hidden states")
+        return self.seg.hidden
+
 
 class StageWorker:
     def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False,
@@ -309,7 +317,7 @@ class StageWorker:
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
         """One forward over every row of every request: [sum n, H] packed, each request attending over its
         own cache with its own mask (bit-identical per request to running it alone, with W4A16 stages)."""
-        hidden = torch.cat([r.seg.hidden for r in rows])
+        hidden = torch.cat([r.hidden for r in rows])
         positions = torch.cat([r.seg.positions for r in rows])
         masks = [bool_to_float_mask(r.allowed, hidden.dtype) for r in rows]
         out = self.model.forward_packed(hidden, positions, masks, [r.slot.cache for r in rows])
