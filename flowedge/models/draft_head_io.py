@@ -35,7 +35,7 @@ def save_head(head: DraftHead, path: Path | str) -> str:
 
     def add(name: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
-        entries.append(TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t))
+        entries.append(TensorEntry.held(name, t))
 
     for name, linear in head.linears().items():
         w = pack_int8(linear.weight.detach().float().cpu())

@@ -153,7 +153,7 @@ def _write_model_dir(out_dir: Path, config, state: dict[str, torch.Tensor], para
     try:
         config.save_pretrained(tmp)
         build_byte_tokenizer().save_pretrained(tmp)
-        entries = [TensorEntry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in state.items()]
+        entries = [TensorEntry.held(k, v) for k, v in state.items()]
         sha, _ = write_safetensors(tmp / "model.safetensors", entries)
         (tmp / _MARKER).write_text(json.dumps({"source": "tiny", "sha256": sha, "params": params}))
         if out_dir.exists():
