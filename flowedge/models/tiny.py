@@ -87,7 +87,7 @@ def make_tiny_pair(
     for layer in range(draft_layers, base_layers):
         for proj in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
             state[f"model.layers.{layer}.{proj}"].mul_(perturb)
-    draft_state = {k: v for k, v in state.items() if _layer_of(k) is None or _layer_of(k) < draft_layers}
+    draft_state = {k: v for k, v in state.items() if (at := _layer_of(k)) is None or at < draft_layers}
     draft_config = config.__class__(**{**config.to_dict(), "num_hidden_layers": draft_layers,
                                        "layer_types": None})
     _write_model_dir(base_dir, config, state, base_params)
