@@ -80,7 +80,7 @@ class StageParts:
 
 class StageModel(nn.Module):
     def __init__(self, config: ModelConfig, parts: StageParts, layers: nn.ModuleList, embed: nn.Module | None,
-                 norm: nn.Module | None, lm_head: nn.Module | None) -> None:
+                 norm: RMSNorm | None, lm_head: nn.Module | None) -> None:
         super().__init__()
         self.config = config
         self.parts = parts
@@ -191,9 +191,14 @@ class StageModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, H] (output of the last layer) -> [n, V] float32
+        norm, lm_head = self.final_parts()
+        return lm_head(norm(hidden)).float()
+
+    def final_parts(self) -> tuple[RMSNorm, nn.Module]:
+        """(final norm, lm_head): what turns the last layer's output into features and logits."""
         if self.lm_head is None or self.norm is None:
             raise ModelError("this stage holds no lm_head")
-        return self.lm_head(self.norm(hidden)).float()
+        return self.norm, self.lm_head
 
 
 def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
