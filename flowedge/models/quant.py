@@ -171,7 +171,6 @@ class Int4Linear(nn.Module):
     CUDA: torch's tinygemm int4pack matmul. `int8`: the native tiles computed with int8 activations
     (`kernels.int8act`, W4A8), chosen at construction from FLOWEDGE_ACTIVATIONS."""
     packed: torch.Tensor        # buffers (registered in __init__)
-    scales_zeros: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor | None, bias: torch.Tensor | None,
@@ -395,10 +394,7 @@ def fuse_native(linears: list[nn.Module]) -> Int4Linear | None:
            for m in native):
         return None
     biases = [m.bias for m in native]
-    if any(b is not None for b in biases):
-        bias: torch.Tensor | None = torch.cat([torch.zeros(m.out_features) if b is None else b.float()
-                                               for m, b in zip(native, biases)])
-    else:
-        bias = None
+    bias = (torch.cat([torch.zeros(m.out_features) if b is None else b.float() for m, b in zip(native, biases)])
+            if any(b is not None for b in biases) else None)
     return Int4Linear(torch.cat([m.packed for m in native]), None, bias, first.in_features,
                       sum(m.out_features for m in native), first.group_size, native=True, int8=first.int8)
