@@ -77,8 +77,8 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
         "tokens_per_s": round(len(res.token_ids) / res.wall_s, 3) if res.wall_s > 0 else None,
         **decode_stats(res),
     }
-    if res.accept_lens:
-        out["mean_accept_len"] = round(res.mean_accept_len, 4)
+    if (mean_accept := res.mean_accept_len) is not None:   # (there were verifications)
+        out["mean_accept_len"] = round(mean_accept, 4)
         out["verifications"] = len(res.accept_lens)
     out["quant"] = req.quant
     out.update(extra)
@@ -88,9 +88,9 @@ def run_generate(req: GenerateRequest, on_text: Callable[[str], None] | None = N
 def decode_stats(res: GenerationResult) -> dict:
     """Prefill and decode apart: `tokens_per_s` spreads the prompt's prefill over the answer, so a figure to
     compare decoding speed with (llama.cpp's, docs/bench/llamacpp) counts only the tokens after the first."""
-    if res.first_token_s is None:
-        return {}
     decode_s = res.decode_s
+    if res.first_token_s is None or decode_s is None:   # (both or neither)
+        return {}
     rate = (len(res.token_ids) - 1) / decode_s if len(res.token_ids) > 1 and decode_s > 0 else None
     return {"prefill_s": round(res.first_token_s, 4), "decode_s": round(decode_s, 4),
             "decode_tokens_per_s": round(rate, 3) if rate is not None else None}

@@ -19,8 +19,9 @@ TOPK = 8   # base choices kept per position (soft labels for the head)
 @torch.inference_mode()
 def record_of(model: StageModel, tokens: torch.Tensor, hidden: torch.Tensor) -> Record:
     """tokens [T], the base's final hidden states there [T, H] -> a training record."""
-    feats = model.norm(hidden)
-    top = torch.log_softmax(model.lm_head(feats).float(), dim=-1).topk(TOPK, dim=-1)
+    norm, lm_head = model.final_parts()
+    feats = norm(hidden)
+    top = torch.log_softmax(lm_head(feats).float(), dim=-1).topk(TOPK, dim=-1)
     return Record(tokens.to(torch.long), feats.half(), top.indices, top.values.half())
 
 

@@ -17,6 +17,7 @@ import logging
 import torch
 from torch import nn
 
+from flowedge.models.decoder import DecoderLayer, FeedForward
 from flowedge.models.draft_head import DraftHead
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def strongest_channels(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
 
 
 @torch.no_grad()
-def init_from_last_layer(head: DraftHead, base_layer: nn.Module, hidden: int) -> None:
+def init_from_last_layer(head: DraftHead, base_layer: DecoderLayer, hidden: int) -> None:
     """Copy `base_layer` (a loaded DecoderLayer of the base) into the head's layer; see the module doc."""
     attn, mine = base_layer.self_attn, head.layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -59,8 +60,9 @@ def init_from_last_layer(head: DraftHead, base_layer: nn.Module, hidden: int) ->
     log.info("draft head starts from the base's last layer (%d of %d MLP channels)", keep.numel(), gate.shape[0])
 
 
-def _gate_up(mlp: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if getattr(mlp, "gate_up", None) is not None:
+def _gate_up(mlp: FeedForward, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if mlp.gate_up is not None:
         both, _ = dense_weight(mlp.gate_up, hidden)
-        return both.chunk(2, dim=0)
+        gate, up = both.chunk(2, dim=0)
+        return gate, up
     return dense_weight(mlp.gate_proj, hidden)[0], dense_weight(mlp.up_proj, hidden)[0]

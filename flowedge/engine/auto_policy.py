@@ -107,9 +107,10 @@ class Prediction:
         pipedec's levels are not pre-drafted."""
         if token_latency_s <= 0 or max(flow_step_s, draft_call_s) <= 0:
             return None
-        kwargs = dict(pipeline_latency_s=pipeline_latency_s, segment_step_s=segment_step_s, n_stages=n_stages,
-                      ar_batch_s=ar_batch_s, draft_batch_s=draft_batch_s, flow_batch_s=flow_batch_s)
-        undrafted = (Prediction.from_costs(token_latency_s, flow_step_s, draft_call_s, accept_per_step, **kwargs)
+        undrafted = (Prediction.from_costs(token_latency_s, flow_step_s, draft_call_s, accept_per_step,
+                                           pipeline_latency_s=pipeline_latency_s, segment_step_s=segment_step_s,
+                                           n_stages=n_stages, ar_batch_s=ar_batch_s, draft_batch_s=draft_batch_s,
+                                           flow_batch_s=flow_batch_s)
                      if drafter is not None else None)
         step_s = max(flow_step_s, drafter.call_s(draft_call_s) if drafter is not None else draft_call_s)
         rates = {AR_PP: 1.0 / token_latency_s,
@@ -196,7 +197,7 @@ class Chooser:
         if self.prediction is None:
             return FLOWSPEC, "no device profile for every node: flowspec, FlowSpec's default"
         running = self.initial_load
-        speculate, words = self._profiles_speculate(running, self.tokens_left)
+        speculate, words = self._profiles_speculate(self.prediction, running, self.tokens_left)
         among = "" if running <= 1 else f" (each of {running} requests)"
         return (self.spec if speculate else AR_PP), words + among
 
@@ -217,10 +218,10 @@ class Chooser:
         return speculate, (f"{self.spec} {fs:.2f} tok/s{left} {'>=' if speculate else '<'} "
                            f"{self.policy.margin}x ar-pp {ar:.2f}")
 
-    def _profiles_speculate(self, running: int, tokens_left: int | None) -> tuple[bool, str]:
+    def _profiles_speculate(self, prediction: Prediction, running: int, tokens_left: int | None) -> tuple[bool, str]:
         """Whether the profiles predict the speculative strategy `margin` times ar-pp's rate or more, for
         each of `running` requests over the `tokens_left` of the answer; and that comparison in words."""
-        rates = self.prediction.at_load(running)
+        rates = prediction.at_load(running)
         speculate, words = self._pays(rates, tokens_left)
         others = "".join(f", {s} {r:.2f}" for s, r in rates.items() if s not in (self.spec, AR_PP))
         return speculate, f"profiles predict {words}{others}"
@@ -290,7 +291,7 @@ class Chooser:
         if how != "measured" and among is not None and ar is not None and among < ar:
             # alone on ar-pp among the others' segments (in a burst they chose as this one did)
             ar, how = among, f"predicted among {running - 1} speculating requests"
-        if (self.meters[self.spec].rate(self.policy.window_tokens) is None or ar is None
+        if (self.meters[self.spec].rate(self.policy.window_tokens) is None or fs is None or ar is None
                 or self.policy.margin * fs >= ar):
             return
         self.fell_back = True
@@ -324,7 +325,7 @@ class Chooser:
         running = self.load()
         if self.prediction is None or running >= self.initial_load:
             return
-        speculate, words = self._profiles_speculate(running, tokens_left)
+        speculate, words = self._profiles_speculate(self.prediction, running, tokens_left)
         if speculate:   # from here a slow measurement falls back and probes, as after any other start
             self._switch(self.spec, f"{running} requests running now: {words}")
 
@@ -335,7 +336,7 @@ class Chooser:
 
     def report(self) -> dict:
         """What an answer's stats carry."""
-        out = {"choice": self.initial[0], "reason": self.initial[1], "final": self.choice,
+        out: dict[str, object] = {"choice": self.initial[0], "reason": self.initial[1], "final": self.choice,
                "tokens": dict(self.tokens), "switches": list(self.switches)}
         if self.prediction is not None:
             out["predicted_tok_s"] = {k: round(v, 3) for k, v in self.prediction.rates.items()}

@@ -17,6 +17,7 @@ from flowedge.core.lookup import lookup_continuation
 from flowedge.core.tree import ROOT, DraftTree, find_path, subtree
 from flowedge.engine.draft_slots import CacheSlots
 from flowedge.errors import ConfigError
+from flowedge.models.kv_cache import KVCache
 from flowedge.models.stage import StageModel, bool_to_float_mask, causal_mask, is_packed
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,11 @@ class TreeShape:
 class Drafter:
     wants_features = False   # a draft model reads tokens only (a draft head also reads the base's features)
 
-    def __init__(self, model: StageModel, batcher=None) -> None:
+    def __init__(self, model: StageModel, batcher=None, cache: KVCache | None = None) -> None:
+        """`cache`: the KV cache the draft calls fill (None: a new one of `model`'s; a draft head brings its own)."""
         self.model = model
         self.batcher = batcher   # engine/draft_batch.DraftBatcher: calls shared with other requests' drafters
-        self.cache = model.new_cache()
+        self.cache = model.new_cache() if cache is None else cache
         self.forwards = 0
         self._calls: list[tuple[int, int, float]] = []
         self.reset()

@@ -1,11 +1,10 @@
 """The head (node 0): embedding, lm_head, draft model, and the strategy that drives the pipeline.
 
-Sans-IO: `start()` and `receive()` return actions; model calls happen inline and are reported as
-`Compute` actions so a simulator can charge virtual time for them. A request's state lives in an
-`Answer`, a round's in a `Round` (fresh ones per request and per round). Everything a strategy shares —
-rounds, segments, verification, prune broadcasts, token emission — lives here; what differs between
-strategies (tree shape, when to verify, how to expand) lives in `flowedge/engine/strategies/`, which
-see the head only through its `RoundView` (engine/round_view.py).
+Sans-IO: `start()` and `receive()` return actions; model calls happen inline and are reported as `Compute` actions
+so a simulator can charge virtual time for them. A request's state lives in an `Answer`, a round's in a `Round`
+(fresh ones per request and per round). Everything a strategy shares — rounds, segments, verification, prune
+broadcasts, token emission — lives here; what differs between strategies (tree shape, when to verify, how to expand)
+lives in `flowedge/engine/strategies/`, which see the head only through its `RoundView` (engine/round_view.py).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.head_drafter import FeatureFeed
 from flowedge.engine.events import (Compute, Continue, Done, Emit, Finish, Prune, Segment, Send, Stats)
 from flowedge.engine.predraft import PreDrafted, PreDrafting, PreDraftStep
-from flowedge.engine.round_state import Answer, Round, StepTimes
+from flowedge.engine.round_state import Answer, Round, StepTimes, running
 from flowedge.engine.round_view import RoundView
 from flowedge.models.stage import StageModel
 
@@ -139,7 +138,7 @@ class Head:
             return actions + self._plan_predraft()
         if event.round_id != a.round_id:
             return []   # output of a round that already ended
-        r = self.round
+        r = running(self.round)
         r.in_flight -= 1
         if self.predraft is not None:
             self.predraft.gaps.on_return(event.seq, self.clock())
@@ -177,10 +176,12 @@ class Head:
         if seg.tokens is not None:   # the last stage chose the token after the prompt
             y = int(seg.tokens[-1])
             a.stats.stage_chosen += 1
+        elif self.oracle is not None:
+            y = choose_token(self.oracle.logits(a.prompt), a.params, a.gen)
         else:
-            logits = self.oracle.logits(a.prompt) if self.oracle is not None \
-                else self.model.logits(seg.hidden[-1:])[0]
-            y = choose_token(logits, a.params, a.gen)
+            if seg.hidden is None:
+                raise RuntimeError("the prompt came back without hidden states or a token choice")
+            y = choose_token(self.model.logits(seg.hidden[-1:])[0], a.params, a.gen)
         actions: list = [Compute("lm_head", 1, 0, "prefill")] if self.lm_head_at == "head" else []
         return actions + self._accept_tokens([y]) + ([] if a.finished else self._new_round())
 
@@ -201,7 +202,7 @@ class Head:
 
     def grow_alive(self) -> None:
         """New nodes were appended to the tree: they start alive."""
-        r = self.round
+        r = running(self.round)
         extra = len(r.tree) - r.alive.numel()
         if extra > 0:
             r.alive = torch.cat([r.alive, torch.ones(extra, dtype=torch.bool)])
@@ -210,7 +211,7 @@ class Head:
         """Embed alive nodes `ids` and send them to stage 1 as one segment."""
         if phase not in SEGMENT_PHASES:   # the wire would refuse it: say so where the bug is
             raise ValueError(f"segment phase {phase!r} is not one of {SEGMENT_PHASES} (core/config.py)")
-        r = self.round
+        r = running(self.round)
         ids = self._within_room(ids[r.alive[ids]])
         if ids.numel() == 0:
             return []
@@ -232,7 +233,7 @@ class Head:
         committed prefix less the rows already sent); the rest are pruned here, before they are sent, so a
         tree never overflows a stage near the context's edge. Node ids are topological (a parent's id is
         smaller than its children's), so the smallest ids kept include every kept node's parent."""
-        r, room = self.round, self.room()
+        r, room = running(self.round), self.room()
         if ids.numel() <= room:
             return ids
         order = ids.sort().values
@@ -245,7 +246,7 @@ class Head:
 
     # ---- verification -----------------------------------------------------------------------------
     def _logits(self, node: int) -> torch.Tensor | None:
-        r = self.round
+        r = running(self.round)
         if node in r.logits_of:
             return r.logits_of[node]
         if node not in r.arrived:
@@ -265,7 +266,7 @@ class Head:
     def _chosen(self, node: int) -> int | None:
         """The base model's token at `node`: sent by the last stage, else drawn here from its logits
         (lazily, one draw per visited node); None while the node's output has not arrived."""
-        token = self.round.token_of.get(node)
+        token = running(self.round).token_of.get(node)
         if token is not None:
             return token
         logits = self._logits(node)
@@ -274,7 +275,7 @@ class Head:
     def verify(self) -> tuple[WalkResult | None, list]:
         """Walk from the current node if its output is known; returns the walk and the lm_head cost
         (none on node 0 when the last stage holds the lm_head)."""
-        r = self.round
+        r = running(self.round)
         self.times.lm_tokens = 0
         if r.cur not in r.arrived:
             return None, []
@@ -284,7 +285,7 @@ class Head:
 
     def apply_walk(self, res: WalkResult, *, continue_round: bool) -> list:
         """Emit the walk's tokens, broadcast the prune set, and either continue or end the round."""
-        r = self.round
+        r = running(self.round)
         self.stats.accept_lens.append(len(res.tokens))
         if self.features is not None:
             self.features.walk(r, self.context()[: r.base], self.answer.prefix_len, res)
@@ -296,7 +297,7 @@ class Head:
         r.ended = end
         if self.finished:
             return actions
-        if end:
+        if end or res.next_node is None:   # (not end: the walk goes on at next_node)
             return actions + self._new_round()
         r.alive = apply_alive(r.alive, prune)
         for node in [n for n in r.arrived if not r.alive[n]]:
@@ -322,9 +323,9 @@ class Head:
             log.warning("round %d stalled with nothing in flight; restarting it", self.round_id)
         else:
             log.info("round %d ended early: %s", self.round_id, reason)
-        empty = torch.zeros(0, dtype=torch.long)
-        actions = self._broadcast_prune(PruneSet(empty, empty, len(self.round.tree)), True)
-        self.round.ended = True
+        r, empty = running(self.round), torch.zeros(0, dtype=torch.long)
+        actions = self._broadcast_prune(PruneSet(empty, empty, len(r.tree)), True)
+        r.ended = True
         return actions + self._new_round()
 
     def _accept_tokens(self, tokens: list[int]) -> list:
@@ -364,7 +365,7 @@ class Head:
 
     def room(self) -> int:
         """Tree rows the stages can still take this round (their KV room before the model's context)."""
-        r = self.round
+        r = running(self.round)
         return self.max_positions - r.base - r.rows_sent
 
     def expand_later(self, accepted: bool) -> list:
@@ -385,12 +386,15 @@ class Head:
         if self.predraft is None:
             return []
         if self.round is None or self.round.ended or self.finished or not self.strategy.predrafts:
-            return self.predraft.new_round() or []   # e.g. auto on pipedec, whose round tree is the draft tree
+            self.predraft.new_round()   # e.g. auto on pipedec, whose round tree is the draft tree
+            return []
         actions, more = self.predraft.on_event(event, self.context(), self.clock())
         actions += self._plan_predraft() if more else []
         self.stats.predraft = self.predraft.stats.as_dict()
         return actions
 
     def predrafted_base(self) -> DraftTree | None:
-        r = self.round
-        return None if self.predraft is None else self.predraft.base_for(self.context(), r.tree, r.alive, r.cur)
+        if self.predraft is None:
+            return None
+        r = running(self.round)
+        return self.predraft.base_for(self.context(), r.tree, r.alive, r.cur)

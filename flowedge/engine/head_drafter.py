@@ -20,6 +20,7 @@ import torch
 
 from flowedge.core.tree import DraftTree
 from flowedge.engine.drafter import Drafter, TreeShape
+from flowedge.errors import ModelError
 from flowedge.models.draft_head import DraftHead, attach_lm_head, lm_head_rows
 from flowedge.models.stage import StageModel, bool_to_float_mask
 
@@ -35,13 +36,14 @@ class HeadDrafter(Drafter):
     wants_features = True
 
     def __init__(self, head: DraftHead, base: StageModel) -> None:
-        """`base`: node 0's part of the base model (its embedding and final norm)."""
+        """`base`: node 0's part of the base model (its embedding and final norm); the draft calls run the
+        head, over its own KV cache (`_run`)."""
         head.config.check_base(base.config)
         self.head, self.base_model = head, base
         self.features = torch.zeros(0, head.config.hidden_size)   # [positions, H] normalised base features
         self.known = torch.zeros(0, dtype=torch.bool)
         self.outs = torch.zeros(0, head.config.hidden_size)       # the head's output at each cache entry
-        super().__init__(head)
+        super().__init__(base, cache=head.new_cache())
 
     def reset(self) -> None:
         super().reset()
@@ -54,12 +56,14 @@ class HeadDrafter(Drafter):
         n = int(hidden.shape[0])
         if n == 0:
             return
-        end = start + n
+        end, norm = start + n, self.base_model.norm
+        if norm is None:
+            raise ModelError("the draft head reads the base model's final norm: node 0's part holds none")
         if end > self.features.shape[0]:
             grow = max(end, 2 * self.features.shape[0]) - self.features.shape[0]
             self.features = torch.cat([self.features, self.features.new_zeros(grow, self.features.shape[1])])
             self.known = torch.cat([self.known, self.known.new_zeros(grow)])
-        self.features[start:end] = self.base_model.norm(hidden.to(self.features.dtype))
+        self.features[start:end] = norm(hidden.to(self.features.dtype))
         self.known[start:end] = True
 
     def _context_features(self, positions: torch.Tensor) -> torch.Tensor:

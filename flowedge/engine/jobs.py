@@ -76,7 +76,7 @@ class Request:
     submitted_s: float
     state: State = State.QUEUED
     deadline_s: float | None = None   # paused: the recovery deadline for a lost stage's slot
-    engine: object = None
+    engine: RequestEngine | None = None   # set while it runs (`Scheduler._launch`), dropped once it ended
     engine_id: int = 0                # the engine run's id on the wire (a replay gets a new one)
     emitted: list[int] = field(default_factory=list)
     started_s: float = 0.0
@@ -89,6 +89,12 @@ class Request:
     def next_engine_id(self) -> int:
         """The first run keeps the key (what the stages and tests see); each replay a fresh id."""
         return self.key + (self.replays << REPLAY_ID_SHIFT)
+
+    def live_engine(self) -> RequestEngine:
+        """The engine of a request the scheduler runs: only a running request gets events."""
+        if self.engine is None:
+            raise RuntimeError(f"request {self.key} has no engine (not running)")
+        return self.engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,7 +189,7 @@ class PreDrafting:
             self.snaps.popitem(last=False)
         return [Offload(job, snap, request_bytes=snap.nbytes())]
 
-    def on_event(self, event, context: list[int], now: float) -> tuple[list, bool]:
+    def on_event(self, event: PreDraftStep | PreDrafted, context: list[int], now: float) -> tuple[list, bool]:
         """Run (idle) or merge (drafter) a job's calls on the tree at `context`. Returns the actions (node
         0's own draft costs) and whether to plan the next job."""
         from flowedge.engine.events import Compute, WhenIdle

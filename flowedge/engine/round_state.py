@@ -46,6 +46,13 @@ class Round:
     ended: bool = False
 
 
+def running(r: Round | None) -> Round:
+    """The round in progress; segments, walks, prunes and strategy calls only come within one."""
+    if r is None:
+        raise RuntimeError("no round is running")
+    return r
+
+
 @dataclass
 class StepTimes:
     """Where a handler's time went: model calls and initial-tree building (reported apart), lm_head rows."""

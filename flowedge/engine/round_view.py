@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowedge.engine.round_state import running
 from flowedge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -85,9 +86,7 @@ class RoundView:
     @property
     def _round(self) -> Round:
         """The round running: a strategy is only called within one."""
-        if self._head.round is None:
-            raise RuntimeError("no round is running")
-        return self._head.round
+        return running(self._head.round)
 
     @property
     def tree(self) -> DraftTree:

@@ -113,7 +113,7 @@ class Scheduler:
         batch = [(req, ev) for req in list(self.running.values()) if (ev := self._next_event(req)) is not None]
         out: list[Action] = []
         if batch:
-            results = self.run_handlers([partial(_guarded, partial(req.engine.receive, now=now), ev)
+            results = self.run_handlers([partial(_guarded, partial(req.live_engine().receive, now=now), ev)
                                          for req, ev in batch])
             for (req, _), result in zip(batch, results):
                 if req.state is State.RUNNING:
@@ -143,7 +143,7 @@ class Scheduler:
         for req in self.running.values():
             if req.state is State.RUNNING and req.idle is not None:
                 event, req.idle = req.idle, None
-                return self._run(req, partial(req.engine.receive, event, now=self.now_s))
+                return self._run(req, partial(req.live_engine().receive, event, now=self.now_s))
         return []
 
     def cancel(self, key: int, why: str = "cancelled by its client") -> list[Action]:
@@ -253,10 +253,10 @@ class Scheduler:
         return budget is None or self.kv_reserved() + req.job.kv_tokens <= budget.tokens
 
     def _note_kv_wait(self, req: Request) -> None:
-        if not req.kv_waited:
+        if not req.kv_waited and (budget := self.kv_budget()) is not None:
             req.kv_waited = True
             log.info("request %d waits for KV: needs %d tokens per stage, %d of %d held by %d running", req.key,
-                     req.job.kv_tokens, self.kv_reserved(), self.kv_budget().tokens, len(self.running))
+                     req.job.kv_tokens, self.kv_reserved(), budget.tokens, len(self.running))
 
     # ---- transitions ------------------------------------------------------------------------------
     def _start(self, req: Request, now: float) -> list[Action]:
@@ -281,7 +281,7 @@ class Scheduler:
                  req.engine_id, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.key,
                  f", replay {req.replays}" if req.replays else "")   # tools/fault_inject.py checks FIFO on it
         ids, params = list(job.prompt_ids) + req.emitted, replay_params(job.params, len(req.emitted))
-        return self._run(req, lambda: req.engine.start(req.engine_id, ids, left, params, now=self.now_s))
+        return self._run(req, lambda: req.live_engine().start(req.engine_id, ids, left, params, now=self.now_s))
 
     def _replay(self, req: Request, now: float) -> list[Action]:
         if req.replays >= self.limits.max_replays:

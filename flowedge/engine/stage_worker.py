@@ -29,6 +29,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -36,7 +37,7 @@ from flowedge.core.prune import PruneSet, cache_reorder, live_in
 from flowedge.core.sampling import SamplingParams, make_generator, warp_probs
 from flowedge.engine.events import Compute, Failed, Finish, Prune, Segment, Send
 from flowedge.models.kv_cache import CacheLike
-from flowedge.models.stage import StageModel, bool_to_float_mask
+from flowedge.models.stage import bool_to_float_mask
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,32 @@ class _Row:
     allowed: torch.Tensor     # [n, past + n] bool
     past: int
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The rows' input: a segment on its way to a stage carries hidden states (token choices only leave
+        the last one)."""
+        if self.seg.hidden is None:
+            raise ValueError(f"segment {self.seg.seq} reached a stage without hidden states")
+        return self.seg.hidden
 
-class StageWorker:
-    def __init__(self, index: int, model: StageModel, n_stages: int, can_choose: bool = False,
+
+class StageLayers(Protocol):
+    """What a stage worker runs: a `StageModel`'s layer range, or the simulator's shape-only stand-in
+    (sim/oracle.py). One that can choose tokens also has `logits` (the worker asks with hasattr)."""
+
+    def new_cache(self) -> CacheLike: ...
+
+    def forward_packed(self, hidden: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
+                       caches: list[Any]) -> torch.Tensor:
+        """`caches`: each request's, as `new_cache` made it."""
+        ...
+
+
+Layers = TypeVar("Layers", bound=StageLayers)
+
+
+class StageWorker(Generic[Layers]):
+    def __init__(self, index: int, model: Layers, n_stages: int, can_choose: bool = False,
                  contain_failures: bool = False) -> None:
         self.index = index                  # 1..N
         self.model = model
@@ -309,7 +333,7 @@ class StageWorker:
     def _forward(self, rows: list[_Row]) -> list[torch.Tensor]:
         """One forward over every row of every request: [sum n, H] packed, each request attending over its
         own cache with its own mask (bit-identical per request to running it alone, with W4A16 stages)."""
-        hidden = torch.cat([r.seg.hidden for r in rows])
+        hidden = torch.cat([r.hidden for r in rows])
         positions = torch.cat([r.seg.positions for r in rows])
         masks = [bool_to_float_mask(r.allowed, hidden.dtype) for r in rows]
         out = self.model.forward_packed(hidden, positions, masks, [r.slot.cache for r in rows])

@@ -62,8 +62,8 @@ def split_cc(cc: list[str]) -> tuple[list[str], list[str]]:
     return cc[:at], cc[at:]
 
 
-def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False, **kwargs)
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
 
 
 def _native_flags(cc: list[str]) -> str:

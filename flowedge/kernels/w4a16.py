@@ -44,10 +44,16 @@ REPACK_ROWS = 4096   # outputs repacked at once (bounds the temporaries for a vo
 
 
 class PackedWeight(PackedShape, Protocol):
-    """The portable W4A16 layout the kernel repacks (`models.quant.PackedInt4` is one)."""
-    qweight: torch.Tensor   # uint8 [N, K / 2]
-    scales: torch.Tensor    # bfloat16 [N, K / G]
-    zeros: torch.Tensor     # bfloat16 [N, K / G]
+    """The portable W4A16 layout the kernel repacks (`models.quant.PackedInt4` is one), read only."""
+
+    @property
+    def qweight(self) -> torch.Tensor: ...   # uint8 [N, K / 2]
+
+    @property
+    def scales(self) -> torch.Tensor: ...    # bfloat16 [N, K / G]
+
+    @property
+    def zeros(self) -> torch.Tensor: ...     # bfloat16 [N, K / G]
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,9 +37,13 @@ REPACK_ROWS = 4096
 
 
 class PackedWeight8(PackedShape, Protocol):
-    """The portable W8A16 layout the kernel repacks (`models.quant8.PackedInt8` is one)."""
-    qweight: torch.Tensor   # int8 [N, K]
-    scales: torch.Tensor    # float32 [N, K / G]
+    """The portable W8A16 layout the kernel repacks (`models.quant8.PackedInt8` is one), read only."""
+
+    @property
+    def qweight(self) -> torch.Tensor: ...   # int8 [N, K]
+
+    @property
+    def scales(self) -> torch.Tensor: ...    # float32 [N, K / G]
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -129,8 +130,8 @@ def _entries(model: GgufModel, quant: str, group_size: int, skip: set[str]) -> l
     sources = [s for s in model.tensors if s.name not in skip]
     packed = {s.name for s in sources if quant == "int4" and packs(s.name, s.shape, group_size)}
     dtypes = {s.name: store_dtype(s) for s in sources if s.name not in packed}
-    entries = [TensorEntry(s.name, STORE_DTYPE, s.shape, lambda s=s: _load_16bit(s)) if s.name in packed else
-               TensorEntry(s.name, dtypes[s.name], s.shape, lambda s=s: s.load(dtypes[s.name]))
+    entries = [TensorEntry(s.name, STORE_DTYPE, s.shape, partial(_load_16bit, s)) if s.name in packed else
+               TensorEntry(s.name, dtypes[s.name], s.shape, partial(s.load, dtypes[s.name]))
                for s in sources]
     if quant != "int4":
         return entries

@@ -71,7 +71,7 @@ class RequestRows:
     [n, cache.length + n] (0 where allowed)."""
     start: int
     n: int
-    cache: object
+    cache: KVCache
     mask: torch.Tensor
 
 

@@ -91,6 +91,8 @@ class DraftHeadConfig:
 
 
 class DraftHead(nn.Module):
+    vocab_ids: torch.Tensor   # a buffer: the base ids of the reduced vocabulary, in logit order
+
     def __init__(self, config: DraftHeadConfig) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps

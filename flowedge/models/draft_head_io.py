@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from flowedge.errors import ModelError
 from flowedge.models.draft_head import DraftHead, DraftHeadConfig
@@ -35,9 +36,11 @@ def save_head(head: DraftHead, path: Path | str) -> str:
 
     def add(name: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
-        entries.append(TensorEntry(name, t.dtype, tuple(t.shape), lambda t=t: t))
+        entries.append(TensorEntry.held(name, t))
 
     for name, linear in head.linears().items():
+        if not isinstance(linear, nn.Linear):
+            raise ModelError(f"a head is saved from its float weights: {name} is a {type(linear).__name__}")
         w = pack_int8(linear.weight.detach().float().cpu())
         add(f"{name}.qweight", w.qweight)
         add(f"{name}.scales", w.scales)

@@ -26,7 +26,7 @@ def sidecar(path: Path) -> Path:
 
 
 def is_head_spec(spec: str | None) -> bool:
-    return bool(spec) and (spec.startswith(HEAD_PREFIX) or spec.endswith(SUFFIX))
+    return spec is not None and (spec.startswith(HEAD_PREFIX) or spec.endswith(SUFFIX))
 
 
 def resolve_head(spec: str, home: Path | None = None) -> Path:

@@ -57,9 +57,9 @@ def grid(source: GgufSource) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, t.rows, _CHUNK_ROWS):
         end = min(start + _CHUNK_ROWS, t.rows)
         blocks = np.ascontiguousarray(t.block_rows(start, end)).reshape(-1, block_bytes)
-        step, base = block_grid(blocks, source.qtype_name)
-        steps.append(torch.from_numpy(step.reshape(end - start, -1)))
-        bases.append(torch.from_numpy(base.reshape(end - start, -1)))
+        block_step, block_base = block_grid(blocks, source.qtype_name)
+        steps.append(torch.from_numpy(block_step.reshape(end - start, -1)))
+        bases.append(torch.from_numpy(block_base.reshape(end - start, -1)))
     step, base = torch.cat(steps), torch.cat(bases)
     if source.rope_heads:   # llama.cpp permuted whole rows: the grid's rows go with them
         step, base = unpermute_rope(step, source.rope_heads), unpermute_rope(base, source.rope_heads)

@@ -130,7 +130,7 @@ def read_gguf(path: Path) -> GgufModel:
     del reader   # its parsed vocabulary is ~0.5 GB of small arrays for the real 1.5B
     _check_complete(path, table)
     arch_name = meta.get("general.architecture")
-    arch = ARCHS.get(arch_name)
+    arch = ARCHS.get(arch_name) if isinstance(arch_name, str) else None
     if arch is None:
         raise ModelError(f"GGUF {path.name} holds a {arch_name!r} model; flowedge converts "
                          f"{', '.join(sorted(ARCHS))} models")

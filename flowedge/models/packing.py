@@ -85,7 +85,7 @@ def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP
         load = _cast(entry.load, dtype) if dtype != entry.dtype else entry.load
         packer = packers.get(entry.name)
         if packer is None and entry.dtype.is_floating_point and packs(entry.name, entry.shape, group_size):
-            packer = Packer(4, lambda load=load: pack_int4(load().float(), group_size))
+            packer = Packer(4, _int4_of(load, group_size))
         if packer is None:
             out.append(TensorEntry(entry.name, dtype, entry.shape, load))
         elif packer.bits == 8:
@@ -97,6 +97,10 @@ def pack_entries(entries: Iterable[TensorEntry], group_size: int = DEFAULT_GROUP
 
 def _cast(load: Callable[[], torch.Tensor], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     return lambda: load().to(dtype)
+
+
+def _int4_of(load: Callable[[], torch.Tensor], group_size: int) -> Callable[[], PackedInt4]:
+    return lambda: pack_int4(load().float(), group_size)
 
 
 class _OnePack:

@@ -170,6 +170,8 @@ class Int4Linear(nn.Module):
     torch's int4pack matmul (not row-invariant: a row's result depends on the rows sharing the call).
     CUDA: torch's tinygemm int4pack matmul. `int8`: the native tiles computed with int8 activations
     (`kernels.int8act`, W4A8), chosen at construction from FLOWEDGE_ACTIVATIONS."""
+    packed: torch.Tensor        # buffers (registered in __init__)
+    bias: torch.Tensor | None
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor | None, bias: torch.Tensor | None,
                  in_features: int, out_features: int, group_size: int, native: bool = False,
@@ -233,7 +235,7 @@ class Int4Linear(nn.Module):
         # Each torch call here costs ~1-2 us, as much as the kernel on a small layer: skip the no-ops.
         tiles, weight = self._buffers["packed"], self._weight
         if weight is None or weight.tiles is not tiles:   # first call, or the buffer was replaced
-            weight = self._weight = w4a16.W4A16Weight(tiles, self.out_features, self.in_features, self.group_size)
+            weight = self._weight = w4a16.W4A16Weight(self.packed, self.out_features, self.in_features, self.group_size)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         kernel = int8act.linear4 if self.int8 else w4a16.linear
         out = kernel(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])
@@ -384,17 +386,15 @@ def fuse_native(linears: list[nn.Module]) -> Int4Linear | None:
 
     The native tiles of a weight are independent 16-output blocks, so stacking them along N is the fused
     weight; every output column is computed exactly as in its own layer (same bits), in one call."""
-    if len(linears) < 2 or not all(isinstance(m, Int4Linear) and m.native for m in linears):
+    native = [m for m in linears if isinstance(m, Int4Linear) and m.native]
+    if len(linears) < 2 or len(native) != len(linears):
         return None
-    first = linears[0]
+    first = native[0]
     if any(m.in_features != first.in_features or m.group_size != first.group_size or m.int8 != first.int8
-           for m in linears):
+           for m in native):
         return None
-    biases = [m.bias for m in linears]
-    if any(b is not None for b in biases):
-        biases = [torch.zeros(m.out_features) if b is None else b.float() for m, b in zip(linears, biases)]
-        bias = torch.cat(biases)
-    else:
-        bias = None
-    return Int4Linear(torch.cat([m.packed for m in linears]), None, bias, first.in_features,
-                      sum(m.out_features for m in linears), first.group_size, native=True, int8=first.int8)
+    biases = [m.bias for m in native]
+    bias = (torch.cat([torch.zeros(m.out_features) if b is None else b.float() for m, b in zip(native, biases)])
+            if any(b is not None for b in biases) else None)
+    return Int4Linear(torch.cat([m.packed for m in native]), None, bias, first.in_features,
+                      sum(m.out_features for m in native), first.group_size, native=True, int8=first.int8)

@@ -88,6 +88,8 @@ def pack_int8(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> PackedInt8:
 class Int8Linear(nn.Module):
     """Linear with 8-bit group-quantized weights: flowedge's row-invariant CPU kernel where it runs,
     else a bfloat16 copy of the dequantised weight (torch's matmul; not row-invariant)."""
+    weight: torch.Tensor        # buffers (registered in __init__)
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
                  group_size: int, native: bool, int8: bool = False) -> None:
@@ -114,12 +116,12 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
         if not self.native:
-            out = F.linear(x.to(torch.bfloat16), self._buffers["weight"]).float()
+            out = F.linear(x.to(torch.bfloat16), self.weight).float()
             out = out if self.bias is None else out + self.bias
             return out.to(x.dtype)
         tiles, weight = self._buffers["weight"], self._weight
         if weight is None or weight.tiles is not tiles:   # first call, or the buffer was replaced
-            weight = self._weight = w8a16.W8A16Weight(tiles, self.out_features, self.in_features, self.group_size)
+            weight = self._weight = w8a16.W8A16Weight(self.weight, self.out_features, self.in_features, self.group_size)
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         kernel = int8act.linear8 if self.int8 else w8a16.linear
         out = kernel(flat if x.dtype == torch.float32 else flat.float(), weight, self._buffers["bias"])

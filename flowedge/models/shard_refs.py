@@ -203,7 +203,8 @@ def read_ref(path: Path) -> RefFile:
                  for n, rel, absolute, off, length in [row]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelError(f"invalid shard reference {path}: {exc!r}") from None
-    segments, headers = dict(ggufs), {}
+    segments = dict(ggufs)
+    headers: dict[Path, dict[str, tuple[str, tuple[int, ...], int, int]]] = {}
     for i, name, rel, absolute, offset, length in files:
         source = _existing(Path(path).parent / rel, Path(absolute), path, name)
         located = headers.setdefault(source, tensor_locations(source)).get(name)

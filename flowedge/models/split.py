@@ -204,13 +204,18 @@ def _write_stages(tmp: Path, source: _TensorSource, stages: list[tuple[tuple[int
             entries = packing.pack_entries(entries, pack)
         ratio = read / max(sum(e.nbytes for e in entries), 1)
         refer = None if copy or pack is not None else source.files
-        sha, size = _write_file(tmp / fname, entries, refer, lambda n, r=ratio: bar.advance(n * r))
+        sha, size = _write_file(tmp / fname, entries, refer, _scaled(bar.advance, ratio))
         specs.append(StageSpec(i, start, end, fname, sha, size))
         report(f"wrote {fname}: layers [{start}, {end}) ({size / 1e6:.1f} MB)")
     return tuple(specs)
 
 
-def _write_file(path: Path, entries: list[TensorEntry], refer: dict[str, Path] | None,
+def _scaled(advance: Callable[[float], None], ratio: float) -> Callable[[float], None]:
+    """`advance` by the bytes read for `n` bytes written (`ratio`: read per written)."""
+    return lambda n: advance(n * ratio)
+
+
+def _write_file(path: Path, entries: list[TensorEntry], refer: dict[str, Path | GgufTensor] | None,
                 progress: Callable[[float], None]) -> tuple[str, int]:
     """Write `path`, or (`refer`: where each tensor is stored as is) its reference; (sha256, bytes)."""
     if refer is None:

@@ -28,12 +28,15 @@ log = logging.getLogger(__name__)
 
 _LAYER_PREFIX = "model.layers."
 
+# tensor name -> where it is stored: a safetensors file, or a tensor of a GGUF (models/gguf_tensors.py)
+TensorIndex = dict[str, Path | GgufTensor]
+
 
 def load_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.load(model_dir)
 
 
-def _tensor_index(model_dir: Path) -> dict[str, Path]:
+def _tensor_index(model_dir: Path) -> TensorIndex:
     """Map tensor name -> safetensors file for every *.safetensors file in the directory, and for a
     split's references the checkpoint file holding each tensor (read in place, through mmap)."""
     from flowedge.models.shards import shard_tensor_files
@@ -52,12 +55,12 @@ def is_packed(model_dir: Path) -> bool:
 def verify_shard_files(model_dir: Path, parts: "StageParts") -> None:
     """In a flowedge shard directory, check the sha256 of every file these parts will read."""
     from flowedge.models.shard_refs import resolve_file
-    from flowedge.models.shards import MANIFEST, Manifest, verify_file
+    from flowedge.models.shards import MANIFEST, FileSpec, Manifest, StageSpec, verify_file
 
     if not (Path(model_dir) / MANIFEST).is_file():
         return
     manifest = Manifest.load(model_dir)
-    files = [manifest.head] if parts.embed or parts.head else []
+    files: list[FileSpec | StageSpec] = [manifest.head] if parts.embed or parts.head else []
     files += [s for s in manifest.stages if s.start < parts.end and parts.start < s.end]
     for spec in files:
         stored = resolve_file(model_dir, spec.file)
@@ -77,7 +80,7 @@ class StageParts:
 
 class StageModel(nn.Module):
     def __init__(self, config: ModelConfig, parts: StageParts, layers: nn.ModuleList, embed: nn.Module | None,
-                 norm: nn.Module | None, lm_head: nn.Module | None) -> None:
+                 norm: RMSNorm | None, lm_head: nn.Module | None) -> None:
         super().__init__()
         self.config = config
         self.parts = parts
@@ -113,7 +116,7 @@ class StageModel(nn.Module):
         index = _tensor_index(model_dir)
         backend = _backend(quant, packing.quant_of(index), model_dir)
         with torch.device("meta"):
-            layers = nn.ModuleList(DecoderLayer(config, i) for i in range(parts.start, parts.end))
+            layers = [DecoderLayer(config, i) for i in range(parts.start, parts.end)]
         by_layer: dict[int, list[str]] = {}
         for n in index:
             if n.startswith(_LAYER_PREFIX):
@@ -125,12 +128,12 @@ class StageModel(nn.Module):
         embed = norm = lm_head = None
         if parts.embed or parts.head:
             embed = _load_embedding(config, index, dtype, keep_16="lm_head.weight" in index or head_backend != "none")
-        if parts.head:
+        if parts.head and embed is not None:   # (always: the head's parts come with the embedding)
             with torch.device("meta"):
                 norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             _load_into(norm, {"weight": _read_one(index, "model.norm.weight", dtype)}, "final norm")
             lm_head = _load_lm_head(config, embed, index, dtype, head_backend, wide_lm_head)
-        model = cls(config, parts, layers, embed, norm, lm_head).eval()
+        model = cls(config, parts, nn.ModuleList(layers), embed, norm, lm_head).eval()
         model.compute_dtype = dtype
         trim_heap()   # the transient buffers of loading: ~230 MB on a 14-layer 1.5B stage
         log.info("loaded %s layers [%d, %d)%s%s (%s) in %.1f s", model_dir.name, parts.start, parts.end,
@@ -188,9 +191,14 @@ class StageModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, H] (output of the last layer) -> [n, V] float32
-        if self.lm_head is None:
+        norm, lm_head = self.final_parts()
+        return lm_head(norm(hidden)).float()
+
+    def final_parts(self) -> tuple[RMSNorm, nn.Module]:
+        """(final norm, lm_head): what turns the last layer's output into features and logits."""
+        if self.lm_head is None or self.norm is None:
             raise ModelError("this stage holds no lm_head")
-        return self.lm_head(self.norm(hidden)).float()
+        return self.norm, self.lm_head
 
 
 def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
@@ -209,27 +217,21 @@ def _backend(quant: str | None, stored: str, model_dir: Path) -> str:
     return quant or "none"
 
 
-def _read_one(index: dict[str, Path], name: str, dtype: torch.dtype | None) -> torch.Tensor:
+def _read_one(index: TensorIndex, name: str, dtype: torch.dtype | None) -> torch.Tensor:
     return read_tensor(index[name], name, dtype)   # from a safetensors file, or dequantised from the GGUF
 
 
-def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: list[str],
+def _load_layer(layer: nn.Module, absolute: int, index: TensorIndex, names: list[str],
                 dtype: torch.dtype, backend: str) -> None:
     """Fill one decoder layer: packed Linears are built straight from their codes, then the 16-bit
     tensors are read, then (quantizing at load) this layer's Linears are quantized before the next
     layer is read, so at most one layer is ever held in full precision."""
-    from flowedge.models.quant import Int4Linear, PackedInt4, quantize_module
-    from flowedge.models.quant8 import Int8Linear, PackedInt8
+    from flowedge.models.quant import quantize_module
 
     prefix = f"{_LAYER_PREFIX}{absolute}."
     packed, packed8 = packing.packed_prefixes(names), packing.packed8_prefixes(names)
-    kinds = [(p, PackedInt4, packing.PACKED_SUFFIXES, Int4Linear) for p in sorted(packed)]
-    kinds += [(p, PackedInt8, packing.PACKED8_SUFFIXES, Int8Linear) for p in sorted(packed8)]
-    for full, stored, suffixes, linear in kinds:
-        w = stored(*(_read_one(index, full + s, None) for s in suffixes))
-        w.check(full)
-        bias = _read_one(index, full + ".bias", dtype) if full + ".bias" in index else None
-        layer.set_submodule(full[len(prefix):], linear.from_packed(w, bias))
+    for full, int8 in [(p, False) for p in sorted(packed)] + [(p, True) for p in sorted(packed8)]:
+        layer.set_submodule(full[len(prefix):], _packed_linear(index, full, dtype, int8))
     skip = {p + s for p in packed for s in (*packing.PACKED_SUFFIXES, ".bias")}
     skip |= {p + s for p in packed8 for s in (*packing.PACKED8_SUFFIXES, ".bias")}
     packed = packed | packed8
@@ -242,7 +244,25 @@ def _load_layer(layer: nn.Module, absolute: int, index: dict[str, Path], names: 
         raise ModelError(f"layer {absolute}: no tensors stored for {', '.join(meta[:4])}")
 
 
-def _load_embedding(config: ModelConfig, index: dict[str, Path], dtype: torch.dtype, keep_16: bool) -> nn.Module:
+def _packed_linear(index: TensorIndex, full: str, dtype: torch.dtype, int8: bool) -> nn.Module:
+    """A Linear built straight from its stored codes (W8A16 where `int8`, else W4A16), its bias at `dtype`."""
+    from flowedge.models.quant import Int4Linear, PackedInt4
+    from flowedge.models.quant8 import Int8Linear, PackedInt8
+
+    if int8:
+        w8 = PackedInt8(*(_read_one(index, full + s, None) for s in packing.PACKED8_SUFFIXES))
+        w8.check(full)
+        return Int8Linear.from_packed(w8, _read_bias(index, full, dtype))
+    w4 = PackedInt4(*(_read_one(index, full + s, None) for s in packing.PACKED_SUFFIXES))
+    w4.check(full)
+    return Int4Linear.from_packed(w4, _read_bias(index, full, dtype))
+
+
+def _read_bias(index: TensorIndex, full: str, dtype: torch.dtype) -> torch.Tensor | None:
+    return _read_one(index, full + ".bias", dtype) if full + ".bias" in index else None
+
+
+def _load_embedding(config: ModelConfig, index: TensorIndex, dtype: torch.dtype, keep_16: bool) -> nn.Module:
     """The token embedding: a lookup into the GGUF where the checkpoint leaves it there, else the stored
     matrix (16-bit when `keep_16`, the lm_head not sharing it at `dtype`)."""
     source = index["model.embed_tokens.weight"]
@@ -255,7 +275,7 @@ def _load_embedding(config: ModelConfig, index: dict[str, Path], dtype: torch.dt
     return embed
 
 
-def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path], dtype: torch.dtype,
+def _load_lm_head(config: ModelConfig, embed: nn.Module, index: TensorIndex, dtype: torch.dtype,
                   backend: str, wide: bool) -> nn.Module:
     """The lm_head: its own tensor, or the tied embedding's (shared, or quantized from it). int4 packs
     a few thousand rows at a time from the stored 16-bit rows (never a float32 copy of the matrix):
@@ -268,7 +288,7 @@ def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path],
     name = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
     padded = -(-config.vocab_size // INT4_CPU_N_MULTIPLE) * INT4_CPU_N_MULTIPLE
     if backend == "int4" and wide and _wide_head(padded, config.hidden_size):
-        head = Int8Linear.from_packed(_pack_rows(index[name], name, padded, pack_int8), None)
+        head: nn.Module = Int8Linear.from_packed(_pack_rows(index[name], name, padded, pack_int8), None)
         return head if padded == config.vocab_size else VocabSlice(head, config.vocab_size)
     if backend == "int4" and packable(padded, config.hidden_size, DEFAULT_GROUP_SIZE) is None:
         head = Int4Linear.from_packed(_pack_rows(index[name], name, padded), None)
@@ -277,15 +297,23 @@ def _load_lm_head(config: ModelConfig, embed: nn.Module, index: dict[str, Path],
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     if name == "lm_head.weight":
         _load_into(lm_head, {"weight": _read_one(index, name, dtype)}, "lm_head")
-    elif backend == "nf4" or embed.weight.dtype != dtype:
-        lm_head.weight = nn.Parameter(embed.weight.detach().to(dtype), requires_grad=False)
+    elif backend == "nf4" or _weight(embed).dtype != dtype:
+        lm_head.weight = nn.Parameter(_weight(embed).detach().to(dtype), requires_grad=False)
     else:   # tied embeddings: share the embedding matrix, no second copy
-        lm_head.weight = embed.weight
+        lm_head.weight = _weight(embed)
     if backend == "nf4":
         holder = nn.ModuleDict({"lm_head": lm_head})
         quantize_module(holder, backend, compute_dtype=dtype, skip_names=())
         return holder["lm_head"]
     return lm_head
+
+
+def _weight(module: nn.Module) -> nn.Parameter:
+    """A module's `weight` parameter (an nn.Linear's or nn.Embedding's)."""
+    weight = module.weight
+    if not isinstance(weight, nn.Parameter):
+        raise ModelError(f"{type(module).__name__} holds no weight matrix")
+    return weight
 
 
 def _wide_head(rows: int, cols: int) -> bool:

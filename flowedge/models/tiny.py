@@ -87,7 +87,7 @@ def make_tiny_pair(
     for layer in range(draft_layers, base_layers):
         for proj in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
             state[f"model.layers.{layer}.{proj}"].mul_(perturb)
-    draft_state = {k: v for k, v in state.items() if _layer_of(k) is None or _layer_of(k) < draft_layers}
+    draft_state = {k: v for k, v in state.items() if (at := _layer_of(k)) is None or at < draft_layers}
     draft_config = config.__class__(**{**config.to_dict(), "num_hidden_layers": draft_layers,
                                        "layer_types": None})
     _write_model_dir(base_dir, config, state, base_params)
@@ -153,7 +153,7 @@ def _write_model_dir(out_dir: Path, config, state: dict[str, torch.Tensor], para
     try:
         config.save_pretrained(tmp)
         build_byte_tokenizer().save_pretrained(tmp)
-        entries = [TensorEntry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in state.items()]
+        entries = [TensorEntry.held(k, v) for k, v in state.items()]
         sha, _ = write_safetensors(tmp / "model.safetensors", entries)
         (tmp / _MARKER).write_text(json.dumps({"source": "tiny", "sha256": sha, "params": params}))
         if out_dir.exists():

@@ -302,10 +302,10 @@ class _SimRun:
     def _execute(self, node: int, t: float, actions: list) -> float:
         """Carry out a node's actions in order: compute advances its clock, sends occupy links."""
         for a in actions:
-            key = None
-            if isinstance(a, FromEngine):
-                key, a = a.key, a.action
+            key, a = (a.key, a.action) if isinstance(a, FromEngine) else (None, a)
             if isinstance(a, Offload):
+                if key is None:   # engines make them, and the scheduler names the request of each
+                    raise RuntimeError(f"an offload outside any request: {a!r}")
                 self._offload(t, key, a)
             elif isinstance(a, Compute):
                 t = self._compute(node, t, a)

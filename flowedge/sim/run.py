@@ -17,7 +17,7 @@ from flowedge.engine.jobs import KvBudget
 from flowedge.engine.local import GenerationResult, stop_ids
 from flowedge.text.prompts import check_context
 from flowedge.engine.scheduler import Scheduler
-from flowedge.engine.stage_worker import StageWorker
+from flowedge.engine.stage_worker import StageLayers, StageWorker
 from flowedge.engine.strategies import make_strategy
 from flowedge.errors import ConfigError
 from flowedge.models.stage import StageModel, StageParts, load_config
@@ -65,7 +65,7 @@ class Cluster:
         if verify == "oracle":
             self.oracle = PathOracle(StageModel.load(base_dir, quant=quant))
             self.head_model = self.oracle.model
-            self.stage_models = [ShapeOnlyStage(self.config, a, b) for a, b in self.ranges]
+            self.stage_models: list[StageLayers] = [ShapeOnlyStage(self.config, a, b) for a, b in self.ranges]
         else:
             self.head_model = StageModel.load(base_dir, StageParts(0, 0, embed=True, head=True), quant=quant)
             # The last stage also holds the final norm + lm_head, for strategies that choose tokens there.
@@ -106,6 +106,8 @@ class Cluster:
 
     def prompt_oracle(self, prompt_ids) -> PathOracle:
         """Oracle mode: the path cache for requests with this prompt (created on first use)."""
+        if self.oracle is None:
+            raise ConfigError("prompt oracles are for oracle verification (verify='oracle')")
         key = tuple(prompt_ids)
         if key not in self.prompt_oracles:
             self.prompt_oracles[key] = PathOracle(self.oracle.model)
@@ -115,9 +117,9 @@ class Cluster:
                    ) -> tuple[Scheduler, list[StageWorker], SpecConfig]:
         """Node 0's request scheduler (the daemon's) and fresh stage workers (per-request KV slots, batched
         forwards); the spec the heads run (a job's KV need follows from it)."""
-        own_draft = self.draft_model is not None and not is_head(self.draft_model)
-        drafts = make_strategy(strategy_name).needs_draft and own_draft
-        batcher = DraftBatcher(self.draft_model) if drafts and batch.batch_drafts else None
+        needs_draft = make_strategy(strategy_name).needs_draft
+        own_draft = self.draft_model if self.draft_model is not None and not is_head(self.draft_model) else None
+        batcher = DraftBatcher(own_draft) if needs_draft and own_draft is not None and batch.batch_drafts else None
         make_head, spec = self.head_factory(strategy_name, costs, batcher=batcher)
         n = len(self.stage_models)
         budget = None if batch.kv_budget_tokens is None else \

@@ -20,4 +20,6 @@ class ArPP(Strategy):
 
     def on_output(self, view: RoundView, live_nodes: int) -> list:
         res, cost = view.verify()
+        if res is None:   # cannot happen: its one node is back, the root's output with it
+            raise RuntimeError(f"{self.name}: the round's root has no output to verify")
         return cost + view.apply_walk(res, continue_round=False)

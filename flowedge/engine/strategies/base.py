@@ -20,7 +20,12 @@ class Strategy(ABC):
     # Where the base model's tokens are chosen unless SpecConfig.lm_head_at says otherwise: on the last
     # stage by default (node 0 is busy drafting); naive-pp overrides it (see there).
     lm_head_at: str = "last-stage"
-    predrafts: bool = False   # its expansions take pre-drafted trees (engine/predraft.py): worth planning them
+
+    @property
+    def predrafts(self) -> bool:
+        """Its expansions take pre-drafted trees (engine/predraft.py): worth planning them. A strategy sets
+        it as a class attribute, or (`auto`) answers for the strategy it runs now."""
+        return False
 
     @abstractmethod
     def build_round(self, view: RoundView) -> DraftTree:

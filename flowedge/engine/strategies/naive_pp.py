@@ -24,4 +24,6 @@ class NaivePP(ScoredTreeStrategy):
         if view.in_flight:
             return []
         res, cost = view.verify()
+        if res is None:   # cannot happen: the whole tree is back, the root's output with it
+            raise RuntimeError(f"{self.name}: the round's root has no output to verify")
         return cost + view.apply_walk(res, continue_round=False)
