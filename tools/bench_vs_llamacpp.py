@@ -104,16 +104,19 @@ def run_llama(case: Case, gguf: Path, threads: int, max_new: int, repeat: int) -
                 "llama_cpp": {k: info.get(k) for k in ("release", "build", "gpu", "threads", "context_size")}})
 
 
-def run_flowedge(case: Case, model: str, strategy: str, threads: int, max_new: int, repeat: int) -> Run:
+def run_flowedge(case: Case, model: str, side: str, threads: int, max_new: int, repeat: int) -> Run:
+    """`side` is a strategy, or STRATEGY@ISA to force the kernels' ISA level (FLOWEDGE_ISA: avx2, portable)."""
+    strategy, _, isa = side.partition("@")
     cmd = [sys.executable, "-m", "flowedge", "generate", case.text, "--model", model, "--strategy", strategy,
            "--max-new-tokens", str(max_new), "--threads", str(threads), "--json"]
-    stdout, _, rss = run_measured(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} | ({"FLOWEDGE_ISA": isa} if isa else {})
+    stdout, _, rss = run_measured(cmd, env=env)
     res = last_json(stdout)
     if res["prompt_tokens"] != len(case.ids):
         log.warning("%s: flowedge saw %d prompt tokens, llama.cpp %d", case.prompt_id, res["prompt_tokens"],
                     len(case.ids))
     extra = {k: res[k] for k in ("prompt_tokens", "mean_accept_len", "total_s") if k in res}
-    return Run(strategy, threads, case.prompt_id, case.kind, repeat, res["new_tokens"], res.get("decode_s"),
+    return Run(side, threads, case.prompt_id, case.kind, repeat, res["new_tokens"], res.get("decode_s"),
                res.get("decode_tokens_per_s"), res.get("prefill_s"), rss, res["token_ids"], extra)
 
 
@@ -315,7 +318,8 @@ def peer_note(runs: list[Run]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--strategies", default="ar,tree", help="flowedge generate strategies, comma-separated")
+    ap.add_argument("--strategies", default="ar,tree",
+                    help="flowedge generate strategies, comma-separated; STRATEGY@avx2 forces that ISA level")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dataset", action="append", dest="datasets",
