@@ -203,7 +203,6 @@ class StandbyNode:
                     self.entries.live(), ", ".join(s for s in self.stages if s) or "none known")
 
 
-
 def announced(listen: str, head: str) -> str:
     """Where the head is told this standby serves once it takes over: `listen`, or for a wildcard bind
     (`0.0.0.0:5555`, a head's usual address, which a rejoining head keeps) this host's address on the
