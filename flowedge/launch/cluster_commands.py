@@ -42,9 +42,9 @@ def _run_node(cfg, search: HeadSearch | None = None) -> None:
     set_threads(cfg.threads or None)
     stop = _stop_on_signals()
     HeapTrimmer(stop).start()
-    from flowedge.node.roots import build_node
+    from flowedge.node.rejoin import run_node
 
-    build_node(cfg, stop, search=search).run()
+    run_node(cfg, stop, search)   # a deposed head rejoins as the new head's standby
 
 
 @click.command()

@@ -58,7 +58,8 @@ class HeadNode:
         self.members, self.engines, self.requests = parts.members, parts.engines, parts.requests
         self.drops, self.drafts, self.shrink = parts.drops, parts.drafts, parts.shrink
         self.replica, self.resumes = parts.replica, parts.resumes
-        self.deposition = Deposition(self.link, lambda: self.control.term, self.members, self.requests, self.node_id)
+        self.deposition = Deposition(self.link, lambda: self.control.term, self.members, self.requests, self.node_id,
+                                     parts.rejoins)
         self.wire = parts.port.counter   # data plane: segments and prune sets
         self.was_ready = False
         self.shutdown_cluster = False
@@ -87,7 +88,8 @@ class HeadNode:
             self.notifier.ready(self.sd_status())
             self._loop()
         finally:
-            self.notifier.stopping()
+            if not self.deposition.leaving:   # rejoining as a standby, the process goes on (node/rejoin.py)
+                self.notifier.stopping()
             if self.shutdown_cluster:   # `flowedge down`; a plain head restart leaves stages to rejoin
                 self._shutdown_stages("cluster shutdown requested")
             self.close()
@@ -115,7 +117,7 @@ class HeadNode:
         self.compute.close()
 
     def _loop(self) -> None:
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.deposition.leaving:
             busy = self.requests.has_work() or self.requests.has_idle_work()
             ready = self.link.wait([self.ctrl, self.ret], 0 if busy else 0.05)
             emptied = True

@@ -31,3 +31,4 @@ class HeadParts:
     drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
     replica: Replicator | None = None     # the request log to standby heads (node/replication.py)
     resumes: RequestLog | None = None     # a head that took over: the log it resumes requests from
+    rejoins: bool = False                 # deposed, its process rejoins as a standby (node/rejoin.py)

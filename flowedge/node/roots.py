@@ -25,7 +25,7 @@ from flowedge.node.head_search import HeadSearch
 from flowedge.node.membership import Membership
 from flowedge.node.node_base import NodeParts
 from flowedge.node.node_config import NodeConfig, flowedge_home
-from flowedge.node.partition_plan import Replanner
+from flowedge.node.partition_plan import Plan, Replanner
 from flowedge.node.replication import ReplicatingOut, Replicator, RequestLog
 from flowedge.node.shrink import Shrinker
 from flowedge.node.stage_node import StageNode, StageNodeParts
@@ -41,9 +41,10 @@ def node_link(config: NodeConfig) -> Link:
 
 
 def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
-               resumes: RequestLog | None = None) -> HeadNode:
+               resumes: RequestLog | None = None, rejoins: bool = False) -> HeadNode:
     """A head listening at `config.head` (control) and the port after it (the pipeline's return); `resumes`:
-    a standby's request log, for the head it becomes (node/standby.py)."""
+    a standby's request log, for the head it becomes (node/standby.py); `rejoins`: once deposed, the head
+    ends its run so that its process rejoins as a standby (node/rejoin.py)."""
     if config.role != "head":
         raise ConfigError("a head needs role = 'head'")
     link = link or node_link(config)
@@ -68,7 +69,7 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
                             scheduler=scheduler)
     shrink = Shrinker(config, members, engines, requests, flowedge_home())
     return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, shrink,
-                                      drafts, replica, resumes), stop)
+                                      drafts, replica, resumes, rejoins), stop)
 
 
 def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:
@@ -100,22 +101,25 @@ def build_drafter(config: NodeConfig, stop: threading.Event | None = None, link:
     return DrafterNode(config, parts, stop)
 
 
-def build_standby(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None) -> StandbyNode:
+def build_standby(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
+                  plan: Plan | None = None, rejoins: bool = False) -> StandbyNode:
     """A standby head (node/standby.py): the head it may become, built now (its address listens, its models
-    load before it follows the head), and the request log they share."""
+    load before it follows the head, unless `plan` hands it those of a deposed head), and the request log
+    they share."""
     if not config.listen:
         raise ConfigError("a standby needs `listen` (HOST:PORT, or `join --standby --listen`): where it serves "
                           "once it takes over")
     entries = RequestLog()
-    head = build_head(replace(config, role="head", head=config.listen), stop, link, resumes=entries)
-    return StandbyNode(config, head, entries, stop)
+    head = build_head(replace(config, role="head", head=config.listen), stop, link, resumes=entries, rejoins=rejoins)
+    return StandbyNode(config, head, entries, stop, plan)
 
 
 def build_node(config: NodeConfig, stop: threading.Event | None = None, link: Link | None = None,
-               search: HeadSearch | None = None):
-    """The node `config.role` names; `search` only for a stage or drafter that found its head by mDNS."""
+               search: HeadSearch | None = None, rejoins: bool = False):
+    """The node `config.role` names; `search` only for a stage or drafter that found its head by mDNS;
+    `rejoins`: a head (or a standby once it took over) that is deposed ends its run (node/rejoin.py)."""
     if config.role == "head":
-        return build_head(config, stop, link)
+        return build_head(config, stop, link, rejoins=rejoins)
     if config.role == "standby":
-        return build_standby(config, stop, link)
+        return build_standby(config, stop, link, rejoins=rejoins)
     return {"stage": build_stage, "drafter": build_drafter}[config.role](config, stop, link, search)

@@ -23,7 +23,8 @@ from flowedge.node.node_config import NodeConfig, flowedge_home
 from flowedge.transport.addresses import split_addr, tcp
 from flowedge.node.fencing import TermGuard, next_term
 from flowedge.node.head_node import HeadNode
-from flowedge.node.partition_plan import prepare_plan
+from flowedge.node.data_port import reachable_ip
+from flowedge.node.partition_plan import Plan, prepare_plan
 from flowedge.node.replication import RequestLog
 from flowedge.node.plan_follow import PlanFollower
 from flowedge.node.standby_status import beat_stats
@@ -42,8 +43,10 @@ class StandbyNode:
     """Follows the head at `config.head`; becomes `head` (built, listening, not yet run) when it is lost."""
 
     def __init__(self, config: NodeConfig, head: HeadNode, entries: RequestLog,
-                 stop: threading.Event | None = None) -> None:
-        self.config, self.head, self.entries = config, head, entries
+                 stop: threading.Event | None = None, plan: Plan | None = None) -> None:
+        """`plan`: the models a deposed head of this process holds (node/rejoin.py); None: loaded at `run`."""
+        self.config, self.head, self.entries, self.plan = config, head, entries, plan
+        self.announced = announced(config.listen, config.head)   # the `listen` the head is told
         self.stop = stop or head.stop
         self.fence = TermGuard()
         self.stages: list[str] = []            # the head's stages, as its last HeadState listed them
@@ -56,7 +59,8 @@ class StandbyNode:
     def run(self) -> None:
         """Load the plan, follow the head until it is lost, then serve as the head."""
         try:
-            self.head.members.plan = prepare_plan(self.head.config, flowedge_home())
+            self.head.members.plan = self.plan or prepare_plan(self.head.config, flowedge_home())
+            self.plan = None   # the head holds it from here (and drops it for a re-plan)
             log.info("standby %s: models loaded; following the head at %s, taking over at %s after %g s of "
                      "silence", self.config.name, self.config.head, self.config.listen, self.config.failover_s)
             if not self._follow():
@@ -71,6 +75,7 @@ class StandbyNode:
     def _follow(self) -> bool:
         """Join the head and follow it; True once it is lost (False: stopped)."""
         while not self.stop.is_set():
+            self.head.notifier.tick(self._sd_status)   # the watchdog: a rejoined head's unit is active already
             if self.fence.highest == 0:   # never joined yet: (re)try the HELLO
                 self._join()
                 continue
@@ -85,7 +90,7 @@ class StandbyNode:
             self.follower.close()
         self.follower = self.head.link.connect(Kind.DEALER, tcp(host, port))
         hello = proto.Hello(node_id=self.config.name, role="standby", device=self.config.device,
-                            free_memory_bytes=0, capabilities={"listen": self.config.listen})
+                            free_memory_bytes=0, capabilities={"listen": self.announced})
         deadline = time.monotonic() + HELLO_WAIT_S
         try:
             self.follower.send(hello)
@@ -100,6 +105,10 @@ class StandbyNode:
         self._check(welcome)
         self.heard_s = time.monotonic()
         log.info("standby: following head %s at %s (term %d)", welcome.node_id, self.config.head, welcome.term)
+
+    def _sd_status(self) -> str:
+        following = "following" if self.fence.highest else "waiting for"
+        return f"standby: {following} the head at {self.config.head} (term {self.fence.highest})"
 
     def _refused(self, err: FlowedgeError) -> None:
         text = str(err)
@@ -193,3 +202,12 @@ class StandbyNode:
                     "requests in the log; stages to rejoin: %s", self.config.listen, term, self.fence.highest,
                     self.entries.live(), ", ".join(s for s in self.stages if s) or "none known")
 
+
+def announced(listen: str, head: str) -> str:
+    """Where the head is told this standby serves once it takes over: `listen`, or for a wildcard bind
+    (`0.0.0.0:5555`, a head's usual address, which a rejoining head keeps) this host's address on the
+    head's network, so that the head's status and its deposition probe name a reachable address."""
+    host, port = split_addr(listen)
+    if host not in ("0.0.0.0", "*", ""):
+        return listen
+    return f"{reachable_ip(split_addr(head)[0])}:{port}"
