@@ -3,7 +3,6 @@ by the test on the in-memory link."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from flowedge.client.sync_client import wait_ready
 from flowedge.launch import local_cluster
-from flowedge.transport import protocol as proto
+from flowedge.transport import addresses, protocol as proto
 from flowedge.transport.link import Inbound, Kind, port_of
 from flowedge.transport.memory_link import MemoryNetwork
 
@@ -25,23 +24,9 @@ def free_port_pair() -> int:
 
 
 def free_port_run(span: int) -> int:
-    """A port p with p .. p + span - 1 all free (a head binds two; a standby beside it, at p + 2, two more)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65000 and all(_free(port + k) for k in range(1, span)):
-            return port
-    raise RuntimeError(f"no {span} free ports in a row")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """A port p with p .. p + span - 1 all free (a head binds two; a standby beside it, at p + 2, two more),
+    below the ephemeral range so that no outgoing connection takes one before the cluster binds it."""
+    return addresses.free_port_run(span)
 
 
 @contextmanager

@@ -155,3 +155,18 @@ def test_a_head_config_may_name_a_draft_head(tmp_path, monkeypatch):
     assert NodeConfig(draft="head:mine").draft == "head:mine"
     with pytest.raises(ConfigError, match="needs a draft model"):
         NodeConfig(draft="head:mine", predraft="drafter")
+
+
+def test_a_free_port_run_lies_below_the_ephemeral_range_and_is_free():
+    """Ports a local cluster binds later are picked where no outgoing connection's source port can land."""
+    import socket
+
+    from flowedge.transport.addresses import _ephemeral_range, free_port_run
+
+    low, _ = _ephemeral_range()
+    for span in (1, 3):
+        port = free_port_run(span)
+        assert 1024 <= port and port + span <= low
+        for k in range(span):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + k))

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -135,15 +134,6 @@ class Nodes:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def wait_for(cond, timeout_s: float, every_s: float = 0.1) -> bool:

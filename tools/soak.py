@@ -47,25 +47,10 @@ log = logging.getLogger("soak")
 
 
 def free_port(span: int = 1) -> int:
-    """A port p with p .. p + span - 1 all free: the head binds two, a standby the third. A port one past a
-    free one can still be held, by a client socket in TIME_WAIT from an earlier run, so each is tried."""
-    import socket
+    """A port p with p .. p + span - 1 all free: the head binds two, a standby the third."""
+    from flowedge.transport.addresses import free_port_run
 
-    def bindable(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span <= 65535 and all(bindable(port + k) for k in range(1, span)):
-            return port
-    raise RuntimeError("no free port")
+    return free_port_run(span)
 
 
 class Processes:

@@ -36,3 +36,40 @@ def head_addresses(addr: str) -> list[str]:
 
 def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
+
+
+def free_port_run(span: int = 1, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p + span - 1 all free on `host` now (a head listens on two, a standby beside it on
+    more), for local clusters whose ports nobody configured (tests, soaks, benchmarks).
+
+    Picked below the kernel's ephemeral range: a port taken from that range (bind to port 0) can be taken
+    again, between the pick and the listener's bind, as the source port of any outgoing connection, and a
+    cluster's own nodes connect to each other all the time; seen as "Address already in use" at a standby's
+    start."""
+    import random
+    import socket
+
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low - span)
+        if all(_bindable(host, port + k, socket) for k in range(span)):
+            return port
+    raise RuntimeError(f"no {span} free ports in a row below {low} on {host}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999   # Linux's default
+
+
+def _bindable(host: str, port: int, socket) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
