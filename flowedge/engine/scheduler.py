@@ -43,7 +43,7 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 class Scheduler:
     """`make_engine(request, context)` builds a request's engine (a `Head`) that reads the scheduler's load
     through `context` (engine/engine_context.py; the time goes with each call); `accept(engine, item)` turns
-    what came back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
+    what came back from the pipeline into its event (None: dropped; the daemon decodes wire segments there);
     `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
     `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
     `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the

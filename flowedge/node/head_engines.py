@@ -3,8 +3,8 @@
 Preparing a prompt (token ids, sampling params, the context check), its KV need and the stages' KV
 budget, building one request's engine head the way the simulator builds it (`engine.assembly`), the
 answer's stats, and turning a segment back from the pipeline into its engine's event (node/run_router.py
-checked it on arrival). No sockets here: the
-head node (`head_node.py`) owns them and is the lifecycle's way out (`requests.OutPort`).
+checked it on arrival). No sockets here: the head node (`head_node.py`) owns them and is the lifecycle's
+way out (`requests.OutPort`).
 """
 from __future__ import annotations
 

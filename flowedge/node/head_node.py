@@ -1,4 +1,4 @@
-"""The head node (node 0): a thin poll loop over three parts with one job each —
+"""The head node (node 0): a thin poll loop over four parts with one job each —
 `membership` (peers, slots, heartbeats and liveness, assignments, shard serving), `head_requests` (the
 request lifecycle: queue, pause, replay, cancel, deadlines), `head_engines` (prompts, KV budgets and
 engine heads, built by `engine.assembly` as the simulator builds them) and `run_router` (which request an
