@@ -45,12 +45,12 @@ def random_message(rng: random.Random, hidden_size: int) -> p.Message | None:
     pick = rng.random()
     try:
         if pick < 0.1:
-            return p.Reset(request_id=rng.randrange(3))
+            return p.Reset(run_id=rng.randrange(3))
         if pick < 0.4:
             commit, keep = _ids(rng, rng.randrange(4), 12), _ids(rng, rng.randrange(5), 12)
             if rng.random() < 0.6:
                 keep = keep.unique()
-            return p.Prune(request_id=rng.randrange(3), round_id=rng.randrange(3), version=rng.randrange(5),
+            return p.Prune(run_id=rng.randrange(3), round_id=rng.randrange(3), version=rng.randrange(5),
                            horizon=rng.randrange(14), commit_ids=commit, keep_ids=keep,
                            end_round=rng.random() < 0.3)
         n = rng.randrange(7)
@@ -64,7 +64,7 @@ def random_message(rng: random.Random, hidden_size: int) -> p.Message | None:
                         seed=rng.randrange(100)) if rng.random() < 0.2 else {}
         ids = 0 if kind == "prefill" and rng.random() < 0.9 else n   # a prefill names no nodes (mostly)
         roots = sorted(rng.sample(range(ids), rng.randrange(min(ids, 2) + 1))) if rng.random() < 0.7 else None
-        return p.Segment(request_id=rng.randrange(3), round_id=rng.randrange(3), seq=rng.randrange(50),
+        return p.Segment(run_id=rng.randrange(3), round_id=rng.randrange(3), seq=rng.randrange(50),
                          prune_version=rng.randrange(5), kind=kind, sent_at_step=0, node_ids=_ids(rng, ids, 12),
                          parent_ids=_ids(rng, ids, 12), positions=positions, hidden=hidden, hidden_wire=wire,
                          root_rows=None if roots is None else torch.tensor(roots, dtype=torch.long), **sampling)

@@ -139,8 +139,8 @@ def test_stage_frees_a_cancelled_request_mid_round(tiny_pair):
     assert max(first.batch_sizes) == 2   # both prompts' first chunks ran as one forward
     cancel = multi.cancel(2)
     (reset,) = [a for a in cancel if isinstance(a, ResetStages)]   # the driver sends Finish to every stage
-    assert reset.engine_id == 2 and [a.done.cancelled for a in cancel if a is not reset] == [True]
-    first.receive(Finish(reset.engine_id))
+    assert reset.run_id == 2 and [a.done.cancelled for a in cancel if a is not reset] == [True]
+    first.receive(Finish(reset.run_id))
     assert first.cache_lengths() == {1: len(PROMPTS[0])}
     assert first.receive(segs[-1]) == [] and 2 not in first.slots
     assert multi.running_count() == 1
@@ -278,7 +278,7 @@ def test_every_admitted_head_sees_the_requests_running():
         stats = None
         finished = False
 
-        def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+        def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
             return []
 
         def receive(self, event, now=None):

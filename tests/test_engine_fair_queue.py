@@ -110,9 +110,9 @@ def test_the_cap_refuses_past_it_with_a_busy_message_and_counts_who():
 class Echo(RequestEngine):
     """Emits one token per event; done after max_new."""
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+    def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
         self.left, self.stats = max_new_tokens, Stats()
-        return [Send(1, request_id)]
+        return [Send(1, run_id)]
 
     def receive(self, event, now=None):
         self.left -= 1

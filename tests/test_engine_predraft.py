@@ -106,7 +106,7 @@ class _IdleEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+    def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
         return [WhenIdle("idle")]
 
     def receive(self, event, now=None):

@@ -20,11 +20,11 @@ class Echo(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log, self.times = log, []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+    def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
         self.times.append(now)
-        self.log.append((request_id, list(prompt_ids), max_new_tokens, params))
+        self.log.append((run_id, list(prompt_ids), max_new_tokens, params))
         self.left, self.stats = max_new_tokens, Stats()
-        return [Send(1, f"prefill-{request_id}")]
+        return [Send(1, f"prefill-{run_id}")]
 
     def receive(self, event, now=None):
         self.times.append(now)
@@ -52,7 +52,7 @@ def test_a_job_runs_and_its_whole_answer_comes_back_in_order():
     assert s.pending() == 0 and s.get(7).state is State.DONE and not s.has_work()
 
 
-def test_a_replay_restarts_on_the_committed_tokens_under_a_new_engine_id_and_the_old_run_is_ignored():
+def test_a_replay_restarts_on_the_committed_tokens_under_a_new_run_id_and_the_old_run_is_ignored():
     s, starts = sched(recovery_s=10.0)
     s.submit(1, Job((5,), 4, SamplingParams(0.7, seed=3)), 0.0)
     s.tick(0.0, True)
@@ -63,13 +63,13 @@ def test_a_replay_restarts_on_the_committed_tokens_under_a_new_engine_id_and_the
     s.add_work(1, 99, 0.3)            # a late segment of the paused run
     assert s.tick(1.0, False) == [] and not s.has_work()
     s.tick(2.0, True)
-    engine_id, ids, left, params = starts[1]
-    assert engine_id == 1 + (1 << REPLAY_ID_SHIFT) and ids == [5, 21] and left == 3
+    run_id, ids, left, params = starts[1]
+    assert run_id == 1 + (1 << REPLAY_ID_SHIFT) and ids == [5, 21] and left == 3
     assert params.seed != 3 and params.temperature == 0.7   # a fresh generator, seeded from (seed, committed)
     s.add_work(1, 55, 2.1)            # the old run's id: dropped
     assert not s.has_work()
     for t in (22, 23, 24):
-        s.add_work(engine_id, t, 2.2)
+        s.add_work(run_id, t, 2.2)
         out = s.step(2.2)
     assert out[-1].done.token_ids == [21, 22, 23, 24] and s.get(1).replays == 1
 

@@ -25,8 +25,8 @@ def models(tiny_pair):
             StageModel.load(base, StageParts(0, n)))
 
 
-def prefill(request_id: int, n: int, hidden: int, start: int = 0) -> Segment:
-    return Segment.prefill(request_id, 1, torch.arange(start, start + n), torch.randn(n, hidden))
+def prefill(run_id: int, n: int, hidden: int, start: int = 0) -> Segment:
+    return Segment.prefill(run_id, 1, torch.arange(start, start + n), torch.randn(n, hidden))
 
 
 def test_a_segment_built_against_a_newer_prune_waits_for_it(models):
@@ -80,7 +80,7 @@ def test_the_head_chunks_its_prefill_and_carries_sampling_only_to_a_token_choosi
         assert [a.to for a in acts] == [1, 1, 1]
         segs = [a.message for a in acts]
         assert torch.cat([s.positions for s in segs]).tolist() == [0, 1, 2, 3, 4]
-        assert all(s.phase == "prefill" and s.request_id == 4 and s.node_ids.numel() == 0 for s in segs)
+        assert all(s.phase == "prefill" and s.run_id == 4 and s.node_ids.numel() == 0 for s in segs)
         assert all((s.sampling == params) == carries for s in segs)
 
 

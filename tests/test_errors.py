@@ -88,7 +88,7 @@ def test_a_refusal_and_a_version_mismatch_are_told_by_type_not_text():
 
     with pytest.raises(errors.Refused, match="refused by peer: a stage already holds slot 1"):
         check_welcome(p.Refuse(reason="a stage already holds slot 1"), 1.0)
-    newer = [msgpack.packb({"v": [99, 0], "type": "reset", "request_id": 1, "tensors": {}})]
+    newer = [msgpack.packb({"v": [99, 0], "type": "reset", "run_id": 1, "tensors": {}})]
     with pytest.raises(errors.VersionMismatch):
         p.decode(newer)
     with pytest.raises(errors.ProtocolError) as silent:

@@ -71,7 +71,7 @@ def test_a_stale_fake_is_caught():
             return []
 
     class Missing(RequestEngine):
-        def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
+        def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
             return []
 
     class Loose(RequestEngine):

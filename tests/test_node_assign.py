@@ -136,12 +136,12 @@ def test_a_failing_assign_leaves_the_stage_up_and_a_later_one_is_served(split, t
         push = head.ctx.socket(zmq.PUSH)
         push.linger = 0
         push.connect(node.data_addr)
-        send_msg(push, p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="prefill",
+        send_msg(push, p.Segment(run_id=1, round_id=0, seq=1, prune_version=0, kind="prefill",
                                  sent_at_step=0, node_ids=none, parent_ids=none, positions=torch.arange(3),
                                  hidden=torch.randn(3, H).half()))
         out = recv_msg(head.ret, 20_000)   # stage 1 of 2 forwards its hidden states to the next hop
         push.close(0)
-        assert isinstance(out, p.Segment) and out.request_id == 1 and tuple(out.hidden.shape) == (3, H)
+        assert isinstance(out, p.Segment) and out.run_id == 1 and tuple(out.hidden.shape) == (3, H)
         assert node.drops.counts.get("request_failed", 0) == 0
     finally:
         stop.set()

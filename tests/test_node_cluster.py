@@ -217,17 +217,17 @@ def test_bogus_peer_messages_are_dropped_counted_and_survived(cluster, reference
         data.connect(stage1["address"])
 
         def seg(node, parent, width):
-            return proto.Segment(request_id=99, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=0,
+            return proto.Segment(run_id=99, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=0,
                                  node_ids=torch.tensor([node]), parent_ids=torch.tensor([parent]),
                                  positions=torch.tensor([5]), hidden=torch.zeros(1, width),
                                  hidden_wire="float32")
         send_msg(data, seg(3, 3, 64))
         send_msg(data, seg(3, 1, 65))
-        send_msg(data, proto.Prune(request_id=99, round_id=0, version=1, horizon=4,
+        send_msg(data, proto.Prune(run_id=99, round_id=0, version=1, horizon=4,
                                    commit_ids=torch.tensor([1]), keep_ids=torch.tensor([1, 2])))
-        upcoming = _next_engine_id(cluster)
-        for engine_id in (upcoming, upcoming + 1):
-            send_msg(data, proto.Reset(request_id=engine_id))
+        upcoming = _next_run_id(cluster)
+        for run_id in (upcoming, upcoming + 1):
+            send_msg(data, proto.Reset(run_id=run_id))
         deadline = time.monotonic() + 20
         dropped: dict = {}
         while time.monotonic() < deadline and sum(dropped.values()) < 5:
@@ -246,7 +246,7 @@ def test_bogus_peer_messages_are_dropped_counted_and_survived(cluster, reference
             assert client.generate(PROMPTS[0], max_new_tokens=MAX_NEW)["token_ids"] == references[PROMPTS[0]]
 
 
-def _next_engine_id(cluster) -> int:
+def _next_run_id(cluster) -> int:
     """The id the head will give the next request (its log names every request it starts)."""
     import re
 
@@ -277,10 +277,10 @@ def test_bogus_returned_segments_never_reach_the_head_engine(cluster, references
         security.secure_client(ret, security.load_keys())
         host, port = cluster.spec.addr.rsplit(":", 1)
         ret.connect(f"tcp://{host}:{int(port) + 1}")
-        bogus = [proto.Segment(request_id=engine_id, round_id=round_id, seq=1, prune_version=0, kind="draft",
+        bogus = [proto.Segment(run_id=run_id, round_id=round_id, seq=1, prune_version=0, kind="draft",
                                sent_at_step=0, node_ids=torch.tensor([60_000]), parent_ids=torch.tensor([0]),
                                positions=torch.tensor([5]), hidden=torch.zeros(1, 64), hidden_wire="float32")
-                 for engine_id in [_next_engine_id(cluster)] for round_id in range(MAX_NEW + 4)]
+                 for run_id in [_next_run_id(cluster)] for round_id in range(MAX_NEW + 4)]
         frames = [m.to_frames() for m in bogus]
         worker = threading.Thread(target=request)
         worker.start()

@@ -68,7 +68,7 @@ def test_a_stage_that_gives_up_on_a_run_fails_its_request_at_once(cluster, refer
 
 
 def test_request_dropped_is_a_wire_message():
-    msg = p.RequestDropped(request_id=7, reason="stage-1: its KV cache would pass the context of 16")
+    msg = p.RequestDropped(run_id=7, reason="stage-1: its KV cache would pass the context of 16")
     assert p.decode(msg.to_frames()) == msg
 
 

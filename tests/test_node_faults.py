@@ -134,7 +134,7 @@ def test_a_bogus_returned_segment_is_dropped_and_the_request_completes(nodes):
     sock.connect(f"tcp://{host}:{int(port) + 1}")
     none = torch.empty(0, dtype=torch.long)
     for rid in range(1, 200):   # whichever run is live gets a prefill row of the wrong width
-        bogus = proto.Segment(request_id=rid, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=1,
+        bogus = proto.Segment(run_id=rid, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=1,
                               node_ids=none, parent_ids=none, positions=torch.tensor([0]),
                               hidden=torch.zeros(1, 8))
         sock.send_multipart(bogus.to_frames())

@@ -142,7 +142,7 @@ def _return_frames(rng: random.Random, raw: list[bytes], live_id: int) -> list[b
         msg = random_message(rng, H if rng.random() < 0.8 else H + 1)
     if isinstance(msg, p.Segment) and rng.random() < 0.8:   # aim at the request most likely running
         msg = p.decode([bytes(memoryview(f)) for f in p.encode(msg)])
-        object.__setattr__(msg, "request_id", live_id)
+        object.__setattr__(msg, "run_id", live_id)
     choice = rng.randrange(3)
     return raw if choice == 0 else _mutated(msg, rng) if choice == 1 else [bytes(memoryview(f)) for f in p.encode(msg)]
 

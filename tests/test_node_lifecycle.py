@@ -25,10 +25,10 @@ class FakeEngine(RequestEngine):
     def __init__(self) -> None:
         self.starts: list[tuple[int, list[int], int, SamplingParams]] = []
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
-        self.starts.append((request_id, list(prompt_ids), max_new_tokens, params))
+    def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
+        self.starts.append((run_id, list(prompt_ids), max_new_tokens, params))
         self.left = max_new_tokens
-        return [Send(1, f"prefill-{request_id}")]
+        return [Send(1, f"prefill-{run_id}")]
 
     def receive(self, event, now=None):
         if event == "boom":
@@ -86,8 +86,8 @@ class FakePort(EnginePort, OutPort):
     def to_stages(self, action):
         self.stages.append(action)
 
-    def reset_stages(self, engine_id):
-        self.resets.append(engine_id)
+    def reset_stages(self, run_id):
+        self.resets.append(run_id)
 
     def offload(self, key, action):
         self.offloads.append((key, action))
@@ -128,10 +128,10 @@ def test_a_request_runs_to_done_and_streams_every_token_once():
     b.tick(0.0, True)
     b.submit(b"c", prompt(max_new=3), 0.0, True, [])
     b.tick(0.1, True)
-    (engine_id, ids, max_new, _), = port.engine_.starts
-    assert ids == PROMPT and max_new == 3 and port.stages == [Send(1, f"prefill-{engine_id}")]
+    (run_id, ids, max_new, _), = port.engine_.starts
+    assert ids == PROMPT and max_new == 3 and port.stages == [Send(1, f"prefill-{run_id}")]
     for t in (11, 12, 13):
-        b.on_segment(engine_id, t, 0.2)
+        b.on_segment(run_id, t, 0.2)
     assert port.tokens(b"c") == [11, 12, 13] and port.done(b"c") and b.pending() == 0
     assert b.served["requests"] == 1 and b.served["tokens"] == 3
 
@@ -144,9 +144,9 @@ def test_status_counts_tokens_while_the_answer_streams():
     b.submit(b"c", prompt(max_new=5), 0.0, True, [])
     b.submit(b"d", prompt(rid=2), 0.0, True, [])
     b.tick(1.0, True)
-    engine_id = port.engine_.starts[0][0]
-    b.on_segment(engine_id, 21, 1.5)
-    b.on_segment(engine_id, 22, 1.5)
+    run_id = port.engine_.starts[0][0]
+    b.on_segment(run_id, 21, 1.5)
+    b.on_segment(run_id, 22, 1.5)
     assert b.served["tokens"] == 2 and b.served["requests"] == 0
     live = b.live(3.0, lambda owner: owner.decode())
     assert (live["queued"], live["running"], live["paused"]) == (1, 1, 0)
@@ -166,9 +166,9 @@ def test_status_has_a_live_token_rate_while_the_answer_streams_and_none_after():
     b.tick(0.0, True)
     b.submit(b"c", prompt(max_new=10), 0.0, True, [])
     b.tick(0.1, True)
-    engine_id = port.engine_.starts[0][0]
+    run_id = port.engine_.starts[0][0]
     for k, t in enumerate((0.5, 1.0, 1.5, 2.0, 2.5, 3.0)):
-        b.on_segment(engine_id, 11 + k, t)
+        b.on_segment(run_id, 11 + k, t)
     assert b.live(3.0)["tokens_per_s"] == pytest.approx(2.0)   # 6 tokens in the last 3 s
     assert b.live(10.0)["tokens_per_s"] == 0.0
 
@@ -257,7 +257,7 @@ def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_reco
         b.submit(o, prompt(max_new=2), 0.0, True, [])
     b.tick(0.0, True)
     (first,) = b.running.values()
-    b.on_segment(first.engine_id, 1, 0.5)
+    b.on_segment(first.run_id, 1, 0.5)
     b.stage_lost("stage 2 (s2) disconnected", 1.0)
     b.submit(b"late", prompt(max_new=2), 2.0, False, ["stage 2"])
     b.tick(11.5, False)
@@ -274,8 +274,8 @@ def test_queued_requests_keep_their_place_through_an_outage_longer_than_the_reco
         b.tick(t, True)
         (req,) = b.running.values()
         order.append(req.owner)
-        b.on_segment(req.engine_id, 1, t)
-        b.on_segment(req.engine_id, 2, t)
+        b.on_segment(req.run_id, 1, t)
+        b.on_segment(req.run_id, 2, t)
         t += 0.1
     assert order == [b"c1", b"c2", b"c4"]
     assert all(port.done(o) and port.tokens(o) == [1, 2] and not port.errors(o) for o in order)
@@ -320,14 +320,14 @@ def test_queued_requests_keep_their_place_across_an_outage_and_all_are_answered(
         b.tick(t, True)
         (req,) = b.running.values()
         order.append((req.owner, req.request_id))
-        b.on_segment(req.engine_id, 1, t)
+        b.on_segment(req.run_id, 1, t)
         if len(order) == 10:   # the stage dies with this request half done and 14 queued behind it
             b.stage_lost("stage 2 (s2) disconnected", t)
             b.tick(t + 1, False)
             t += 2
             b.tick(t, True)    # back: the paused request is replayed before any queued one starts
             assert [r.request_id for r in b.running.values()] == [req.request_id]
-        b.on_segment(req.engine_id, 2, t)
+        b.on_segment(req.run_id, 2, t)
     assert order == [(o, rid) for rid in range(1, 4) for o in owners]
     assert all(sum(isinstance(m, proto.TokenChunk) and m.done for m in port.answers(o)) == 3 for o in owners)
     assert all(port.tokens(o) == [1, 2] * 3 and not port.errors(o) for o in owners)
@@ -392,8 +392,8 @@ class ChainEngine(RequestEngine):
     def __init__(self, log: list) -> None:
         self.log, self.left = log, 0
 
-    def start(self, request_id, prompt_ids, max_new_tokens, params, now=None):
-        self.id, self.left = request_id, max_new_tokens
+    def start(self, run_id, prompt_ids, max_new_tokens, params, now=None):
+        self.id, self.left = run_id, max_new_tokens
         return []
 
     def receive(self, event, now=None):
@@ -448,7 +448,7 @@ def test_admission_waits_for_kv_on_every_stage_first_come_first_served():
     assert [r.owner for r in b.queue] == [b"b", b"c"]   # c would fit, but does not overtake b
     a = next(iter(b.running.values()))
     for t in range(57):
-        b.on_segment(a.engine_id, t, 0.2)
+        b.on_segment(a.run_id, t, 0.2)
     assert port.done(b"a")
     b.tick(0.3, True)
     assert sorted(r.owner for r in b.running.values()) == [b"b", b"c"] and b.kv_reserved() == 80
@@ -525,6 +525,15 @@ def test_a_live_stage_s_slot_is_not_handed_to_a_second_connection_with_its_node_
     assert m.admit(stage_hello("edge-1", 1)) is None
     m.register(b"conn-2", stage_hello("edge-1", 1))
     assert m.slots == [b"conn-2", None]
+
+
+def test_a_stage_of_an_older_data_plane_is_refused_at_hello_naming_both_versions():
+    from dataclasses import replace
+
+    m, _, _ = members()
+    reason = m.admit(replace(stage_hello("edge-1", 1), version=(1, 8)))
+    assert reason is not None and reason.startswith("stage speaks flowedge protocol 1.8, this node speaks 1.9")
+    assert "upgrade the stage" in reason and m.admit(stage_hello("edge-1", 1)) is None
 
 
 def test_a_silent_stage_may_be_replaced_under_its_node_id_before_the_tick_notices():

@@ -33,23 +33,23 @@ def _inbox(model, log_name="inbox-test") -> StageInbox:
     return StageInbox(worker, plan_for(worker, "float16"), DropLog(logging.getLogger(log_name), burst=3))
 
 
-def _prefill(request_id=1, n=3) -> p.Segment:
+def _prefill(run_id=1, n=3) -> p.Segment:
     none = torch.empty(0, dtype=torch.long)
-    return p.Segment(request_id=request_id, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=0,
+    return p.Segment(run_id=run_id, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=0,
                      node_ids=none, parent_ids=none, positions=torch.arange(n), hidden=torch.randn(n, H).half())
 
 
 def _draft(node_ids, parent_ids, width=H, prune_version=0, roots=None) -> p.Segment:
     """Tree nodes (ids as the engine's, no shift); `roots`: rows hanging off the committed context."""
     n = len(node_ids)
-    return p.Segment(request_id=1, round_id=0, seq=2, prune_version=prune_version, kind="draft", sent_at_step=0,
+    return p.Segment(run_id=1, round_id=0, seq=2, prune_version=prune_version, kind="draft", sent_at_step=0,
                      node_ids=torch.tensor(node_ids), parent_ids=torch.tensor(parent_ids),
                      root_rows=None if roots is None else torch.tensor(roots),
                      positions=torch.arange(3, 3 + n), hidden=torch.randn(n, width).half())
 
 
 def _prune(commit, keep, horizon=8, version=1) -> p.Prune:
-    return p.Prune(request_id=1, round_id=0, version=version, horizon=horizon,
+    return p.Prune(run_id=1, round_id=0, version=version, horizon=horizon,
                    commit_ids=torch.tensor(commit, dtype=torch.long), keep_ids=torch.tensor(keep, dtype=torch.long))
 
 
@@ -92,8 +92,8 @@ def test_an_error_inside_the_worker_fails_only_that_request(stage_model):
     assert inbox.handle(_prune([5], [])).sends == []   # node 5 was never sent: the worker raises
     assert inbox.drops.counts == {"request_failed": 1}
     assert inbox.worker.slots == {}                        # its KV cache is freed
-    out = inbox.handle(_prefill(request_id=2)).sends     # the next request runs normally
-    assert len(out) == 1 and out[0].request_id == 2
+    out = inbox.handle(_prefill(run_id=2)).sends     # the next request runs normally
+    assert len(out) == 1 and out[0].run_id == 2
 
 
 def test_a_request_past_its_kv_bound_is_reset_and_reported(stage_model, monkeypatch):
@@ -147,7 +147,7 @@ def test_1000_random_messages_raise_nothing_and_hang_nothing(stage_model):
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 6), start_with_prefill=st.booleans())
 def test_fuzz_stage_message_handling(stage_model, seed, length, start_with_prefill):
     rng = random.Random(seed)
-    messages = [_prefill(request_id=rng.randrange(3), n=rng.randrange(1, 5))] if start_with_prefill else []
+    messages = [_prefill(run_id=rng.randrange(3), n=rng.randrange(1, 5))] if start_with_prefill else []
     while len(messages) < length:
         msg = random_message(rng, H)
         if msg is not None:
@@ -180,8 +180,8 @@ class _Poisoned:
         return self._model.forward_packed(hidden, *args, **kwargs)
 
 
-def _draft_of(request_id, hidden) -> p.Segment:
-    return p.Segment(request_id=request_id, round_id=0, seq=2, prune_version=0, kind="draft", sent_at_step=0,
+def _draft_of(run_id, hidden) -> p.Segment:
+    return p.Segment(run_id=run_id, round_id=0, seq=2, prune_version=0, kind="draft", sent_at_step=0,
                      node_ids=torch.tensor([0, 1]), parent_ids=torch.tensor([0, 0]), root_rows=torch.tensor([0]),
                      positions=torch.arange(3, 5), hidden=hidden)
 
@@ -190,7 +190,7 @@ def test_one_request_failing_inside_a_batched_forward_fails_only_that_request(st
     """Three requests' segments packed into one forward; request 2's rows make it raise. Requests 1 and 3
     get exactly the hidden states they get running alone, and keep serving; only 2 is failed."""
     torch.manual_seed(14)
-    prefills = {rid: _prefill(request_id=rid) for rid in (1, 2, 3)}
+    prefills = {rid: _prefill(run_id=rid) for rid in (1, 2, 3)}
     drafts = {rid: _draft_of(rid, torch.randn(2, H).half()) for rid in (1, 2, 3)}
     drafts[2] = _draft_of(2, torch.full((2, H), _Poisoned.POISON).half())
     inbox = _inbox(stage_model)
@@ -199,21 +199,21 @@ def test_one_request_failing_inside_a_batched_forward_fails_only_that_request(st
         inbox.handle(prefills[rid])
     out = inbox.run([inbox.admit(drafts[rid]) for rid in (1, 2, 3)])   # one wave: a batch of three
     assert inbox.worker.batch_sizes[-1] == 2            # the batch raised; 1 and 3 then ran alone
-    assert sorted(s.request_id for s in out.sends) == [1, 3]
+    assert sorted(s.run_id for s in out.sends) == [1, 3]
     assert inbox.drops.counts == {"request_failed": 1} and sorted(inbox.worker.slots) == [1, 3]
     for rid in (1, 3):   # the reference: the same request on a fresh stage, alone
         alone = _inbox(stage_model, log_name="alone")
         alone.handle(prefills[rid])
         ref = alone.handle(drafts[rid]).sends[0]
-        got = next(s for s in out.sends if s.request_id == rid)
+        got = next(s for s in out.sends if s.run_id == rid)
         assert torch.equal(got.hidden, ref.hidden)
         assert inbox.worker.cache_lengths()[rid] == alone.worker.cache_lengths()[rid] == 5
-    commits = [p.Prune(request_id=rid, round_id=0, version=1, horizon=2, commit_ids=torch.tensor([0, 1]),
+    commits = [p.Prune(run_id=rid, round_id=0, version=1, horizon=2, commit_ids=torch.tensor([0, 1]),
                        keep_ids=torch.tensor([], dtype=torch.long)) for rid in (1, 3)]
     assert inbox.run([inbox.admit(c) for c in commits]).sends == []   # both go on: commit both drafts
     assert inbox.worker.slots[1].prefix_len == inbox.worker.slots[3].prefix_len == 5
     batch = inbox.run([inbox.admit(p.Segment(
-        request_id=rid, round_id=0, seq=3, prune_version=1, kind="draft", sent_at_step=0,
+        run_id=rid, round_id=0, seq=3, prune_version=1, kind="draft", sent_at_step=0,
         node_ids=torch.tensor([2]), parent_ids=torch.tensor([1]), positions=torch.tensor([5]),
         hidden=torch.randn(1, H).half())) for rid in (1, 3)])
-    assert sorted(s.request_id for s in batch.sends) == [1, 3] and inbox.worker.batch_sizes[-1] == 2
+    assert sorted(s.run_id for s in batch.sends) == [1, 3] and inbox.worker.batch_sizes[-1] == 2

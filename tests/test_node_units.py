@@ -83,7 +83,7 @@ def test_segment_survives_the_wire(wire_dtype):
     assert msg.root_rows.tolist() == [0]
     frames = [bytes(f) for f in msg.to_frames()]
     back = wire.from_wire(proto.decode(frames), torch.float32)
-    assert (back.request_id, back.round_id, back.seq, back.prune_version, back.phase) == (3, 2, 7, 5, "expansion")
+    assert (back.run_id, back.round_id, back.seq, back.prune_version, back.phase) == (3, 2, 7, 5, "expansion")
     for name in ("node_ids", "parent_ids", "positions", "roots"):
         assert torch.equal(getattr(back, name), getattr(seg, name))
     tol = 0 if wire_dtype == "float32" else 1e-2
@@ -137,7 +137,7 @@ def test_stage_chosen_tokens_and_sampling_params_survive_the_wire():
 
 def test_bad_sampling_fields_are_protocol_errors():
     with pytest.raises(ProtocolError, match="top_p"):
-        proto.Segment(request_id=1, round_id=0, seq=0, prune_version=0, kind="prefill", sent_at_step=0,
+        proto.Segment(run_id=1, round_id=0, seq=0, prune_version=0, kind="prefill", sent_at_step=0,
                       node_ids=torch.zeros(0, dtype=torch.long), parent_ids=torch.zeros(0, dtype=torch.long),
                       positions=torch.zeros(1, dtype=torch.long), hidden=torch.zeros(1, 2), temperature=1.0,
                       top_p=0.0)

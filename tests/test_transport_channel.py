@@ -50,7 +50,7 @@ def pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
 
 def _segment(n: int, hidden_size: int) -> Segment:
     return Segment(
-        request_id=1, round_id=1, seq=0, prune_version=0, kind="draft", sent_at_step=0,
+        run_id=1, round_id=1, seq=0, prune_version=0, kind="draft", sent_at_step=0,
         node_ids=torch.arange(n), parent_ids=torch.arange(n).clamp(max=n - 2).clamp(min=0),
         positions=torch.arange(500, 500 + n), hidden=torch.randn(n, hidden_size),
     )
@@ -58,13 +58,13 @@ def _segment(n: int, hidden_size: int) -> Segment:
 
 def test_send_and_receive_both_ways(pair) -> None:
     router, dealer = pair
-    prune = Prune(request_id=1, round_id=2, version=3, horizon=9, commit_ids=torch.tensor([1]),
+    prune = Prune(run_id=1, round_id=2, version=3, horizon=9, commit_ids=torch.tensor([1]),
                   keep_ids=torch.tensor([4, 5]))
     send_msg(dealer, prune)
     identity, frames = recv_routed(router, 5000)
     assert decode(frames) == prune
-    send_routed(router, identity, Reset(request_id=1))
-    assert recv_msg(dealer, 5000) == Reset(request_id=1)
+    send_routed(router, identity, Reset(run_id=1))
+    assert recv_msg(dealer, 5000) == Reset(run_id=1)
 
 
 def test_timeout_returns_none(pair) -> None:
@@ -77,18 +77,18 @@ def test_timeout_returns_none(pair) -> None:
 def test_garbage_raises_and_the_socket_keeps_working(pair) -> None:
     router, dealer = pair
     dealer.send_multipart([b"\x93not a header", b"x"])
-    send_msg(dealer, Reset(request_id=2))
+    send_msg(dealer, Reset(run_id=2))
     _, frames = recv_routed(router, 5000)
     with pytest.raises(ProtocolError):
         decode(frames)
     _, frames = recv_routed(router, 5000)
-    assert decode(frames) == Reset(request_id=2)
+    assert decode(frames) == Reset(run_id=2)
 
 
 def test_segment_survives_the_wire_in_bf16(pair) -> None:
     router, dealer = pair
     seg = Segment(
-        request_id=1, round_id=1, seq=0, prune_version=0, kind="expansion", sent_at_step=0,
+        run_id=1, round_id=1, seq=0, prune_version=0, kind="expansion", sent_at_step=0,
         node_ids=torch.arange(3), parent_ids=torch.zeros(3, dtype=torch.long),
         positions=torch.arange(3), hidden=torch.randn(3, 64), hidden_wire="bfloat16",
     )
@@ -164,7 +164,7 @@ def test_client_refuses_a_server_of_another_major_version(pair) -> None:
 
 def test_first_message_must_be_a_hello(pair) -> None:
     router, dealer = pair
-    send_msg(dealer, Reset(request_id=1))
+    send_msg(dealer, Reset(run_id=1))
     identity, frames = recv_routed(router, 5000)
     assert answer_hello(router, identity, frames, WELCOME) is None
     assert recv_msg(dealer, 5000) == Refuse(reason="expected HELLO first, got reset")
@@ -223,7 +223,7 @@ def test_wire_bytes_matches_what_crosses_the_socket(ctx: zmq.Context, tmp_path: 
         sec.client(dealer)
         proxy = _CountingProxy(router.bind_to_random_port("tcp://127.0.0.1"))
         dealer.connect(f"tcp://127.0.0.1:{proxy.port}")
-        send_msg(dealer, Reset(request_id=0))  # handshake + a first message
+        send_msg(dealer, Reset(run_id=0))  # handshake + a first message
         assert recv_routed(router, 5000) is not None
         before = proxy.up_bytes
         frames = _segment(16, 1536).to_frames()

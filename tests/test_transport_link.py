@@ -87,12 +87,12 @@ def test_outbound_carries_a_segment_s_tensors_to_inbound_and_they_decode_equal(l
     inbound = links().listen(Kind.INBOUND, "127.0.0.1")
     out = links().connect(Kind.OUTBOUND, inbound.address)
     hidden = torch.randn(3, 8)
-    seg = p.Segment(request_id=4, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=0,
+    seg = p.Segment(run_id=4, round_id=0, seq=1, prune_version=0, kind="prefill", sent_at_step=0,
                     node_ids=torch.empty(0, dtype=torch.long), parent_ids=torch.empty(0, dtype=torch.long),
                     positions=torch.arange(3), hidden=hidden, hidden_wire="float32")
     out.send(seg)
     back = p.decode(inbound.next_message(5.0).frames)
-    assert isinstance(back, p.Segment) and torch.equal(back.hidden, hidden) and back.request_id == 4
+    assert isinstance(back, p.Segment) and torch.equal(back.hidden, hidden) and back.run_id == 4
 
 
 def test_a_taken_port_moves_to_the_next_of_the_range_then_is_address_in_use(links):

@@ -20,7 +20,7 @@ SHA = hashlib.sha256(b"shard").hexdigest()
 
 def _segment(n: int = 4, with_hidden: bool = True, wire: str = "float16", **kw) -> p.Segment:
     fields = dict(
-        request_id=7, round_id=2, seq=1, prune_version=3, kind="draft", sent_at_step=11,
+        run_id=7, round_id=2, seq=1, prune_version=3, kind="draft", sent_at_step=11,
         node_ids=torch.arange(n), parent_ids=torch.zeros(n, dtype=torch.int64),
         positions=torch.arange(100, 100 + n), hidden_wire=wire,
     )
@@ -36,7 +36,7 @@ SAMPLES = [
     p.Hello(node_id="pi-1", role="stage", device="cpu", free_memory_bytes=4 << 30, capabilities={"bf16": True}),
     p.Welcome(node_id="head", heartbeat_interval_ms=1000),
     p.Refuse(reason="a head is already connected"),
-    p.RequestDropped(request_id=9, reason="stage-2: its KV cache would pass 4096 entries"),
+    p.RequestDropped(run_id=9, reason="stage-2: its KV cache would pass 4096 entries"),
     p.Assign(stage_index=1, layer_start=0, layer_end=7, shard_sha256=SHA, shard_bytes=123,
              next_addr="tcp://10.0.0.3:5601", model="qwen2.5-coder-1.5b", model_sha256=SHA),
     p.ShardRequest(offset=4 << 20),
@@ -44,9 +44,9 @@ SAMPLES = [
     p.Ready(stage_index=2),
     p.Heartbeat(node_id="pi-1", load=0.25, rss_bytes=1 << 30),
     p.Shutdown(reason="operator"),
-    p.Prune(request_id=7, round_id=3, version=4, horizon=42, commit_ids=torch.tensor([0, 2]),
+    p.Prune(run_id=7, round_id=3, version=4, horizon=42, commit_ids=torch.tensor([0, 2]),
             keep_ids=torch.tensor([5, 6, 40_000])),
-    p.Reset(request_id=7),
+    p.Reset(run_id=7),
     p.PromptRequest(request_id=1, text="def fib(n):", max_new_tokens=32, temperature=0.7, top_k=10,
                     top_p=0.9, seed=5),
     p.PromptRequest(request_id=2, token_ids=torch.tensor([151_000, 3]), max_new_tokens=4),
@@ -103,7 +103,7 @@ def test_every_message_round_trips(msg: p.Message) -> None:
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_header_carries_version_and_type(msg: p.Message) -> None:
     header = _header(msg.to_frames())
-    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 8]
+    assert header["v"] == list(p.PROTOCOL_VERSION) == [1, 9]
     assert p.MESSAGE_TYPES[header["type"]] is type(msg)
 
 
@@ -156,9 +156,9 @@ def test_equality_compares_tensors_by_value() -> None:
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: p.Reset(request_id=-1),
-        lambda: p.Reset(request_id=True),
-        lambda: p.Reset(request_id="7"),
+        lambda: p.Reset(run_id=-1),
+        lambda: p.Reset(run_id=True),
+        lambda: p.Reset(run_id="7"),
         lambda: p.Hello(node_id="a", role="boss", device="cpu", free_memory_bytes=1),
         lambda: p.Hello(node_id="a", role="stage", device="cpu", free_memory_bytes=1, version=(1,)),
         lambda: p.Hello(node_id="a", role="stage", device="cpu", free_memory_bytes=1, capabilities={1: 2}),
@@ -228,15 +228,39 @@ def test_shard_chunk_verify_detects_corruption() -> None:
 
 
 def test_other_major_version_is_refused_with_a_clear_message() -> None:
-    frames = _frames({"v": [2, 0], "type": "reset", "request_id": 1, "tensors": {}})
+    frames = _frames({"v": [2, 0], "type": "reset", "run_id": 1, "tensors": {}})
     with pytest.raises(ProtocolError) as err:
         p.decode(frames)
-    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.8"
+    assert str(err.value) == "peer speaks flowedge protocol 2.0, this node speaks 1.9"
 
 
 def test_newer_minor_version_and_unknown_keys_are_accepted() -> None:
-    frames = _frames({"v": [1, 9], "type": "reset", "request_id": 1, "future": [1, 2], "tensors": {}})
-    assert p.decode(frames) == p.Reset(request_id=1)
+    frames = _frames({"v": [1, 10], "type": "reset", "run_id": 1, "future": [1, 2], "tensors": {}})
+    assert p.decode(frames) == p.Reset(run_id=1)
+
+
+@pytest.mark.parametrize("msg", [_segment(), p.Prune(run_id=7, round_id=3, version=4, horizon=42,
+                                                     commit_ids=torch.tensor([0, 2]), keep_ids=torch.tensor([1])),
+                                 p.Reset(run_id=7), p.RequestDropped(run_id=7, reason="x")], ids=lambda m: m.TYPE)
+def test_a_1_8_peer_s_data_plane_message_is_refused_naming_both_versions(msg) -> None:
+    """1.9 renamed the engine run's field `request_id` to `run_id`: a 1.8 peer's copy (the old field) is
+    refused by its version, not as a message that lacks a field."""
+    frames = [bytes(memoryview(f)) for f in msg.to_frames()]
+    header = _header(frames)
+    header["v"], header["request_id"] = [1, 8], header.pop("run_id")
+    with pytest.raises(ProtocolError, match=rf"{msg.TYPE} from a peer speaking flowedge protocol 1\.8, this node "
+                                            r"speaks 1\.9: .* 1\.9 or newer"):
+        p.decode(_frames(header, *frames[1:]))
+    assert p.decode(frames).run_id == 7   # the same message from a 1.9 peer
+
+
+def test_a_stage_and_a_head_of_different_data_planes_refuse_each_other_naming_both_versions() -> None:
+    assert p.PROTOCOL_VERSION == (1, 9)
+    assert p.data_plane_refusal((1, 8), "stage") == (
+        "stage speaks flowedge protocol 1.8, this node speaks 1.9: the data plane needs 1.9 or newer on both "
+        "sides (it names the engine run `run_id`): upgrade the stage")
+    assert "head speaks flowedge protocol 1.4, this node speaks 1.9" in p.data_plane_refusal((1, 4), "head")
+    assert [p.data_plane_refusal(v, "stage") for v in [(1, 9), (1, 10), (2, 0)]] == [None, None, None]
 
 
 def test_an_assign_from_a_head_before_1_6_carries_no_model_key() -> None:
@@ -303,7 +327,7 @@ def test_hidden_dtype_must_match_the_declared_wire_dtype() -> None:
 
 def test_from_frames_checks_the_type() -> None:
     with pytest.raises(ProtocolError, match="expected a prune message, got reset"):
-        p.Prune.from_frames(p.Reset(request_id=1).to_frames())
+        p.Prune.from_frames(p.Reset(run_id=1).to_frames())
 
 
 @settings(max_examples=200, deadline=None)
@@ -324,7 +348,7 @@ _JUNK = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(key=st.sampled_from(["v", "type", "request_id", "kind", "hidden_wire", "tensors", "seq"]), junk=_JUNK)
+@given(key=st.sampled_from(["v", "type", "run_id", "kind", "hidden_wire", "tensors", "seq"]), junk=_JUNK)
 def test_junk_header_values_never_crash_the_decoder(key: str, junk) -> None:
     header, tensors = _segment_frames()
     header[key] = junk

@@ -132,11 +132,11 @@ def _client(ctx: zmq.Context, addr: str, keys: security.ClusterKeys | None) -> z
 
 
 def _delivered(server: zmq.Socket, client: zmq.Socket, timeout_ms: int) -> bool:
-    send_msg(client, Reset(request_id=3))
+    send_msg(client, Reset(run_id=3))
     if not server.poll(timeout_ms):
         return False
     identity, *frames = server.recv_multipart(copy=False)
-    return Reset.from_frames(frames) == Reset(request_id=3)
+    return Reset.from_frames(frames) == Reset(run_id=3)
 
 
 def test_nodes_with_the_cluster_keys_talk_both_ways(ctx: zmq.Context, cluster) -> None:
@@ -144,12 +144,12 @@ def test_nodes_with_the_cluster_keys_talk_both_ways(ctx: zmq.Context, cluster) -
     try:
         server, addr = _server(ctx, cluster, auth)
         client = _client(ctx, addr, cluster)
-        send_msg(client, Reset(request_id=3))
+        send_msg(client, Reset(run_id=3))
         assert server.poll(5000)
         identity, *frames = server.recv_multipart(copy=False)
-        assert Reset.from_frames(frames) == Reset(request_id=3)
-        server.send_multipart([identity.bytes, *Reset(request_id=4).to_frames()])
-        assert recv_msg(client, 5000) == Reset(request_id=4)
+        assert Reset.from_frames(frames) == Reset(run_id=3)
+        server.send_multipart([identity.bytes, *Reset(run_id=4).to_frames()])
+        assert recv_msg(client, 5000) == Reset(run_id=4)
     finally:
         auth.stop()
 

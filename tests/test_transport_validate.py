@@ -24,7 +24,7 @@ def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, roots=N
     n = len(node_ids) if positions is None else len(positions)
     if kind == "prefill":
         node_ids = parent_ids = []
-    return p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind=kind, sent_at_step=1,
+    return p.Segment(run_id=1, round_id=0, seq=1, prune_version=0, kind=kind, sent_at_step=1,
                      node_ids=torch.tensor(node_ids, dtype=torch.long),
                      parent_ids=torch.tensor(parent_ids, dtype=torch.long),
                      root_rows=None if roots is None else torch.tensor(roots, dtype=torch.long),
@@ -34,7 +34,7 @@ def _seg(node_ids, parent_ids, *, kind="draft", width=8, positions=None, roots=N
 
 
 def _prune(commit, keep, horizon=10) -> p.Prune:
-    return p.Prune(request_id=1, round_id=0, version=1, horizon=horizon,
+    return p.Prune(run_id=1, round_id=0, version=1, horizon=horizon,
                    commit_ids=torch.tensor(commit, dtype=torch.long), keep_ids=torch.tensor(keep, dtype=torch.long))
 
 
@@ -79,7 +79,7 @@ def test_a_well_formed_tree_segment_and_prefill_pass():
     check_stage_input(_seg([], [], kind="prefill", positions=[0, 1]), PLAN)
     check_stage_input(_seg([], [], positions=[]), PLAN)
     check_stage_input(_prune([0, 4], [5, 7]), PLAN)
-    check_stage_input(p.Reset(request_id=3), PLAN)
+    check_stage_input(p.Reset(run_id=3), PLAN)
 
 
 @pytest.mark.parametrize("msg, rule", [
@@ -105,7 +105,7 @@ def test_the_tree_fields_are_checked_on_decode():
     """1.4: a prefill chunk carries no tree ids; root rows are ascending rows of the segment; a
     prefill's returned choice is one token."""
     z = torch.zeros(2, dtype=torch.long)
-    base = dict(request_id=1, round_id=0, seq=1, prune_version=0, sent_at_step=1, positions=torch.arange(2),
+    base = dict(run_id=1, round_id=0, seq=1, prune_version=0, sent_at_step=1, positions=torch.arange(2),
                 hidden=torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(ProtocolError, match="node_ids"):
         p.Segment(kind="prefill", node_ids=z, parent_ids=z, **base)
@@ -121,18 +121,18 @@ def test_the_tree_fields_are_checked_on_decode():
         p.Segment(kind="prefill", node_ids=empty, parent_ids=empty, **dict(choice, token_ids=torch.tensor([7, 8])))
 
 
-def test_a_segment_from_a_peer_before_1_4_is_refused_with_a_clear_error():
+def test_a_segment_from_a_peer_before_1_9_is_refused_with_a_clear_error():
     seg = _seg([0, 1], [0, 0], roots=[0])
     frames = [bytes(memoryview(f)) for f in p.encode(seg)]
     header = msgpack.unpackb(frames[0])
     header["v"] = [1, 3]
-    with pytest.raises(ProtocolError, match=r"protocol 1\.3.*1\.4 or newer"):
+    with pytest.raises(ProtocolError, match=r"protocol 1\.3, this node speaks 1\.9.*1\.9 or newer"):
         p.decode([msgpack.packb(header), *frames[1:]])
     assert p.decode(frames) == seg
 
 
 def test_a_segment_of_token_ids_is_no_stage_input():
-    seg = p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
+    seg = p.Segment(run_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
                     node_ids=torch.tensor([1]), parent_ids=torch.tensor([0]), positions=torch.tensor([3]),
                     token_ids=torch.tensor([5]))
     assert _rule(seg) == "segment_payload"
@@ -155,7 +155,7 @@ def test_returned_segments_name_only_nodes_the_head_sent():
         with pytest.raises(InvalidMessage) as err:
             check_returned_segment(seg, plan, known_ids=2)
         assert err.value.rule == rule
-    tokens = p.Segment(request_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
+    tokens = p.Segment(run_id=1, round_id=0, seq=1, prune_version=0, kind="draft", sent_at_step=1,
                        node_ids=torch.tensor([1]), parent_ids=torch.tensor([0]), positions=torch.tensor([3]),
                        token_ids=torch.tensor([100]))
     with pytest.raises(InvalidMessage, match="vocabulary"):

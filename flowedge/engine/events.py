@@ -34,8 +34,8 @@ class Segment:
     (`hidden` is None, `chosen()`) but `tokens`: the base model's choice at every node, or for a prompt
     chunk the one choice after its last row, drawn with the request's sampling params (prefill chunks
     carry them in `sampling`). No choice at all (a shape-only stage in the simulator): `tokens` is None
-    too, and the head reads the base logits itself."""
-    request_id: int
+    too, and the head reads the base logits itself. `run_id`: the engine run's id (a replay starts a new run)."""
+    run_id: int
     round_id: int
     seq: int
     prune_version: int
@@ -49,11 +49,11 @@ class Segment:
     roots: torch.Tensor | None = None           # [n] bool: parent is the committed context (None: no roots)
 
     @classmethod
-    def prefill(cls, request_id: int, seq: int, positions: torch.Tensor, hidden: torch.Tensor,
+    def prefill(cls, run_id: int, seq: int, positions: torch.Tensor, hidden: torch.Tensor,
                 sampling: SamplingParams | None = None) -> "Segment":
         """A chunk of the prompt: rows of committed context, no tree ids."""
         none = torch.empty(0, dtype=torch.long)
-        return cls(request_id, 0, seq, 0, none, none, positions, hidden, "prefill", None, sampling)
+        return cls(run_id, 0, seq, 0, none, none, positions, hidden, "prefill", None, sampling)
 
     def __len__(self) -> int:
         return int(self.positions.numel())
@@ -74,9 +74,9 @@ class Segment:
         if tokens is None and self.tokens is not None:
             tokens = self.tokens[keep]
         if self.phase == "prefill":   # no tree ids to restrict
-            return Segment(self.request_id, self.round_id, self.seq, self.prune_version, self.node_ids,
+            return Segment(self.run_id, self.round_id, self.seq, self.prune_version, self.node_ids,
                            self.parent_ids, self.positions[keep], h, self.phase, tokens, self.sampling)
-        return Segment(self.request_id, self.round_id, self.seq, self.prune_version, self.node_ids[keep],
+        return Segment(self.run_id, self.round_id, self.seq, self.prune_version, self.node_ids[keep],
                        self.parent_ids[keep], self.positions[keep], h, self.phase, tokens, self.sampling,
                        None if self.roots is None else self.roots[keep])
 
@@ -84,7 +84,7 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class Prune:
     """Broadcast by the head after every verification that changes the tree."""
-    request_id: int
+    run_id: int
     round_id: int
     version: int
     prune: PruneSet
@@ -93,8 +93,8 @@ class Prune:
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """The request is over: stages drop its KV cache."""
-    request_id: int
+    """The run is over: stages drop its KV cache."""
+    run_id: int
 
 
 # ---- actions ------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class Send:
 class Failed:
     """A stage gave up on one request (an error while running it; its KV cache is freed). Only a worker
     that contains failures (the daemon's) reports these; elsewhere the error propagates."""
-    request_id: int
+    run_id: int
     error: str
 
 
@@ -126,7 +126,7 @@ class Failed:
 class Emit:
     """Tokens newly accepted for the user, in order."""
     tokens: list[int]
-    request_id: int | None = None
+    run_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,5 +171,5 @@ class Stats:
 class Done:
     token_ids: list[int]
     stats: Stats
-    request_id: int | None = None
+    key: int | None = None     # the scheduler's request key (engine/scheduler.py fills it in)
     cancelled: bool = False    # stopped by `scheduler.Cancel`, not by max tokens or a stop token

@@ -66,8 +66,8 @@ class Head:
 
     # ---- what drivers and tests read --------------------------------------------------------------
     @property
-    def request_id(self) -> int:
-        return self.answer.request_id
+    def run_id(self) -> int:
+        return self.answer.run_id
 
     @property
     def outputs(self) -> list[int]:
@@ -99,10 +99,10 @@ class Head:
         """Seconds on the driver's time, as passed in with the current call (wall time when none was)."""
         return time.monotonic() if self.now is None else self.now
 
-    def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
+    def start(self, run_id: int, prompt_ids: list[int], max_new_tokens: int,
               params: SamplingParams, now: float | None = None) -> list:
         self.now = now
-        self.answer = Answer(request_id, list(prompt_ids), max_new_tokens, params, make_generator(params))
+        self.answer = Answer(run_id, list(prompt_ids), max_new_tokens, params, make_generator(params))
         self.round = None
         self.times = StepTimes()
         if self.drafter is not None:
@@ -114,7 +114,7 @@ class Head:
         for a in range(0, len(prompt_ids), chunk):
             ids = torch.tensor(prompt_ids[a:a + chunk])
             n = ids.numel()
-            seg = Segment.prefill(request_id, self._next_seq(), torch.arange(a, a + n), self.model.embed(ids),
+            seg = Segment.prefill(run_id, self._next_seq(), torch.arange(a, a + n), self.model.embed(ids),
                                   params if self.lm_head_at == "last-stage" else None)
             actions.append(Send(1, seg))
         self.answer.prefill_left = len(actions)
@@ -131,13 +131,13 @@ class Head:
             return self._timed(lambda: self._with_draft_costs(self.strategy.expand(self.view, event.accepted)))
         if isinstance(event, (PreDraftStep, PreDrafted)):
             return self._predraft_event(event)
-        if not isinstance(event, Segment) or event.request_id != a.request_id:
+        if not isinstance(event, Segment) or event.run_id != a.run_id:
             return []
         if event.phase == "prefill":
             actions = self._prefill_done(event)
             return actions + self._plan_predraft()
-        if event.round_id != a.round_id:
-            return []   # output of a round that already ended
+        if event.round_id != a.round_id:   # an ended round's ids must not index this one's tree: not a wire
+            return []                       # check (node/run_router.py), segments queued behind a round's end
         r = running(self.round)
         r.in_flight -= 1
         if self.predraft is not None:
@@ -221,7 +221,7 @@ class Head:
         self.times.model_s += time.perf_counter() - t0
         roots = ids == ROOT   # the round's root hangs off the committed context: no parent id to send
         parents = r.tree.parents[ids].masked_fill(roots, 0)
-        seg = Segment(self.request_id, self.round_id, self._next_seq(), self.answer.version, ids, parents,
+        seg = Segment(self.run_id, self.round_id, self._next_seq(), self.answer.version, ids, parents,
                       r.base + r.tree.depths[ids], hidden, phase, roots=roots)
         r.in_flight += 1
         if self.predraft is not None:   # when it is due back: pre-drafting fills the gap until then
@@ -311,7 +311,7 @@ class Head:
         a = self.answer
         a.version += 1
         a.prefix_at_version[a.version] = a.prefix_len
-        msg = Prune(a.request_id, a.round_id, a.version, prune, end_round)
+        msg = Prune(a.run_id, a.round_id, a.version, prune, end_round)
         if end_round:
             a.round_id += 1
         return [Send(i, msg) for i in range(1, self.n_stages + 1)]
@@ -336,11 +336,11 @@ class Head:
                 new = new[: i + 1]
                 break
         a.outputs += new
-        actions: list = [Emit(new, self.request_id)] if new else []
+        actions: list = [Emit(new, self.run_id)] if new else []
         if len(a.outputs) >= a.max_new or (new and new[-1] in self.stop_ids):
             a.finished = True
-            actions += [Send(i, Finish(self.request_id)) for i in range(1, self.n_stages + 1)]
-            actions.append(Done(list(self.outputs), self.stats, self.request_id))
+            actions += [Send(i, Finish(self.run_id)) for i in range(1, self.n_stages + 1)]
+            actions.append(Done(list(self.outputs), self.stats))
         return actions
 
     def context(self) -> list[int]:

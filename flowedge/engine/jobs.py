@@ -19,7 +19,7 @@ from flowedge.core.sampling import SamplingParams
 from flowedge.engine.events import Compute, Done, Offload, Send
 from flowedge.errors import ClusterNotReady, ConfigError
 
-REPLAY_ID_SHIFT = 32   # a replay's engine id: key + (replay << 32), never another request's first id
+REPLAY_ID_SHIFT = 32   # a replay's run id: key + (replay << 32), never another request's first id
 
 
 class State(Enum):
@@ -57,9 +57,9 @@ class Job:
 class RequestEngine(Protocol):
     """One request's speculative decoding, sans I/O: events in, actions out (engine/events.py)."""
 
-    def start(self, request_id: int, prompt_ids: list[int], max_new_tokens: int,
+    def start(self, run_id: int, prompt_ids: list[int], max_new_tokens: int,
               params: SamplingParams, now: float | None = None) -> list[Any]:
-        """Begin (or begin again, for a replay) on `prompt_ids`: the first actions, usually prefill sends.
+        """Begin run `run_id` (a replay begins a new one) on `prompt_ids`: the first actions, usually prefill sends.
         `now`: the driver's time (virtual under simulation; None: wall time), here and in `receive`."""
         ...
 
@@ -70,14 +70,15 @@ class RequestEngine(Protocol):
 
 @dataclass
 class Request:
-    """A job as the scheduler holds it; `emitted` is every token handed out so far (kept across replays)."""
+    """A job as the scheduler holds it; `emitted` is every token handed out so far (kept across replays).
+    `key` is the scheduler's request key (unique on this head); `run_id` the current engine run's."""
     key: int
     job: Job
     submitted_s: float
     state: State = State.QUEUED
     deadline_s: float | None = None   # paused: the recovery deadline for a lost stage's slot
     engine: RequestEngine | None = None   # set while it runs (`Scheduler._launch`), dropped once it ended
-    engine_id: int = 0                # the engine run's id on the wire (a replay gets a new one)
+    run_id: int = 0                   # the engine run's id on the wire (a replay gets a new one)
     emitted: list[int] = field(default_factory=list)
     started_s: float = 0.0
     last_progress_s: float = 0.0
@@ -86,7 +87,7 @@ class Request:
     idle: object = None               # the engine's work for when node 0 has nothing else (`WhenIdle`)
     kv_waited: bool = False           # has waited in the queue for KV (logged once)
 
-    def next_engine_id(self) -> int:
+    def next_run_id(self) -> int:
         """The first run keeps the key (what the stages and tests see); each replay a fresh id."""
         return self.key + (self.replays << REPLAY_ID_SHIFT)
 
@@ -191,9 +192,9 @@ class Cancelled:
 
 @dataclass(frozen=True, slots=True)
 class ResetStages:
-    """Every stage drops engine run `engine_id` and its KV cache (a cancel, a pause, an early stop)."""
+    """Every stage drops engine run `run_id` and its KV cache (a cancel, a pause, an early stop)."""
     key: int
-    engine_id: int
+    run_id: int
 
 
 Action = FromEngine | Emitted | Finished | Failed | Cancelled | ResetStages

@@ -14,7 +14,7 @@ from flowedge.engine.events import Stats
 @dataclass
 class Answer:
     """One request's run on this head (`start` makes a fresh one)."""
-    request_id: int = 0
+    run_id: int = 0                  # the engine run's id on the wire (a replay is a new run)
     prompt: list[int] = field(default_factory=list)
     max_new: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)

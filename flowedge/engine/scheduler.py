@@ -10,7 +10,7 @@ Lifecycle: queued -> running -> done | failed | cancelled, with a pause (`paused
 - **Steps.** Pipeline segments and each engine's follow-ups (`Continue`) queue on their request; a `step`
   runs one piece per running request side by side (`run_handlers`: the `DraftBatcher` packs draft calls).
 - **Stage loss.** Running requests pause; once the cluster is whole each is *replayed* on the prompt plus
-  every token handed out, under a new engine id and a generator seeded from (seed, tokens committed).
+  every token handed out, under a new run id and a generator seeded from (seed, tokens committed).
 - **Deadlines.** A paused request, or one that arrived while the cluster was not whole, fails past
   `recovery_s` (told which stage is missing); one queued before the loss keeps its place, under its own
   `Job.deadline_s` (None: until its asker cancels it); a running one silent for `stall_s` is replayed.
@@ -43,7 +43,7 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 class Scheduler:
     """`make_engine(request, context)` builds a request's engine (a `Head`) that reads the scheduler's load
     through `context` (engine/engine_context.py; the time goes with each call); `accept(engine, item)` turns
-    what came back from the pipeline into its event (None: dropped; the daemon checks wire segments there);
+    what came back from the pipeline into its event (None: dropped; the daemon decodes wire segments there);
     `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
     `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
     `contain_errors`: an engine error fails its request only (the daemon) instead of propagating (the
@@ -62,7 +62,7 @@ class Scheduler:
         self.contain_errors = contain_errors
         self.queue = FairQueue(lambda: self.running.values())   # the running and paused hold slots
         self.running: dict[int, Request] = {}     # key -> running or paused request
-        self.by_engine: dict[int, Request] = {}   # engine id -> running request
+        self.by_run: dict[int, Request] = {}      # run id -> running request
         self.ended: dict[int, Request] = {}       # recently ended (bounded)
         self.releasing: list[Request] = []        # ended since the last call: their engines still held
         self.now_s = 0.0                          # the latest time passed in: the engines' clock
@@ -93,14 +93,14 @@ class Scheduler:
             self.queue.append(req)
         return out
 
-    def running_engine(self, engine_id: int):
-        """The engine of run `engine_id` while it runs; None for a cancelled, paused, replayed or ended one."""
-        req = self.by_engine.get(engine_id)
+    def running_engine(self, run_id: int):
+        """The engine of run `run_id` while it runs; None for a cancelled, paused, replayed or ended one."""
+        req = self.by_run.get(run_id)
         return req.engine if req is not None and req.state is State.RUNNING else None
 
-    def add_work(self, engine_id: int, item, now: float) -> None:
-        """Something back from the pipeline for engine run `engine_id`, queued until a `step` takes it."""
-        req = self.by_engine.get(engine_id)
+    def add_work(self, run_id: int, item, now: float) -> None:
+        """Something back from the pipeline for engine run `run_id`, queued until a `step` takes it."""
+        req = self.by_run.get(run_id)
         if req is None or req.state is not State.RUNNING:
             return   # output of a cancelled, paused, replayed or finished run
         req.last_progress_s = now
@@ -160,7 +160,7 @@ class Scheduler:
         req = self.running.get(key)
         if req is None:
             return []
-        out: list[Action] = [ResetStages(key, req.engine_id)] if req.state is State.RUNNING else []
+        out: list[Action] = [ResetStages(key, req.run_id)] if req.state is State.RUNNING else []
         self._forget(req)
         req.state = State.DONE
         return out
@@ -270,18 +270,18 @@ class Scheduler:
             req.engine = self.make_engine(req, self.context)
         except FlowedgeError as err:
             return self._end(req, State.FAILED, str(err), prefix="")
-        req.engine_id = req.next_engine_id()
+        req.run_id = req.next_run_id()
         req.work.clear()   # a replay: whatever the old run had queued is void
         req.idle = None
-        self.by_engine[req.engine_id] = req
+        self.by_run[req.run_id] = req
         req.state, req.deadline_s, req.last_progress_s = State.RUNNING, None, now
         job = req.job
         left = job.max_new_tokens - len(req.emitted)
         log.info("request %d: %d prompt tokens + %d committed, strategy %s, %d new to go (head request %d%s)",
-                 req.engine_id, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.key,
+                 req.run_id, len(job.prompt_ids), len(req.emitted), job.strategy or "-", left, req.key,
                  f", replay {req.replays}" if req.replays else "")   # tools/fault_inject.py checks FIFO on it
         ids, params = list(job.prompt_ids) + req.emitted, replay_params(job.params, len(req.emitted))
-        return self._run(req, lambda: req.live_engine().start(req.engine_id, ids, left, params, now=self.now_s))
+        return self._run(req, lambda: req.live_engine().start(req.run_id, ids, left, params, now=self.now_s))
 
     def _replay(self, req: Request, now: float) -> list[Action]:
         if req.replays >= self.limits.max_replays:
@@ -293,16 +293,16 @@ class Scheduler:
 
     def _pause(self, req: Request, why: str) -> list[Action]:
         log.warning("request %d paused after %d tokens: %s", req.key, len(req.emitted), why)
-        self.by_engine.pop(req.engine_id, None)
+        self.by_run.pop(req.run_id, None)
         req.work.clear()
         req.idle = None
         req.state = State.PAUSED
-        return [ResetStages(req.key, req.engine_id)]
+        return [ResetStages(req.key, req.run_id)]
 
     def _end(self, req: Request, state: State, why: str, prefix: str = "request failed: ",
              rejected: bool = False) -> list[Action]:
         """End a request that did not complete: its stages reset, its asker told (not for a cancel)."""
-        out: list[Action] = [ResetStages(req.key, req.engine_id)] if req.state is State.RUNNING else []
+        out: list[Action] = [ResetStages(req.key, req.run_id)] if req.state is State.RUNNING else []
         stats = getattr(req.engine, "stats", None) or Stats()
         self._forget(req)
         req.state = state
@@ -326,7 +326,7 @@ class Scheduler:
         if not self.keep_ended_engines:
             self.releasing.append(req)
         self.running.pop(req.key, None)
-        self.by_engine.pop(req.engine_id, None)
+        self.by_run.pop(req.run_id, None)
         self.queue.discard(req)
         self.ended[req.key] = req
         while len(self.ended) > ENDED_REMEMBERED:

@@ -74,7 +74,7 @@ HISTORY_REMEMBERED = 4096   # the most recent prune records of all requests, for
 @dataclass
 class RequestSlot:
     """One request's state on a stage (mutable: it is the stage's bookkeeping, not a message)."""
-    request_id: int
+    run_id: int
     cache: CacheLike                       # KVCache (LengthOnlyCache under oracle verification)
     prefix_len: int = 0
     round_id: int = 0
@@ -159,8 +159,8 @@ class StageWorker(Generic[Layers]):
         """KV entries held per live request."""
         return {rid: slot.cache.length for rid, slot in self.slots.items()}
 
-    def history_of(self, request_id: int) -> list[tuple[int, int]]:
-        return self.history_by_request.get(request_id, [])
+    def history_of(self, run_id: int) -> list[tuple[int, int]]:
+        return self.history_by_request.get(run_id, [])
 
     def cached_tokens(self) -> int:
         return sum(self.cache_lengths().values())
@@ -173,12 +173,12 @@ class StageWorker(Generic[Layers]):
         """Take every message that arrived while the stage was busy, then run what is ready: one batched
         forward per wave, at most one segment per request in each (a request's own segments stay in order)."""
         for m in messages:
-            self._guarded(m.request_id, self._accept, m)
+            self._guarded(m.run_id, self._accept, m)
         actions: list = []
         while True:
             batch = []
             for slot in list(self.slots.values()):
-                seg = self._guarded(slot.request_id, self._next_ready, slot)
+                seg = self._guarded(slot.run_id, self._next_ready, slot)
                 if seg is not None:
                     batch.append((slot, seg))
             if not batch:
@@ -190,23 +190,23 @@ class StageWorker(Generic[Layers]):
         self._apply_pending(slot)
         return slot.next_ready()
 
-    def _guarded(self, request_id: int, step, *args):
-        """`step(*args)`; with `contain_failures` an exception fails `request_id` alone (None returned)."""
+    def _guarded(self, run_id: int, step, *args):
+        """`step(*args)`; with `contain_failures` an exception fails `run_id` alone (None returned)."""
         if not self.contain_failures:
             return step(*args)
         try:
             return step(*args)
         except Exception as err:  # noqa: BLE001 - one request's error must not reach the others
-            self._fail(request_id, err)
+            self._fail(run_id, err)
             return None
 
-    def _fail(self, request_id: int, err: Exception) -> None:
-        log.error("request %d failed on stage %d: %r; freed", request_id, self.index, err, exc_info=True)
-        self._free(request_id)
-        self._failed.append(Failed(request_id, f"{type(err).__name__}: {err}"[:300]))
+    def _fail(self, run_id: int, err: Exception) -> None:
+        log.error("request %d failed on stage %d: %r; freed", run_id, self.index, err, exc_info=True)
+        self._free(run_id)
+        self._failed.append(Failed(run_id, f"{type(err).__name__}: {err}"[:300]))
 
     def _accept(self, message) -> None:
-        rid = message.request_id
+        rid = message.run_id
         if isinstance(message, Finish):
             self._free(rid)
             return
@@ -221,10 +221,10 @@ class StageWorker(Generic[Layers]):
         else:
             slot.waiting.append(message)
 
-    def _free(self, request_id: int) -> None:
+    def _free(self, run_id: int) -> None:
         """The request is over (finished or cancelled): drop its KV cache and never revive it."""
-        self._closed.append(request_id)
-        slot = self.slots.pop(request_id, None)
+        self._closed.append(run_id)
+        slot = self.slots.pop(run_id, None)
         if slot is not None:
             slot.cache.truncate(0)
 
@@ -248,9 +248,9 @@ class StageWorker(Generic[Layers]):
         else:
             slot.last_prune = p.prune
         self.history.append((p.version, slot.prefix_len))
-        if slot.request_id not in self.history_by_request and len(self.history_by_request) >= HISTORY_REQUESTS:
+        if slot.run_id not in self.history_by_request and len(self.history_by_request) >= HISTORY_REQUESTS:
             del self.history_by_request[next(iter(self.history_by_request))]   # the oldest request's
-        self.history_by_request.setdefault(slot.request_id, []).append((p.version, slot.prefix_len))
+        self.history_by_request.setdefault(slot.run_id, []).append((p.version, slot.prefix_len))
 
     # ---- the batched forward --------------------------------------------------------------------
     def _prepare(self, slot: RequestSlot, seg: Segment) -> _Row | None:
@@ -277,14 +277,14 @@ class StageWorker(Generic[Layers]):
 
     def _run_batch(self, batch: list[tuple[RequestSlot, Segment]]) -> list:
         rows = [r for slot, seg in batch
-                if (r := self._guarded(slot.request_id, self._prepare, slot, seg)) is not None]
+                if (r := self._guarded(slot.run_id, self._prepare, slot, seg)) is not None]
         if not rows:
             return []
         run = [r for r in rows if len(r.seg)]
         by_row = dict(zip((id(r) for r in run), self._forward_contained(run) if run else []))
-        failed = {f.request_id for f in self._failed}
-        run = [r for r in run if r.slot.request_id not in failed]
-        rows = [r for r in rows if r.slot.request_id not in failed]
+        failed = {f.run_id for f in self._failed}
+        run = [r for r in run if r.slot.run_id not in failed]
+        rows = [r for r in rows if r.slot.run_id not in failed]
         if run:
             self.batch_sizes.append(len(run))
             self.forwards += 1
@@ -297,7 +297,7 @@ class StageWorker(Generic[Layers]):
         outs, lm_rows = [], 0
         for r in rows:
             h = by_row.get(id(r), r.seg.hidden)
-            finished = self._guarded(r.slot.request_id, self._finish_row, r, h)
+            finished = self._guarded(r.slot.run_id, self._finish_row, r, h)
             if finished is not None:
                 outs.append(finished[0])
                 lm_rows += finished[1]
@@ -315,13 +315,13 @@ class StageWorker(Generic[Layers]):
         except Exception as err:  # noqa: BLE001 - isolate the request(s) that caused it
             if len(rows) > 1:
                 log.warning("stage %d: a batched forward of requests %s raised %r; running them one at a time",
-                            self.index, [r.slot.request_id for r in rows], err)
+                            self.index, [r.slot.run_id for r in rows], err)
             for r in rows:
                 r.slot.cache.truncate(r.past)
             if len(rows) == 1:
-                self._fail(rows[0].slot.request_id, err)
+                self._fail(rows[0].slot.run_id, err)
                 return [None]
-        return [self._guarded(r.slot.request_id, self._forward_alone, r) for r in rows]
+        return [self._guarded(r.slot.run_id, self._forward_alone, r) for r in rows]
 
     def _forward_alone(self, r: _Row) -> torch.Tensor:
         try:

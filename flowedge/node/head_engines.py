@@ -2,8 +2,9 @@
 
 Preparing a prompt (token ids, sampling params, the context check), its KV need and the stages' KV
 budget, building one request's engine head the way the simulator builds it (`engine.assembly`), the
-answer's stats, and checking a segment back from the pipeline against its engine. No sockets here: the
-head node (`head_node.py`) owns them and is the lifecycle's way out (`requests.OutPort`).
+answer's stats, and turning a segment back from the pipeline into its engine's event (node/run_router.py
+checked it on arrival). No sockets here: the head node (`head_node.py`) owns them and is the lifecycle's
+way out (`requests.OutPort`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from flowedge.node.membership import Membership
 from flowedge.node.node_config import NodeConfig
 from flowedge.text.prompts import check_vocab, prompt_ids
 from flowedge.transport import protocol as proto
-from flowedge.transport.validate import InvalidMessage, ReturnPlan, check_returned_segment
+from flowedge.transport.validate import ReturnPlan
 
 log = logging.getLogger(__name__)
 
@@ -156,17 +157,16 @@ class HeadEngines:
         return stats | {"new_tokens": n, "wall_s": round(wall, 4), "wire_dtype": self.config.wire_dtype,
                         "tokens_per_s": round(n / wall, 3) if wall > 0 else None, "replays": req.replays}
 
+    def return_plan(self) -> ReturnPlan:
+        """What the plan in force accepts back from the last stage (the run router checks against it)."""
+        cfg = self.plan.base_config
+        return ReturnPlan(cfg.hidden_size, cfg.vocab_size)
+
     def accept(self, engine, msg: proto.Segment):
-        """A returned segment as its engine's event, checked against the engine as it is now (after the
-        work queued before it); None: dropped and counted."""
+        """A routed segment (checked on arrival: node/run_router.py) as its engine's event, in the compute
+        dtype; None: dropped and counted."""
         try:
-            if msg.kind == "prefill" or msg.round_id == engine.round_id:   # older rounds: the engine skips them
-                cfg = self.plan.base_config
-                known = int(engine.alive.numel()) if hasattr(engine, "alive") else 0   # ids the engine indexes
-                check_returned_segment(msg, ReturnPlan(cfg.hidden_size, cfg.vocab_size), known)
             return wire.segment_from_wire(msg, self.plan.head_model.dtype)
-        except InvalidMessage as err:
-            self.drops.drop(err.rule, f"pipeline return: {err}")
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
         return None

@@ -1,7 +1,8 @@
-"""The head node (node 0): a thin poll loop over three parts with one job each —
+"""The head node (node 0): a thin poll loop over four parts with one job each —
 `membership` (peers, slots, heartbeats and liveness, assignments, shard serving), `head_requests` (the
-request lifecycle: queue, pause, replay, cancel, deadlines) and `head_engines` (prompts, KV budgets and
-engine heads, built by `engine.assembly` as the simulator builds them).
+request lifecycle: queue, pause, replay, cancel, deadlines), `head_engines` (prompts, KV budgets and
+engine heads, built by `engine.assembly` as the simulator builds them) and `run_router` (which request an
+engine run id names, and the one check of a returned segment's round).
 
 Endpoints (on the link `roots.build_head` opened and handed in with every other part): `ctrl` (a
 ROUTER at `head`): every stage's and client's DEALER, with peer events (a closed connection ends its
@@ -56,7 +57,7 @@ class HeadNode:
         self.link, self.ctrl, self.ret = parts.link, parts.ctrl, parts.ret
         self.control, self.outbox = parts.port, parts.outbox
         self.members, self.engines, self.requests = parts.members, parts.engines, parts.requests
-        self.drops, self.drafts, self.shrink = parts.drops, parts.drafts, parts.shrink
+        self.drops, self.drafts, self.shrink, self.router = parts.drops, parts.drafts, parts.shrink, parts.router
         self.replica, self.resumes = parts.replica, parts.resumes
         self.deposition = Deposition(self.link, lambda: self.control.term, self.members, self.requests, self.node_id,
                                      parts.rejoins)
@@ -246,7 +247,7 @@ class HeadNode:
         if not peer.stage:
             log.warning("%s from %s, which is not a stage", msg.TYPE, peer.name)
             return
-        self.requests.run_dropped(msg.request_id, msg.reason)
+        self.router.dropped(msg.run_id, msg.reason)
 
     def _on_hello_again(self, peer: Peer, msg: proto.Hello) -> None:
         self._send(peer.identity, self.members.welcome())
@@ -339,7 +340,7 @@ class HeadNode:
 
     # ---- data plane and liveness ----------------------------------------------------------------
     def _on_return(self, got: Inbound) -> None:
-        """A segment back from the last stage: queued on its request; checked when a step takes it."""
+        """A segment back from the last stage: routed to its run's request (node/run_router.py)."""
         try:
             msg = proto.decode(got.frames)
             if not isinstance(msg, proto.Segment):
@@ -350,22 +351,7 @@ class HeadNode:
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
             return
-        if self._round_over_or_unsent(msg):
-            return
-        self.requests.add_segment(msg.request_id, msg, time.monotonic())
-
-    def _round_over_or_unsent(self, msg: proto.Segment) -> bool:
-        """Checked on arrival, not when a step takes it: a segment of a round already over is one the
-        engine would skip, and one of a round the engine has not begun was never sent (the engine numbers
-        a round before it sends its first segment). Queued instead, a flood of either grew the request's
-        work one item per turn faster than the turns took them."""
-        current = self.requests.round_of(msg.request_id)
-        if current is None or msg.kind == "prefill" or msg.round_id == current:
-            return False
-        if msg.round_id > current:
-            self.drops.drop("round_id", f"pipeline return: round {msg.round_id} of run {msg.request_id}, "
-                                        f"which is in round {current}")
-        return True
+        self.router.segment(msg, time.monotonic())
 
     def _housekeeping(self) -> None:
         if self.members.replanner is not None and self.members.replanner.busy:

@@ -11,6 +11,7 @@ from flowedge.node.head_ports import ControlPort, HeadOutbox
 from flowedge.node.head_requests import HeadRequests
 from flowedge.node.membership import Membership
 from flowedge.node.replication import Replicator, RequestLog
+from flowedge.node.run_router import RunRouter
 from flowedge.node.shrink import Shrinker
 from flowedge.transport.link import Endpoint, Link
 
@@ -27,6 +28,7 @@ class HeadParts:
     engines: HeadEngines
     requests: HeadRequests
     drops: DropLog
+    router: RunRouter       # run id -> request, and the one check of a returned segment's round
     shrink: Shrinker | None = None     # re-plans onto the survivors of a board lost for good
     drafts: DraftDispatch | None = None   # pre-draft jobs for drafter nodes
     replica: Replicator | None = None     # the request log to standby heads (node/replication.py)

@@ -74,9 +74,9 @@ class HeadOutbox:
         if self.drafts is not None:
             self.drafts.offload(key, action)
 
-    def reset_stages(self, engine_id: int) -> None:
+    def reset_stages(self, run_id: int) -> None:
         for identity in self.members.stage_identities():
-            self.port.send(identity, proto.Reset(request_id=engine_id))
+            self.port.send(identity, proto.Reset(run_id=run_id))
 
     def _to_stage1(self, msg: proto.Message) -> None:
         identity = self.members.stage_identity(1)

@@ -50,7 +50,7 @@ class EnginePort(Protocol):
     """What the head computes with (the head's `HeadEngines`)."""
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
-    def accept(self, engine, msg: proto.Segment): ...   # a returned segment -> engine event, or None (dropped)
+    def accept(self, engine, msg: proto.Segment): ...   # a routed segment -> engine event, or None (dropped)
     def kv_budget(self) -> KvBudget | None: ...   # the tightest stage's KV tokens (None: no limit known)
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int: ...
     def engine(self, strategy: str, context: EngineContext): ...   # one request's engine (engine_context.py)
@@ -63,7 +63,7 @@ class OutPort(Protocol):
 
     def to_client(self, identity: bytes, msg: proto.Message) -> None: ...
     def to_stages(self, action: Send) -> None: ...
-    def reset_stages(self, engine_id: int) -> None: ...
+    def reset_stages(self, run_id: int) -> None: ...
     def offload(self, key: int, action: Offload) -> None: ...   # a pre-draft job for a drafter
 
 
@@ -87,8 +87,8 @@ class ClientRequest:
         return self.msg.request_id
 
     @property
-    def engine_id(self) -> int:
-        return self.run.engine_id
+    def run_id(self) -> int:
+        return self.run.run_id
 
     @property
     def engine(self):
@@ -134,7 +134,7 @@ class HeadRequests:
         self.engines, self.out = engines, out
         self.client_weights = dict(client_weights or {})
         self.scheduler = scheduler or request_scheduler(engines, limits, run_handlers)
-        self.clients: dict[int, ClientRequest] = {}   # key -> live request
+        self.clients: dict[int, ClientRequest] = {}   # the scheduler's key -> live request (node/run_router.py)
         self.keys = 0
         self.served = {"requests": 0, "tokens": 0, "rejected": 0, "failed": 0, "cancelled": 0}   # status, metrics
         self.rate = TokenRate()   # tokens/s as they stream
@@ -182,17 +182,14 @@ class HeadRequests:
         """The outcome of work an engine sent off node 0 (a drafter's pre-draft), queued as its follow-up."""
         self.scheduler.deliver(key, event)
 
-    def round_of(self, engine_id: int) -> int | None:
-        """The round run `engine_id`'s engine is in now; None when it is not running (or has no rounds)."""
-        return getattr(self.scheduler.running_engine(engine_id), "round_id", None)
+    def add_segment(self, run_id: int, segment, now: float) -> None:
+        """A segment back from the pipeline (routed by node/run_router.py), queued on its request until a
+        `step` takes it."""
+        self.scheduler.add_work(run_id, segment, now)
 
-    def add_segment(self, engine_id: int, segment, now: float) -> None:
-        """A segment back from the pipeline, queued on its request until a `step` takes it."""
-        self.scheduler.add_work(engine_id, segment, now)
-
-    def on_segment(self, engine_id: int, segment, now: float) -> None:
+    def on_segment(self, run_id: int, segment, now: float) -> None:
         """A segment, and every step it leads to, at once (the lifecycle tests' driver)."""
-        self.add_segment(engine_id, segment, now)
+        self.add_segment(run_id, segment, now)
         while self.step(now):
             pass
 
@@ -223,11 +220,9 @@ class HeadRequests:
     def stage_lost(self, why: str, now: float) -> None:
         self._carry_out(self.scheduler.stage_lost(why, now))
 
-    def run_dropped(self, engine_id: int, reason: str) -> None:
-        """A stage freed run `engine_id`: its request fails now, saying why (a late notice is ignored)."""
-        run = self.scheduler.by_engine.get(engine_id)
-        if run is not None:
-            self._carry_out(self.scheduler.stop(run.key, State.FAILED, f"a stage gave up on it ({reason})"))
+    def fail(self, key: int, message: str) -> None:
+        """End request `key` now (a stage gave up on its run), its asker told `message`."""
+        self._carry_out(self.scheduler.stop(key, State.FAILED, message))
 
     def fail_waiting(self, message: str) -> None:
         """End every request waiting for the cluster (paused or queued) with `message`: it cannot serve them."""
@@ -312,7 +307,7 @@ class HeadRequests:
     def _carry_out_one(self, a) -> None:
         client = self.clients.get(a.key)
         if isinstance(a, ResetStages):
-            self.out.reset_stages(a.engine_id)
+            self.out.reset_stages(a.run_id)
         elif client is None:
             return
         elif isinstance(a, FromEngine):

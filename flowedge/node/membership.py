@@ -124,9 +124,8 @@ class Membership:
             return self._admit_drafter(hello)
         if hello.role != "stage":
             return None
-        if too_old_for_the_data_plane(hello.version):
-            return (f"stage speaks flowedge protocol {proto.version_text(hello.version)}; this cluster's data plane "
-                    f"needs {proto.PROTOCOL_VERSION[0]}.{proto.Segment.MIN_MINOR} or newer: upgrade the stage")
+        if (why := proto.data_plane_refusal(hello.version, "stage")) is not None:
+            return why
         old = self.holder(hello.node_id)
         if old is not None and self.alive(old):
             return (f"node id {hello.node_id!r} holds stage {old.stage} on a live connection; a node rejoins "
@@ -380,11 +379,6 @@ class Membership:
                 "rtt_ms": p.rtt.median_ms(), "ready": p.ready, **({"error": p.assign_error} if p.assign_error else {}),
             })
         return rows + [draft_members.drafter_row(self.config, p, now) for p in self.peers.values() if p.drafter]
-
-
-def too_old_for_the_data_plane(version: tuple[int, int]) -> bool:
-    """A peer whose segments this node would misread (protocol.Segment.MIN_MINOR)."""
-    return version[0] == proto.PROTOCOL_VERSION[0] and version[1] < proto.Segment.MIN_MINOR
 
 
 def heartbeats(peer: Peer) -> bool:

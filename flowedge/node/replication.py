@@ -101,8 +101,8 @@ class ReplicatingOut:
     def to_stages(self, action) -> None:
         self.inner.to_stages(action)
 
-    def reset_stages(self, engine_id: int) -> None:
-        self.inner.reset_stages(engine_id)
+    def reset_stages(self, run_id: int) -> None:
+        self.inner.reset_stages(run_id)
 
     def offload(self, key: int, action) -> None:
         self.inner.offload(key, action)

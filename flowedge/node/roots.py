@@ -27,6 +27,7 @@ from flowedge.node.node_base import NodeParts
 from flowedge.node.node_config import NodeConfig, flowedge_home
 from flowedge.node.partition_plan import Plan, Replanner
 from flowedge.node.replication import ReplicatingOut, Replicator, RequestLog
+from flowedge.node.run_router import RunRouter
 from flowedge.node.shrink import Shrinker
 from flowedge.node.stage_node import StageNode, StageNodeParts
 from flowedge.node.standby import StandbyNode
@@ -68,8 +69,9 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     requests = HeadRequests(engines, ReplicatingOut(outbox, replica), client_weights=config.client_weights,
                             scheduler=scheduler)
     shrink = Shrinker(config, members, engines, requests, flowedge_home())
-    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, shrink,
-                                      drafts, replica, resumes, rejoins), stop)
+    router = RunRouter(requests, engines.return_plan, drops)
+    return HeadNode(config, HeadParts(link, ctrl, ret, control, outbox, members, engines, requests, drops, router,
+                                      shrink, drafts, replica, resumes, rejoins), stop)
 
 
 def _listen(link: Link, kind: Kind, host: str, port: int) -> Endpoint:

@@ -58,7 +58,7 @@ class StageInbox:
             self._check_room(msg)
             return wire.from_wire(msg, self.worker.model.dtype)
         except InvalidMessage as err:
-            self.drops.drop(err.rule, f"{msg.TYPE} of request {getattr(msg, 'request_id', '?')}: {err}")
+            self.drops.drop(err.rule, f"{msg.TYPE} of run {getattr(msg, 'run_id', '?')}: {err}")
         except ProtocolError as err:   # the adapter's: fields valid alone that break a rule across them
             self.drops.drop("malformed", str(err))
         except Exception as err:  # noqa: BLE001 - a conversion the checks did not foresee: drop, never crash
@@ -71,7 +71,7 @@ class StageInbox:
             actions = self.worker.receive_all(events)
             sends = [wire.to_wire(a.message, self.plan.hidden_wire) for a in actions if isinstance(a, Send)]
         except Exception as err:  # noqa: BLE001 - one bad request must never take the stage down
-            failed = sorted({e.request_id for e in events})
+            failed = sorted({e.run_id for e in events})
             self.drops.drop("request_failed", f"requests {failed} failed: {proto.bounded(repr(err), 300)}",
                             level=logging.ERROR, exc_info=True)
             for rid in failed:
@@ -79,9 +79,9 @@ class StageInbox:
             return Handled()
         for a in actions:
             if isinstance(a, Failed):
-                self.drops.drop("request_failed", f"request {a.request_id} failed: {proto.bounded(a.error, 300)}",
+                self.drops.drop("request_failed", f"request {a.run_id} failed: {proto.bounded(a.error, 300)}",
                                 level=logging.ERROR)
-                self.freed.append((a.request_id, f"a compute error: {proto.bounded(a.error, 200)}"))
+                self.freed.append((a.run_id, f"a compute error: {proto.bounded(a.error, 200)}"))
         return Handled(sends, any(isinstance(a, Compute) for a in actions))
 
     def handle(self, msg: proto.Message) -> Handled:
@@ -94,15 +94,15 @@ class StageInbox:
         if not isinstance(msg, (proto.Segment, proto.Prune)):
             return
         if isinstance(msg, proto.Segment) and msg.kind == "prefill" and int(msg.positions[0]) == 0:
-            if msg.request_id not in self.worker.slots and len(self.worker.slots) >= MAX_LIVE_REQUESTS:
-                self.freed.append((msg.request_id, f"it already holds {MAX_LIVE_REQUESTS} requests"))
+            if msg.run_id not in self.worker.slots and len(self.worker.slots) >= MAX_LIVE_REQUESTS:
+                self.freed.append((msg.run_id, f"it already holds {MAX_LIVE_REQUESTS} requests"))
                 raise InvalidMessage("too_many_requests", f"this stage already holds {MAX_LIVE_REQUESTS}")
             return   # (re)starts the request from an empty cache
-        slot = self.worker.slots.get(msg.request_id)
+        slot = self.worker.slots.get(msg.run_id)
         if slot is None:
             return   # the worker ignores messages of requests it does not hold
         if len(slot.waiting) + len(slot.pending_prunes) >= MAX_PENDING:
-            self._free(msg.request_id, "the run fell out of step (a prune set never came)")
+            self._free(msg.run_id, "the run fell out of step (a prune set never came)")
             raise InvalidMessage("request_out_of_step", f"more than {MAX_PENDING} messages wait for a "
                                                         "prune that never came: request freed")
         # A memory bound, not the context rule (each row's position is checked against the context in
@@ -110,13 +110,13 @@ class StageInbox:
         # the segments, is applied, so a next round's segment may rightly arrive while they are held.
         held, limit = slot.cache.length, KV_ROOM_CONTEXTS * self.plan.max_positions
         if isinstance(msg, proto.Segment) and held + len(msg) > limit:
-            self._free(msg.request_id, f"its KV cache would pass {limit:g} entries")
+            self._free(msg.run_id, f"its KV cache would pass {limit:g} entries")
             raise InvalidMessage("context_full", f"{held} + {len(msg)} cache entries exceed {limit:g} "
                                                  f"({KV_ROOM_CONTEXTS:g} x the model's context): request freed")
 
-    def _free(self, request_id: int, reason: str) -> None:
-        self.worker.receive_all([Finish(request_id)])
-        self.freed.append((request_id, reason))
+    def _free(self, run_id: int, reason: str) -> None:
+        self.worker.receive_all([Finish(run_id)])
+        self.freed.append((run_id, reason))
 
     def take_freed(self) -> list[tuple[int, str]]:
         """The runs given up on since the last call, and why."""

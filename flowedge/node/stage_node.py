@@ -31,7 +31,6 @@ from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, Rejoi
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.node import model_check, shard_fetch, wire
-from flowedge.node.membership import too_old_for_the_data_plane
 from flowedge.node.node_base import HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S, NodeBase, NodeParts
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.stage_inbox import StageInbox, plan_for
@@ -103,11 +102,10 @@ class StageNode(NodeBase):
         self.model_sha256 = ""
 
     def _welcome_ok(self, welcome: proto.Welcome) -> bool:
-        if not too_old_for_the_data_plane(welcome.version):
+        why = proto.data_plane_refusal(welcome.version, "head")
+        if why is None:
             return True
-        log.error("the head speaks flowedge protocol %s; this stage's data plane needs %d.%d or newer: "
-                  "upgrade the head", proto.version_text(welcome.version), proto.PROTOCOL_VERSION[0],
-                  proto.Segment.MIN_MINOR)
+        log.error("refusing the head: %s", why)
         time.sleep(5.0)
         return False
 
@@ -226,8 +224,8 @@ class StageNode(NodeBase):
         """Tell the head of every run this stage gave up on, so that it fails or retries it at once."""
         if self.inbox is None:
             return
-        for request_id, reason in self.inbox.take_freed():
-            self._to_head(proto.RequestDropped(request_id=request_id, reason=f"{self.node_id}: {reason}"))
+        for run_id, reason in self.inbox.take_freed():
+            self._to_head(proto.RequestDropped(run_id=run_id, reason=f"{self.node_id}: {reason}"))
 
     def _on_ctrl(self, msg: proto.Message | None) -> list:
         """Control messages are handled here; engine messages come back as events for the worker."""

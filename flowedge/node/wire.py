@@ -36,7 +36,7 @@ def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
         payload = dict(hidden=seg.hidden)
     roots = None if seg.roots is None or not bool(seg.roots.any()) else seg.roots.nonzero().flatten()
     return proto.Segment(
-        request_id=seg.request_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
+        run_id=seg.run_id, round_id=seg.round_id, seq=seg.seq, prune_version=seg.prune_version,
         kind=seg.phase, sent_at_step=seg.seq, node_ids=seg.node_ids, parent_ids=seg.parent_ids,
         root_rows=roots, positions=seg.positions, hidden_wire=hidden_wire, **payload, **sampling)
 
@@ -51,12 +51,12 @@ def segment_from_wire(msg: proto.Segment, dtype: torch.dtype) -> events.Segment:
     if msg.root_rows is not None and msg.root_rows.numel():
         roots = torch.zeros(msg.node_ids.numel(), dtype=torch.bool)
         roots[msg.root_rows] = True
-    return events.Segment(msg.request_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids,
+    return events.Segment(msg.run_id, msg.round_id, msg.seq, msg.prune_version, msg.node_ids,
                           msg.parent_ids, msg.positions, hidden, msg.kind, tokens, sampling, roots)
 
 
 def prune_to_wire(p: events.Prune) -> proto.Prune:
-    return proto.Prune(request_id=p.request_id, round_id=p.round_id, version=p.version,
+    return proto.Prune(run_id=p.run_id, round_id=p.round_id, version=p.version,
                        horizon=p.prune.horizon, commit_ids=p.prune.commit, keep_ids=p.prune.keep,
                        end_round=p.end_round)
 
@@ -65,8 +65,8 @@ def prune_from_wire(msg: proto.Prune) -> events.Prune:
     try:
         prune = PruneSet(commit=msg.commit_ids, keep=msg.keep_ids, horizon=msg.horizon)
     except ValueError as err:   # ids past the horizon, unsorted keep ids, an id both committed and kept
-        raise ProtocolError(proto.bounded(f"prune of request {msg.request_id}: {err}", 512)) from None
-    return events.Prune(msg.request_id, msg.round_id, msg.version, prune, msg.end_round)
+        raise ProtocolError(proto.bounded(f"prune of run {msg.run_id}: {err}", 512)) from None
+    return events.Prune(msg.run_id, msg.round_id, msg.version, prune, msg.end_round)
 
 
 def to_wire(message, hidden_wire: str) -> proto.Message:
@@ -76,7 +76,7 @@ def to_wire(message, hidden_wire: str) -> proto.Message:
     if isinstance(message, events.Prune):
         return prune_to_wire(message)
     if isinstance(message, events.Finish):
-        return proto.Reset(request_id=message.request_id)
+        return proto.Reset(run_id=message.run_id)
     raise TypeError(f"no wire form for {type(message).__name__}")
 
 
@@ -89,9 +89,9 @@ def from_wire(msg: proto.Message, dtype: torch.dtype):
         if isinstance(msg, proto.Prune):
             return prune_from_wire(msg)
     except (ValueError, IndexError, TypeError, ConfigError) as err:   # safety net: peer input never crashes
-        raise ProtocolError(proto.bounded(f"{msg.TYPE} of request {msg.request_id}: {err}", 512)) from None
+        raise ProtocolError(proto.bounded(f"{msg.TYPE} of run {msg.run_id}: {err}", 512)) from None
     if isinstance(msg, proto.Reset):
-        return events.Finish(msg.request_id)
+        return events.Finish(msg.run_id)
     return None
 
 

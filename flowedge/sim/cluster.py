@@ -292,7 +292,7 @@ class _SimRun:
             elif isinstance(m, tuple):   # ("cancel", request id)
                 t = self._execute(0, t, self.sched.cancel(m[1]))
             elif isinstance(m, Segment):
-                self.sched.add_work(m.request_id, m, t)
+                self.sched.add_work(m.run_id, m, t)   # the engine drops rounds that ended (engine/head.py)
             elif isinstance(m, _Delivery):
                 self.sched.deliver(m.key, m.event)
             elif isinstance(m, _Notice) and m.lost:
@@ -313,7 +313,7 @@ class _SimRun:
                 self._send(node, t, a)
             elif isinstance(a, ResetStages):
                 for i in range(1, len(self.nodes)):
-                    self._send(node, t, Send(i, Finish(a.engine_id)))
+                    self._send(node, t, Send(i, Finish(a.run_id)))
             else:
                 self._record(t, a)
         return t

@@ -28,7 +28,7 @@ from flowedge.transport.buffers import (
     tokens_to_frame,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last stage, head file;
+PROTOCOL_VERSION: tuple[int, int] = (1, 9)   # 1.2: token segments from the last stage, head file;
 #                                               1.3: prompt messages/stop/raw, Cancel;
 #                                               1.4: segment ids unshifted, root_rows (no -1 / +1);
 #                                               1.5: the drafter role (msg_draft.py);
@@ -41,6 +41,9 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 8)   # 1.2: token segments from the last
 #                                                    a fencing term on Welcome and Heartbeat,
 #                                                    PromptRequest.resumed (a request moved to a new head),
 #                                                    Heartbeat.ping/echo/held_ms (link round trips)
+#                                               1.9: the data plane names the engine run `run_id`
+#                                                    (Segment, Prune, Reset, RequestDropped; `request_id`
+#                                                    before): a 1.8 stage or head is refused at HELLO
 MAX_HEADER_BYTES = 1 << 20
 SHARD_CHUNK_BYTES = 4 << 20
 MAX_SHARD_CHUNK_BYTES = 64 << 20
@@ -331,9 +334,10 @@ def decode(frames: Sequence[Any]) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {quote(kind)}")
     if header["v"][0] == PROTOCOL_VERSION[0] and header["v"][1] < cls.MIN_MINOR:
-        raise VersionMismatch(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}: this "
-                              f"node reads {kind} messages of {PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer "
-                              f"(upgrade every node of the cluster together)")
+        raise VersionMismatch(f"{kind} from a peer speaking flowedge protocol {version_text(header['v'])}, this "
+                              f"node speaks {version_text(PROTOCOL_VERSION)}: it reads {kind} messages of "
+                              f"{PROTOCOL_VERSION[0]}.{cls.MIN_MINOR} or newer (upgrade every node of the cluster "
+                              f"together)")
     return cls._from_header(header, frames[1:])
 
 

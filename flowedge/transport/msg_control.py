@@ -217,15 +217,15 @@ class Shutdown(Message):
 
 @dataclass(**MESSAGE_OPTIONS)
 class RequestDropped(Message):
-    """Stage -> head (1.6): this stage freed run `request_id` (the engine's id, as in segments) and computes
-    no more of it, for `reason` (its context is full, it fell out of step, a compute error). Without it the
-    head would wait for segments that never come."""
+    """Stage -> head (1.6): this stage freed run `run_id` (the engine's run, as in segments; 1.9, `request_id`
+    before) and computes no more of it, for `reason` (its context is full, it fell out of step, a compute
+    error). Without it the head would wait for segments that never come."""
 
     TYPE: ClassVar[str] = "request-dropped"
-    MIN_MINOR: ClassVar[int] = 6
-    request_id: int
+    MIN_MINOR: ClassVar[int] = 9   # 1.9: run_id
+    run_id: int
     reason: str
 
     def __post_init__(self) -> None:
-        _ints(self, "request_id")
+        _ints(self, "run_id")
         _text(self, "reason")

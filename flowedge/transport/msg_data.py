@@ -1,5 +1,9 @@
 """Data-plane messages, along the pipeline: Segment (rows moving head -> stage 1 -> ... -> head), Prune
-(keep/commit sets, which also start a new round) and Reset (drop a request's state)."""
+(keep/commit sets, which also start a new round) and Reset (drop a run's state).
+
+Every one names its engine run by `run_id` (1.9; `request_id` before): the head's id for one run of a
+request's engine, not the client's request id. A replay starts a new run under a new id, so a late segment
+of the old run can never be taken for the new one's (node/run_router.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,12 +46,12 @@ class Segment(Message):
     """
 
     TYPE: ClassVar[str] = "segment"
-    MIN_MINOR: ClassVar[int] = 4   # 1.4 dropped the ids' +1 shift: an older peer's ids would be misread
+    MIN_MINOR: ClassVar[int] = 9   # 1.9 renamed request_id to run_id (1.4 dropped the ids' +1 shift)
     WIRE: ClassVar[dict[str, str]] = {
         "node_ids": INDEX, "parent_ids": INDEX, "root_rows": INDEX, "positions": INDEX, "hidden": HIDDEN,
         "token_ids": INDEX,
     }
-    request_id: int
+    run_id: int
     round_id: int
     seq: int
     prune_version: int
@@ -66,7 +70,7 @@ class Segment(Message):
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _ints(self, "request_id", "round_id", "seq", "prune_version", "sent_at_step")
+        _ints(self, "run_id", "round_id", "seq", "prune_version", "sent_at_step")
         _float(self, "temperature", 0.0, 1e6, optional=True)
         _ints(self, "top_k")
         _float(self, "top_p", 1e-9, 1.0)
@@ -97,13 +101,14 @@ class Segment(Message):
 class Prune(Message):
     """Head -> every stage: keep only `keep_ids` of the tree, commit `commit_ids` (accepted tokens).
 
-    `version` increases with every prune of a request. A Prune with a new `round_id` also starts
+    `version` increases with every prune of a run. A Prune with a new `round_id` also starts
     that round (see the module docstring). `horizon` is the committed prefix length after this prune.
     """
 
     TYPE: ClassVar[str] = "prune"
+    MIN_MINOR: ClassVar[int] = 9   # 1.9: run_id
     WIRE: ClassVar[dict[str, str]] = {"commit_ids": INDEX, "keep_ids": INDEX}
-    request_id: int
+    run_id: int
     round_id: int
     version: int
     horizon: int
@@ -112,7 +117,7 @@ class Prune(Message):
     end_round: bool = False  # every draft entry dies after the commit
 
     def __post_init__(self) -> None:
-        _ints(self, "request_id", "round_id", "version", "horizon")
+        _ints(self, "run_id", "round_id", "version", "horizon")
         _index(self, "commit_ids")
         _index(self, "keep_ids")
         if type(self.end_round) is not bool:
@@ -121,10 +126,11 @@ class Prune(Message):
 
 @dataclass(**MESSAGE_OPTIONS)
 class Reset(Message):
-    """Drop everything a node holds for a request (KV cache, tree)."""
+    """Drop everything a node holds for a run (KV cache, tree)."""
 
     TYPE: ClassVar[str] = "reset"
-    request_id: int
+    MIN_MINOR: ClassVar[int] = 9   # 1.9: run_id
+    run_id: int
 
     def __post_init__(self) -> None:
-        _ints(self, "request_id")
+        _ints(self, "run_id")

@@ -127,7 +127,8 @@ class DraftJob(Message):
     (`lookup` of them prompt-lookup guesses, `topk` children a node). The replica of request
     `request_id` holds the first `keep` committed rows; `rows` are the committed ones after them, then
     the K/V of every node in `ran` (nodes the draft model has run; the root is context, never listed).
-    `parents` are the parents of nodes 1..n-1 (node 0 is the root)."""
+    `parents` are the parents of nodes 1..n-1 (node 0 is the root). In every draft message `request_id` is the
+    head's request key (engine/scheduler.py), neither the client's id nor a run id: a replica outlives replays."""
 
     TYPE: ClassVar[str] = "draft_job"
     MIN_MINOR: ClassVar[int] = 5

@@ -11,8 +11,11 @@ Frame layout of every message (see frames.py for the tensor rules):
 
 Compatibility: every header carries "v". A receiver refuses a different MAJOR version on any message
 (ProtocolError "peer speaks flowedge protocol 2.0, this node speaks 1.0"); a newer minor may add
-fields with defaults, and unknown header keys are ignored. `Refuse` is frozen forever ({"reason"}), so
-it is decoded whatever the major version and a refused peer can always read why.
+fields with defaults, and unknown header keys are ignored. A minor that changes a message's layout raises
+that message's `MIN_MINOR` (1.9 renamed the data plane's `request_id` to `run_id`): an older peer's copy is
+refused by name, and a stage and head whose data planes differ refuse each other at HELLO, naming both
+versions (node/membership.py). `Refuse` is frozen forever ({"reason"}), so it is decoded whatever the
+major version and a refused peer can always read why.
 
 Topology: the head (node 0) feeds stage 1; stage k forwards to stage k+1; the last stage returns
 hidden states to the head, or (1.2, when it holds the lm_head and the request's prefill carried
@@ -102,6 +105,17 @@ from flowedge.transport.msg_draft import (  # noqa: F401
     DraftReady,
     DraftSetup,
 )
+
+
+def data_plane_refusal(peer: tuple[int, int], role: str) -> str | None:
+    """Why this node and a `role` peer speaking `peer` cannot share a data plane (None: they can): the
+    peer's segments and prune sets would be refused one by one (`Segment.MIN_MINOR`), so it is turned away at
+    HELLO (a head refusing a stage, a stage a head's WELCOME), naming both versions."""
+    if peer[0] != PROTOCOL_VERSION[0] or peer[1] >= Segment.MIN_MINOR:
+        return None   # another major is refused by check_version already
+    return (f"{role} speaks flowedge protocol {version_text(peer)}, this node speaks "
+            f"{version_text(PROTOCOL_VERSION)}: the data plane needs {PROTOCOL_VERSION[0]}.{Segment.MIN_MINOR} or "
+            f"newer on both sides (it names the engine run `run_id`): upgrade the {role}")
 
 
 def __getattr__(name: str) -> Any:
