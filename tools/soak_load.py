@@ -228,7 +228,8 @@ def difference(kind: str, i: int, got, ref, at_s: float) -> dict:
     at = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
     lo = max(0, at - 4)
     return {"kind": kind, "prompt": i, "at_s": round(at_s, 1), "first_difference": at, "got_len": len(got),
-            "ref_len": len(ref), "got": got[lo:at + 8], "ref": ref[lo:at + 8]}
+            "ref_len": len(ref), "got": got[lo:at + 8], "ref": ref[lo:at + 8],
+            **({"got_whole": got, "ref_whole": ref} if max(len(got), len(ref)) <= 300 else {})}
 
 
 def _short(err: Exception) -> str:

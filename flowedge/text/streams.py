@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 
 class TextStream:
-    """Turns token ids into printable text pieces as they arrive (holds back split UTF-8 characters)."""
+    """Turns token ids into printable text pieces as they arrive (holds back split UTF-8 characters).
+
+    What has been shown after any number of ids is a function of those ids alone, never of how they were
+    fed in (one at a time, a verified run at once, or a whole answer's held part after a head failover):
+    the decoded text less its trailing replacement characters, which are the bytes of a character not yet
+    complete. A new head that feeds the tokens a client holds therefore stands where the old head's stream
+    stood, and sends on exactly the text the client lacks."""
 
     def __init__(self, tokenizer, sink: Callable[[str], None]) -> None:
         self.tokenizer, self.sink = tokenizer, sink
@@ -24,8 +30,8 @@ class TextStream:
 
     def _emit(self, final: bool) -> None:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
-            return
+        if not final:
+            text = text.rstrip("\ufffd")   # a character still split: what comes before it is settled
         if len(text) > self.shown:
             self.sink(text[self.shown:])
             self.shown = len(text)
