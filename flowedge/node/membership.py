@@ -159,7 +159,9 @@ class Membership:
             want = hello.capabilities.get("want_stage")
             free = [k for k, i in enumerate(self.slots, 1) if i is None]
             if not free:   # admit() made sure a stage that refused its assignment holds a slot
-                events += self._hand_over(self.refused(), hello.node_id)
+                refuser = self.refused()
+                assert refuser is not None, "a full plan admitted a stage without a refused slot"
+                events += self._hand_over(refuser, hello.node_id)
                 free = [k for k, i in enumerate(self.slots, 1) if i is None]
             peer.stage = want if want in free else free[0]
             self.slots[peer.stage - 1] = identity
@@ -298,7 +300,7 @@ class Membership:
         return [p for p in self.peers.values() if p.drafter and p.ready]
 
     def cluster_ready(self) -> bool:
-        return None not in self.slots and all(self.peers[i].ready for i in self.slots)
+        return None not in self.slots and all(i is not None and self.peers[i].ready for i in self.slots)
 
     def missing(self) -> list[str]:
         return [f"stage {k}" for k, i in enumerate(self.slots, 1) if i is None or not self.peers[i].ready]
@@ -367,7 +369,7 @@ class Membership:
         rows = []
         for k, identity in enumerate(self.slots, start=1):
             p = self.peers.get(identity) if identity else None
-            layers = list(ranges[k - 1]) if ranges else []
+            layers: list[int] = list(ranges[k - 1]) if ranges else []
             if p is None:
                 rows.append({"node_id": "", "role": "stage", "stage": k, "ready": False, "address": "",
                              "layers": layers, "missing": True})
