@@ -20,6 +20,7 @@ from flowedge.engine import assembly
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Done
+from flowedge.engine.head import Head
 from flowedge.engine.jobs import kv_need
 from flowedge.engine.scheduler import Handlers, run_in_turn
 from flowedge.errors import ConfigError, ProtocolError
@@ -35,7 +36,6 @@ from flowedge.transport import protocol as proto
 from flowedge.transport.validate import ReturnPlan
 
 if TYPE_CHECKING:
-    from flowedge.engine.head import Head
     from flowedge.node.partition_plan import Plan
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ class HeadEngines:
     def finish_stats(self, req: ClientRequest, done: Done) -> dict:
         wall = time.monotonic() - req.started_s
         n = len(req.emitted)
+        assert isinstance(req.engine, Head), "the head's requests run on the Heads `engine` builds"
         stats = assembly.result_stats(done, req.engine, strategy=req.prepared.strategy,
                                       prompt_tokens=len(req.prepared.prompt_ids), nodes=self.config.stages + 1)
         return stats | {"new_tokens": n, "wall_s": round(wall, 4), "wire_dtype": self.config.wire_dtype,
