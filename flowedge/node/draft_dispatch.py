@@ -20,12 +20,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from flowedge.engine.draft_sync import DraftSnapshot
 from flowedge.errors import ProtocolError
 from flowedge.node import draft_wire
 from flowedge.node.droplog import DropLog
 from flowedge.node.membership import Membership, Peer
 from flowedge.transport import protocol as proto
+
+if TYPE_CHECKING:
+    from flowedge.engine.predraft import PreDraftJob
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +43,8 @@ NO_DRAFTER_HOLD_S = 0.05  # with no drafter, a job's empty outcome waits this lo
 @dataclass
 class Outstanding:
     key: int
-    job: object                # engine/predraft.PreDraftJob
-    snapshot: object           # engine/draft_sync.DraftSnapshot (None: no drafter took it)
+    job: PreDraftJob
+    snapshot: DraftSnapshot | None   # None: no drafter took it (then identity is None too)
     identity: bytes | None
     due_s: float
 
@@ -113,6 +118,8 @@ class DraftDispatch:
             self._late(peer, msg)
             return
         del self.out[at]
+        snapshot = o.snapshot
+        assert snapshot is not None, "a job a drafter holds was sent with its snapshot"
         if isinstance(msg, proto.DraftDeclined):
             self.counts["behind" if msg.why == "behind" else "declined"] += 1
             if msg.why == "error":
@@ -120,7 +127,7 @@ class DraftDispatch:
             self._settle(o, None)
             return
         try:
-            growth = draft_wire.growth_of(msg, o.snapshot, self.draft_model())
+            growth = draft_wire.growth_of(msg, snapshot, self.draft_model())
         except ProtocolError as err:
             self.counts["rejected"] += 1
             self.drops.drop("draft_answer", f"drafter {peer.name}, request {o.key}: {err}")
@@ -136,6 +143,7 @@ class DraftDispatch:
         o = self.expired.pop((msg.request_id, msg.seq), None)
         if o is None or o.identity != peer.identity or not isinstance(msg, proto.DraftAnswer):
             return
+        assert o.snapshot is not None, "an expired job is kept only with its snapshot"
         try:
             growth = draft_wire.growth_of(msg, o.snapshot, self.draft_model())
         except ProtocolError as err:
@@ -154,7 +162,7 @@ class DraftDispatch:
         now = self.clock()
         for o in [o for o in self.out.values() if o.due_s <= now]:
             del self.out[(o.key, o.job.seq)]
-            if o.identity is not None:
+            if o.identity is not None and o.snapshot is not None:   # sent to a drafter: both set
                 self.counts["timed_out"] += 1
                 log.debug("draft job %d of request %d: no answer within %g s", o.job.seq, o.key, self.timeout_s)
                 rowless = replace(o.snapshot, rows=o.snapshot.rows[:, :, :, :0])   # checks need no K/V

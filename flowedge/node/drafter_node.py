@@ -106,7 +106,7 @@ class DrafterNode(NodeBase):
 
     # ---- serving --------------------------------------------------------------------------------
     def _poll(self, wait_s: float) -> None:
-        got = self.ctrl.next_message(wait_s)
+        got = self.head_link.next_message(wait_s)
         if got is None:
             return
         if _is_job(got.frames):   # a job's frames go to the handler whole: it decodes and answers
@@ -122,6 +122,7 @@ class DrafterNode(NodeBase):
     def _job(self, frames) -> None:
         """Run a job on the compute thread (heartbeats go on meanwhile) and answer it."""
         server = self.server
+        reply: proto.Message
         if server is None:
             reply = proto.DraftDeclined(request_id=0, seq=0, why="error", detail="this drafter has no draft model yet")
         else:

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import replace
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from flowedge.core.config import SpecConfig
 from flowedge.core.sampling import SamplingParams
@@ -20,18 +20,23 @@ from flowedge.engine import assembly
 from flowedge.engine.draft_batch import DraftBatcher
 from flowedge.engine.engine_context import EngineContext
 from flowedge.engine.events import Done
-from flowedge.engine.head_drafter import is_head
+from flowedge.engine.head import Head
 from flowedge.engine.jobs import kv_need
 from flowedge.engine.scheduler import Handlers, run_in_turn
 from flowedge.errors import ConfigError, ProtocolError
+from flowedge.models.draft_head import DraftHead
 from flowedge.node import kv_budget, wire
 from flowedge.node.droplog import DropLog
 from flowedge.node.head_requests import ClientRequest, Prepared
+from flowedge.node.kv_budget import StageMemory
 from flowedge.node.membership import Membership
 from flowedge.node.node_config import NodeConfig
 from flowedge.text.prompts import check_vocab, prompt_ids
 from flowedge.transport import protocol as proto
 from flowedge.transport.validate import ReturnPlan
+
+if TYPE_CHECKING:
+    from flowedge.node.partition_plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +46,41 @@ class HeadEngines:
 
     def __init__(self, config: NodeConfig, members: Membership, drops: DropLog) -> None:
         self.config, self.members, self.drops = config, members, drops
-        self.plan = None
+        self.plan: Plan | None = None
         # (strategy, placement ratio, stage devices) -> a function building one request's engine head
-        self.builders: dict[tuple, Callable[[], object]] = {}
+        self.builders: dict[tuple, Callable[..., Head]] = {}
         self.batcher: DraftBatcher | None = None   # node 0's draft calls shared across running requests
 
-    def use_plan(self, plan) -> Handlers:
+    @property
+    def in_force(self) -> Plan:
+        """The plan in force: requests reach the engines only after `use_plan`."""
+        assert self.plan is not None, "the engines are used before a plan is in force"
+        return self.plan
+
+    def use_plan(self, plan: Plan) -> Handlers:
         """Take a (new) plan; returns how one step's handlers run: side by side through a draft batcher
         (their draft calls share forwards, engine/draft_batch.py), or in turn without a draft model."""
         self.plan, self.builders = plan, {}
         # a draft head's calls run alone (one small layer each: engine/head_drafter.py)
-        batched = plan.draft_model is not None and not is_head(plan.draft_model)
-        self.batcher = DraftBatcher(plan.draft_model) if batched else None
+        draft = plan.draft_model
+        self.batcher = None if draft is None or isinstance(draft, DraftHead) else DraftBatcher(draft)
         return self.batcher.run_step if self.batcher is not None else run_in_turn
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared:
         from flowedge.text.prompts import check_context
 
         params = SamplingParams(msg.temperature, msg.top_k or 0, msg.top_p if msg.top_p is not None else 1.0, msg.seed)
-        ids = prompt_ids(self.plan.tokenizer, msg)
+        ids = prompt_ids(self.in_force.tokenizer, msg)
         check_vocab(ids, self._vocab_size())
-        check_context(len(ids), msg.max_new_tokens, self.plan.base_config.max_position_embeddings)
+        check_context(len(ids), msg.max_new_tokens, self.in_force.base_config.max_position_embeddings)
         return Prepared(ids, params, msg.strategy or self.config.strategy)
 
     def _vocab_size(self) -> int:
         """Token ids both models can embed (the draft's table may be smaller than the base's)."""
-        sizes = [self.plan.base_config.vocab_size]
-        if self.plan.draft_model is not None:
-            sizes.append(self.plan.draft_model.config.vocab_size)
+        plan = self.in_force
+        sizes = [plan.base_config.vocab_size]
+        if plan.draft_model is not None:
+            sizes.append(plan.draft_model.config.vocab_size)
         return min(sizes)
 
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int:
@@ -76,7 +88,8 @@ class HeadEngines:
 
     def kv_budget(self) -> kv_budget.KvBudget | None:
         """The tightest stage's KV budget, from the stages that joined (node/kv_budget.py)."""
-        return kv_budget.tightest(self.plan.base_config, self._stage_memory(), self.plan.head_model.dtype.itemsize,
+        plan = self.in_force
+        return kv_budget.tightest(plan.base_config, self._stage_memory(), plan.head_model.dtype.itemsize,
                                   self.config.kv_budget_tokens)
 
     def kv_budgets(self) -> dict[int, int]:
@@ -88,9 +101,9 @@ class HeadEngines:
                    for s in self._stage_memory()}
         return {k: b.tokens for k, b in budgets.items() if b is not None}
 
-    def _stage_memory(self) -> list[kv_budget.StageMemory]:
-        plan, m = self.plan, self.members
-        return [kv_budget.StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
+    def _stage_memory(self) -> list[StageMemory]:
+        plan, m = self.in_force, self.members
+        return [StageMemory(k, b - a, m.peers[i].hello.free_memory_bytes, plan.shards[k - 1].size)
                 for k, ((a, b), i) in enumerate(zip(plan.ranges, m.slots), 1) if i is not None]
 
     def _spec(self) -> SpecConfig:
@@ -101,9 +114,9 @@ class HeadEngines:
     def text_stream(self, sink):
         from flowedge.text.streams import TextStream
 
-        return TextStream(self.plan.tokenizer, sink)
+        return TextStream(self.in_force.tokenizer, sink)
 
-    def engine(self, strategy: str, context: EngineContext):
+    def engine(self, strategy: str, context: EngineContext) -> Head:
         """A fresh engine head for one request: up to `max_concurrent` run at once, each with its own tree,
         draft cache and sampling state (their segments interleave and the stages batch them). Sizing and
         placement are worked out once per strategy and set of stage devices. `context`: the scheduler's
@@ -115,7 +128,7 @@ class HeadEngines:
         if key not in self.builders:
             from flowedge.engine.local import stop_ids
 
-            plan, cfg = self.plan, self.config
+            plan, cfg = self.in_force, self.config
             spec = self._spec()
             costs = None
             if plan.draft_model is not None:
@@ -144,7 +157,7 @@ class HeadEngines:
             return None
         device = self.members.peers[identity].hello.device
         try:
-            return lm_head_segment_ratio(load_named_device(device), self.plan.base_config, SpecConfig().l_max)
+            return lm_head_segment_ratio(load_named_device(device), self.in_force.base_config, SpecConfig().l_max)
         except ConfigError:
             log.info("last stage's device %r has no profile: lm_head placement follows the strategy", device)
             return None
@@ -152,6 +165,7 @@ class HeadEngines:
     def finish_stats(self, req: ClientRequest, done: Done) -> dict:
         wall = time.monotonic() - req.started_s
         n = len(req.emitted)
+        assert isinstance(req.engine, Head), "the head's requests run on the Heads `engine` builds"
         stats = assembly.result_stats(done, req.engine, strategy=req.prepared.strategy,
                                       prompt_tokens=len(req.prepared.prompt_ids), nodes=self.config.stages + 1)
         return stats | {"new_tokens": n, "wall_s": round(wall, 4), "wire_dtype": self.config.wire_dtype,
@@ -159,14 +173,14 @@ class HeadEngines:
 
     def return_plan(self) -> ReturnPlan:
         """What the plan in force accepts back from the last stage (the run router checks against it)."""
-        cfg = self.plan.base_config
+        cfg = self.in_force.base_config
         return ReturnPlan(cfg.hidden_size, cfg.vocab_size)
 
     def accept(self, engine, msg: proto.Segment):
         """A routed segment (checked on arrival: node/run_router.py) as its engine's event, in the compute
         dtype; None: dropped and counted."""
         try:
-            return wire.segment_from_wire(msg, self.plan.head_model.dtype)
+            return wire.segment_from_wire(msg, self.in_force.head_model.dtype)
         except ProtocolError as err:
             self.drops.drop("malformed", f"pipeline return: {err}")
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from flowedge.allocator import settle
 from flowedge.node import memdebug
@@ -44,6 +45,9 @@ from flowedge.transport import protocol as proto
 from flowedge.transport.handshake import answer_hello
 from flowedge.transport.link import Endpoint, Event, Inbound, PeerEvent
 from flowedge.transport.validate import InvalidMessage
+
+if TYPE_CHECKING:
+    from flowedge.node.discovery import Announcer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ class HeadNode:
         self.notifier = Notifier()   # systemd: READY once the plan is ready and the endpoints listen
         self.compute = BeatingWorker("head-compute")   # engine turns, heartbeats going on meanwhile
         self.judged_s = time.monotonic()   # when liveness was last judged (on an emptied control endpoint)
-        self.announcer = None   # mDNS, once the plan is ready (run)
+        self.announcer: Announcer | None = None   # mDNS, once the plan is ready (run)
         self.cpu = CpuLoad()   # this process's load, from one psutil.Process for the head's life
         self.started_unix = time.time()
         self.timeline = Timeline()   # the last minutes of status, a sample a second (the dashboard's past)
@@ -218,14 +222,15 @@ class HeadNode:
             if peer.hello.role == "client":
                 self._send(identity, proto.ErrorReply(request_id=0, message=f"malformed message: {err}"))
             return
-        handler = {
+        handlers: dict[type[proto.Message], Callable[[Peer, Any], None]] = {   # by the message's type
             proto.Heartbeat: self.members.on_heartbeat, proto.Ready: self.members.on_ready,
             proto.ShardRequest: self.members.on_shard_request, proto.PromptRequest: self._on_prompt,
             proto.Cancel: self._on_cancel, proto.StatusRequest: self._on_status, proto.Shutdown: self._on_shutdown,
             proto.Hello: self._on_hello_again, proto.Refuse: self.members.on_refuse,
             proto.DraftReady: self.members.on_draft_ready, proto.DraftAnswer: self._on_draft_answer,
             proto.DraftDeclined: self._on_draft_answer, proto.RequestDropped: self._on_request_dropped,
-        }.get(type(msg))
+        }
+        handler = handlers.get(type(msg))
         if handler is None:
             log.warning("ignoring %s from %s", msg.TYPE, peer.name)
             return

@@ -20,17 +20,17 @@ internal error), `cancelled` by their clients.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from flowedge.core.sampling import SamplingParams
 from flowedge.engine.engine_context import EngineContext
-from flowedge.engine.events import Done, Offload, Send
+from flowedge.engine.events import Done, Offload, Send, Stats
 from flowedge.node.live_figures import TokenRate
 from flowedge.text.streams import StopText
 from flowedge.engine.jobs import (Cancelled, Emitted, Failed, Finished, FromEngine, Job, KvBudget, Limits, Request,
-                                  ResetStages, State)
+                                  RequestEngine, ResetStages, State)
 from flowedge.engine.scheduler import Handlers, Scheduler, run_in_turn
 from flowedge.errors import ClusterNotReady, FlowedgeError
 from flowedge.transport import protocol as proto
@@ -58,6 +58,13 @@ class EnginePort(Protocol):
     def finish_stats(self, req: "ClientRequest", done: Done) -> dict: ...
 
 
+class TextSink(Protocol):
+    """Token ids -> printable pieces (text.streams.TextStream)."""
+
+    def __call__(self, tokens: list[int]) -> None: ...
+    def flush(self) -> None: ...
+
+
 class OutPort(Protocol):
     """Where the head's messages go (the head node's sockets)."""
 
@@ -74,7 +81,7 @@ class ClientRequest:
     msg: proto.PromptRequest
     prepared: Prepared
     run: Request | None = None        # the scheduler's, once submitted
-    text: object = None               # text.streams.TextStream: token ids -> printable pieces
+    text: TextSink | None = None      # set by `submit` right after the request is built
     stop: StopText = field(default_factory=StopText)   # the request's stop strings over its text
     pieces: list[str] = field(default_factory=list)
 
@@ -87,24 +94,35 @@ class ClientRequest:
         return self.msg.request_id
 
     @property
-    def run_id(self) -> int:
-        return self.run.run_id
+    def submitted(self) -> Request:
+        """The scheduler's request: what reads it below comes after `submit` handed it over."""
+        assert self.run is not None, "the request is read before the scheduler took it"
+        return self.run
 
     @property
-    def engine(self):
-        return self.run.engine
+    def stream(self) -> TextSink:
+        assert self.text is not None, "the request's text is read before `submit` set its stream"
+        return self.text
+
+    @property
+    def run_id(self) -> int:
+        return self.submitted.run_id
+
+    @property
+    def engine(self) -> RequestEngine | None:
+        return self.submitted.engine
 
     @property
     def emitted(self) -> list[int]:
-        return self.run.emitted
+        return self.submitted.emitted
 
     @property
     def replays(self) -> int:
-        return self.run.replays
+        return self.submitted.replays
 
     @property
     def started_s(self) -> float:
-        return self.run.started_s
+        return self.submitted.started_s
 
     def take_pieces(self) -> str:
         piece = "".join(self.pieces)
@@ -236,7 +254,7 @@ class HeadRequests:
             if req.deadline_s is not None:
                 req.deadline_s = max(req.deadline_s, until_s)
 
-    def tick(self, now: float, ready: bool, missing: list[str] = ()) -> None:
+    def tick(self, now: float, ready: bool, missing: Sequence[str] = ()) -> None:
         """Deadlines, replays and starts; `missing`: the stages the cluster waits for (named to whoever it fails)."""
         self._carry_out(self.scheduler.tick(now, ready, ", ".join(missing)))
 
@@ -330,11 +348,11 @@ class HeadRequests:
         self.served["tokens"] += len(tokens)   # as they stream, so status shows live tokens/s
         self.rate.add(len(tokens), self.scheduler.now_s)
         self.out.to_client(client.owner, proto.TokenChunk(
-            request_id=client.request_id, token_ids=list(tokens), text=text, done=False))
+            request_id=client.request_id, token_ids=tuple(tokens), text=text, done=False))
         if client.stop.hit:   # a stop string: the answer ends here, the stages drop its KV
-            stats = getattr(client.engine, "stats", None)
+            stats = getattr(client.engine, "stats", None)   # a Head's; a stand-in engine may keep none
             resets = self.scheduler.end(client.key)
-            self._finish(client, Done(list(client.emitted), stats, client.key))
+            self._finish(client, Done(list(client.emitted), Stats() if stats is None else stats, client.key))
             self._carry_out(resets)
 
     @staticmethod
@@ -343,11 +361,11 @@ class HeadRequests:
         completes a stop string (a strategy that accepts several tokens at once would otherwise hand out,
         and count, tokens past the stop that another strategy never made). The answer's tokens end there."""
         if not client.stop.stops:
-            client.text(tokens)
+            client.stream(tokens)
             return tokens, client.take_pieces()
         text = ""
         for i, token in enumerate(tokens):
-            client.text([token])
+            client.stream([token])
             text += client.stop.feed(client.take_pieces())
             if client.stop.hit:
                 del client.emitted[len(client.emitted) - len(tokens) + i + 1:]
@@ -359,7 +377,7 @@ class HeadRequests:
         stats = self.engines.finish_stats(client, done)
         stats["finish_reason"] = "stop" if client.stop.hit or len(client.emitted) < client.msg.max_new_tokens \
             else "length"
-        client.text.flush()
+        client.stream.flush()
         self.out.to_client(client.owner, proto.TokenChunk(
             request_id=client.request_id, token_ids=(), text=client.stop.finish(client.take_pieces()),
             done=True, stats=stats))

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flowedge.errors import ProtocolError, StageLost
 from flowedge.node import draft_members, model_check, shard_fetch
@@ -27,6 +28,9 @@ from flowedge.node.link_rtt import RttProbe, RttSamples
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.peer_stats import clean_stats
 from flowedge.transport import protocol as proto
+
+if TYPE_CHECKING:
+    from flowedge.node.partition_plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ class Membership:
         self.config, self.send, self.clock = config, send, clock
         self.drops = drops or DropLog(log)
         self.node_id = config.name
-        self.plan = None                       # partition_plan.Plan, once prepared; replaced by a re-plan
+        self.plan: Plan | None = None           # once prepared; replaced by a re-plan
         self.replanner = replanner             # partition_plan.Replanner: re-splits for the devices that joined
         self.peers: dict[bytes, Peer] = {}
         self.slots: list[bytes | None] = [None] * config.stages
@@ -159,7 +163,9 @@ class Membership:
             want = hello.capabilities.get("want_stage")
             free = [k for k, i in enumerate(self.slots, 1) if i is None]
             if not free:   # admit() made sure a stage that refused its assignment holds a slot
-                events += self._hand_over(self.refused(), hello.node_id)
+                refuser = self.refused()
+                assert refuser is not None, "a full plan admitted a stage without a refused slot"
+                events += self._hand_over(refuser, hello.node_id)
                 free = [k for k, i in enumerate(self.slots, 1) if i is None]
             peer.stage = want if want in free else free[0]
             self.slots[peer.stage - 1] = identity
@@ -197,10 +203,11 @@ class Membership:
 
     def assign_all(self) -> None:
         """Once every slot has a node, tell each its layer range and next hop (again if that changed)."""
-        if None in self.slots or self.plan is None:
+        held = [i for i in self.slots if i is not None]
+        if len(held) < len(self.slots) or self.plan is None:
             return
         if self.replanner is not None:
-            plan = self.replanner.plan_for(self.plan, [self.peers[i].hello for i in self.slots])
+            plan = self.replanner.plan_for(self.plan, [self.peers[i].hello for i in held])
             if plan is None:      # re-splitting for these devices; housekeeping asks again
                 return
             if plan is not self.plan:
@@ -208,8 +215,8 @@ class Membership:
                 self.plan = plan
                 self.sent_assign.clear()   # the head takes the new plan before its next engine turn
         plan = self.plan
-        for k, identity in enumerate(self.slots, start=1):
-            nxt = self.peers[self.slots[k]].data_addr if k < len(self.slots) else ""
+        for k, identity in enumerate(held, start=1):
+            nxt = self.peers[held[k]].data_addr if k < len(held) else ""
             if self.sent_assign.get(k) == (identity, nxt) or self.peers[identity].retry_at > self.clock():
                 continue
             shard = plan.shards[k - 1]
@@ -298,7 +305,7 @@ class Membership:
         return [p for p in self.peers.values() if p.drafter and p.ready]
 
     def cluster_ready(self) -> bool:
-        return None not in self.slots and all(self.peers[i].ready for i in self.slots)
+        return None not in self.slots and all(i is not None and self.peers[i].ready for i in self.slots)
 
     def missing(self) -> list[str]:
         return [f"stage {k}" for k, i in enumerate(self.slots, 1) if i is None or not self.peers[i].ready]
@@ -367,7 +374,7 @@ class Membership:
         rows = []
         for k, identity in enumerate(self.slots, start=1):
             p = self.peers.get(identity) if identity else None
-            layers = list(ranges[k - 1]) if ranges else []
+            layers: list[int] = list(ranges[k - 1]) if ranges else []
             if p is None:
                 rows.append({"node_id": "", "role": "stage", "stage": k, "ready": False, "address": "",
                              "layers": layers, "missing": True})

@@ -17,6 +17,7 @@ import signal
 import time
 import tracemalloc
 from collections import Counter
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,10 @@ class MemDebug:
             log.exception("memdebug report failed")
 
 
-def install(env: dict | None = None) -> MemDebug | None:
+def install(env: Mapping[str, str] | None = None) -> MemDebug | None:
     """Start tracing and take SIGUSR2 when FLOWEDGE_MEMDEBUG names a file (main thread only)."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     path = env.get(ENV)
     if not path:
         return None

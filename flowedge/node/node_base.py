@@ -146,7 +146,7 @@ class NodeBase(ABC):
                 self._waiting_for_head(err, tries, min(HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S * 2 ** tries))
                 if (not isinstance(err, Refused) or len(self.heads) > 1) and self._unanswered():
                     tries = 0   # another head: its first HELLO waits the shortest again
-        if self.stop.is_set():
+        if self.stop.is_set() or welcome is None:   # None: only once stopped (_await_welcome)
             return None
         self.heartbeat_s = welcome.heartbeat_interval_ms / 1000
         self.last_head = time.monotonic()
@@ -189,14 +189,14 @@ class NodeBase(ABC):
         a refusal, an odd answer or none (PeerUnreachable for a send the link refused: waited out too)."""
         deadline = time.monotonic() + wait_s
         try:
-            self.ctrl.send(hello)
+            self.head_link.send(hello)
         except PeerUnreachable:
             self._pause(deadline - time.monotonic())
             raise
         while not self.stop.is_set():
             self.notifier.tick(self._sd_status)
             left = deadline - time.monotonic()
-            got = self.ctrl.next_message(max(0.0, min(WAIT_SLICE_S, left)))
+            got = self.head_link.next_message(max(0.0, min(WAIT_SLICE_S, left)))
             if got is not None or left <= 0:
                 return welcome_from(got, wait_s)
         return None
@@ -229,6 +229,12 @@ class NodeBase(ABC):
             self.ctrl.close()
         self.ctrl = self.link.connect(Kind.DEALER, tcp(self.head_host, self.head_port))
 
+    @property
+    def head_link(self) -> Endpoint:
+        """The control connection: every send or read on it comes after `_hello` connected it."""
+        assert self.ctrl is not None, "the control connection is used before HELLO connected it"
+        return self.ctrl
+
     # ---- serving --------------------------------------------------------------------------------
     def _serve(self) -> None:
         wait_s = min(100, self.config.heartbeat_ms // 2) / 1000   # a beat is never late by more than half a period
@@ -239,19 +245,19 @@ class NodeBase(ABC):
             # judged on what could be read: the head's heartbeats that came in during a long step are
             # still queued, and a head is dead only if nothing from it is waiting either
             if time.monotonic() - self.last_head > self.config.stage_timeout_s and \
-                    not self.link.wait([self.ctrl], 0):
+                    not self.link.wait([self.head_link], 0):
                 raise Rejoin(f"no word from the head for {self.config.stage_timeout_s:g} s")
 
     # ---- the control connection -----------------------------------------------------------------
     def _to_head(self, msg: proto.Message) -> None:
         """A control message to the head; one the link cannot take is dropped (liveness judges the head)."""
         try:
-            self.ctrl.send(msg)
+            self.head_link.send(msg)
         except PeerUnreachable as err:
             self.log.debug("to the head: %s", err)
 
     def _recv_ctrl(self, timeout_s: float) -> proto.Message | None:
-        got = self.ctrl.next_message(timeout_s)
+        got = self.head_link.next_message(timeout_s)
         return None if got is None else self._decode_ctrl(got)
 
     def _decode_ctrl(self, got: Inbound) -> proto.Message | None:

@@ -25,7 +25,9 @@ from typing import Any
 from flowedge.engine.drafter import resolve_draft_quant
 from flowedge.engine.head_drafter import draft_source, is_head, load_draft
 from flowedge.errors import ConfigError, ModelError
+from flowedge.models.config import ModelConfig
 from flowedge.models.content_hash import SHORT, memo_at, model_sha256, short
+from flowedge.models.draft_head import DraftHead
 from flowedge.models.packing import storage_quant
 from flowedge.models.shards import MANIFEST, Manifest, is_referenced
 from flowedge.models.split import layer_counts, split_model
@@ -43,9 +45,9 @@ class Plan:
     shards: list[ShardFile]
     head_file: ShardFile          # embedding + final norm + lm_head: also sent to a token-choosing last stage
     head_model: StageModel
-    draft_model: object | None       # a draft model (StageModel) or a draft head (models/draft_head.py)
+    draft_model: StageModel | DraftHead | None   # a draft model or a draft head (models/draft_head.py)
     tokenizer: object
-    base_config: object
+    base_config: ModelConfig
     draft_files: tuple[ShardFile, ShardFile] | None = None   # the draft as a one-stage split: (layers, head
                                                             # file) a drafter fetches (predraft = drafter)
     model_sha256: str = ""        # the base model's content key: in status, checked when a stage joins

@@ -64,7 +64,7 @@ class Record:
             return None
         if not isinstance(v, dict):
             raise Unfit("a map")
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in v.items():
             kind = self.fields.get(key) if isinstance(key, str) else None
             if kind is None:
@@ -133,6 +133,8 @@ def clean_stats(stats: Any) -> tuple[dict[str, Any], list[str]]:
     """What of a heartbeat's stats the head keeps, and the keys it dropped (dotted paths, shortened)."""
     refused: list[str] = []
     try:
-        return STATS.clean(stats, refused, ""), refused
+        kept = STATS.clean(stats, refused, "")
     except Unfit:
         return {}, ["(not a map)"]
+    assert kept is not None, "STATS is not nullable"
+    return kept, refused

@@ -63,7 +63,7 @@ def build_head(config: NodeConfig, stop: threading.Event | None = None, link: Li
     scheduler = request_scheduler(engines, Limits(   # first: the draft dispatcher hands it the drafters' answers
         recovery_s=config.recovery_s, stall_s=config.stall_timeout_s, max_running=config.max_concurrent,
         max_queued_per_client=config.max_queued_per_client))
-    drafts = DraftDispatch(members, control.send, lambda: engines.plan.draft_model, drops, scheduler.deliver)
+    drafts = DraftDispatch(members, control.send, lambda: engines.in_force.draft_model, drops, scheduler.deliver)
     outbox = HeadOutbox(link, control, members, config.wire_dtype, drafts)
     replica = Replicator(control, members, config.name, config.heartbeat_ms / 1000)
     requests = HeadRequests(engines, ReplicatingOut(outbox, replica), client_weights=config.client_weights,

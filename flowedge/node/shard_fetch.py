@@ -21,7 +21,7 @@ import shutil
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from flowedge.errors import ChecksumError, ModelError, ProtocolError
 from flowedge.filenames import is_plain_file_name
@@ -115,7 +115,22 @@ def cached_shas(home: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file()) if root.is_dir() else []
 
 
-def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardRequest], None],
+class ShardOrder(Protocol):
+    """What a fetch reads of the message that ordered it: a stage's Assign or a drafter's DraftSetup."""
+
+    @property
+    def shard_sha256(self) -> str: ...
+    @property
+    def shard_bytes(self) -> int: ...
+    @property
+    def head_sha256(self) -> str: ...
+    @property
+    def head_bytes(self) -> int: ...
+    @property
+    def side_files(self) -> dict[str, str]: ...
+
+
+def fetch(assign: ShardOrder, home: Path, request: Callable[[proto.ShardRequest], None],
           receive: Callable[[float], proto.ShardChunk | None], timeout_s: float = 60.0) -> Path:
     """Stage side: fetch the assigned shard through `request`/`receive`, verify, and cache it.
 
@@ -141,7 +156,7 @@ def fetch(assign: proto.Assign, home: Path, request: Callable[[proto.ShardReques
     return final
 
 
-def _stage_file_name(split_dir: Path, assign: proto.Assign) -> str:
+def _stage_file_name(split_dir: Path, assign: ShardOrder) -> str:
     if not (split_dir / MANIFEST).is_file():
         raise ProtocolError("assignment carries no manifest.json: cannot place the shard")
     try:
@@ -154,7 +169,7 @@ def _stage_file_name(split_dir: Path, assign: proto.Assign) -> str:
     raise ProtocolError("assigned shard sha256 is not in the head's manifest")
 
 
-def fetch_head_file(assign: proto.Assign, shard_dir: Path, request: Callable[[proto.ShardRequest], None],
+def fetch_head_file(assign: ShardOrder, shard_dir: Path, request: Callable[[proto.ShardRequest], None],
                     receive: Callable[[float], proto.ShardChunk | None], timeout_s: float = 60.0) -> None:
     """Stage side, last stage only: add the split's head file to a cached shard directory (fetched
     under a temporary name, renamed into place once it hashed to `assign.head_sha256`)."""
@@ -212,7 +227,7 @@ def _download(sha256: str, total: int, path: Path, request, receive, timeout_s: 
 def damaged_files(entry: Path, assign: proto.Assign) -> list[str]:
     """sha256s of the assigned files in a cache entry that are missing or fail their size or checksum."""
     manifest = Manifest.load(entry)
-    specs = [s for s in manifest.stages if s.sha256 == assign.shard_sha256]
+    specs: list[StageSpec | FileSpec] = [s for s in manifest.stages if s.sha256 == assign.shard_sha256]
     specs += [manifest.head] if assign.head_sha256 else []
     bad = []
     for spec in specs:

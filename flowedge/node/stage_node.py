@@ -139,9 +139,11 @@ class StageNode(NodeBase):
                      assign.layer_start, assign.layer_end, assign.model, time.monotonic() - t0,
                      psutil.Process().memory_info().rss / 1e6)
         self.assign = assign
-        self.worker.index = assign.stage_index
-        self.worker.reset()   # request ids are the head's: a (re)assignment starts them afresh
-        self.inbox = StageInbox(self.worker, plan_for(self.worker, assign.hidden_wire), self.drops)
+        worker = self.worker
+        assert worker is not None, "_needs_load is true while no worker is held"
+        worker.index = assign.stage_index
+        worker.reset()   # request ids are the head's: a (re)assignment starts them afresh
+        self.inbox = StageInbox(worker, plan_for(worker, assign.hidden_wire), self.drops)
         if self.data_out is not None:
             self.data_out.close()
         self.data_out = self.link.connect(Kind.OUTBOUND, assign.next_addr or tcp(self.head_host, self.head_port + 1))
@@ -193,7 +195,7 @@ class StageNode(NodeBase):
 
     # ---- serving --------------------------------------------------------------------------------
     def _poll(self, wait_s: float) -> None:
-        if self.link.wait([self.ctrl, self.data_in], wait_s):
+        if self.link.wait([self.head_link, self.data_in], wait_s):
             self._take_arrived()
 
     def _take_arrived(self) -> None:
@@ -202,7 +204,7 @@ class StageNode(NodeBase):
         events: list = []
         while len(events) < MAX_BATCH_MESSAGES and not self.stop.is_set():
             got = False
-            ctrl = self.ctrl.next_message(0)
+            ctrl = self.head_link.next_message(0)
             if ctrl is not None:
                 got = True
                 msg = self._decode_ctrl(ctrl)
@@ -262,12 +264,13 @@ class StageNode(NodeBase):
     def _handle_all(self, events: list) -> None:
         """One batched step on the compute thread; this thread heartbeats while it runs (beating.py)."""
         t0 = time.perf_counter()
-        inbox = self.inbox
+        inbox, data_out = self.inbox, self.data_out
+        assert inbox is not None and data_out is not None, "events are admitted only under an applied assignment"
         done = self.compute.run(lambda: inbox.run(events), lambda: self._beat(busy=True),
                                 self.config.heartbeat_ms / 1000 / 2, give_up_s=self.config.stall_timeout_s)
         for out in done.sends:
             try:
-                self.wire.send(self.data_out, out)
+                self.wire.send(data_out, out)
             except PeerUnreachable as err:   # the next hop is gone or full: the head's liveness deals with it
                 self.drops.drop("next_hop_unreachable", str(err))
         dt = time.perf_counter() - t0

@@ -12,6 +12,8 @@ ProtocolError, so a node drops and counts the frame as it does a malformed one.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flowedge.core.prune import PruneSet
@@ -25,9 +27,10 @@ from flowedge.transport.link import Endpoint
 
 def segment_to_wire(seg: events.Segment, hidden_wire: str) -> proto.Segment:
     """Hidden states, or the last stage's chosen tokens."""
-    sampling = {} if seg.sampling is None else dict(
+    sampling: dict[str, Any] = {} if seg.sampling is None else dict(
         temperature=float(seg.sampling.temperature), top_k=seg.sampling.top_k, top_p=float(seg.sampling.top_p),
         seed=seg.sampling.seed)
+    payload: dict[str, Any]
     if seg.tokens is not None:
         payload = dict(token_ids=seg.tokens)
     elif seg.hidden is None:
@@ -83,13 +86,11 @@ def to_wire(message, hidden_wire: str) -> proto.Message:
 def from_wire(msg: proto.Message, dtype: torch.dtype):
     """The engine event for a data-plane wire message, or None if it is not one; ProtocolError for one the
     engine's types refuse."""
-    try:
-        if isinstance(msg, proto.Segment):
-            return segment_from_wire(msg, dtype)
-        if isinstance(msg, proto.Prune):
-            return prune_from_wire(msg)
-    except (ValueError, IndexError, TypeError, ConfigError) as err:   # safety net: peer input never crashes
-        raise ProtocolError(proto.bounded(f"{msg.TYPE} of run {msg.run_id}: {err}", 512)) from None
+    if isinstance(msg, (proto.Segment, proto.Prune)):
+        try:
+            return segment_from_wire(msg, dtype) if isinstance(msg, proto.Segment) else prune_from_wire(msg)
+        except (ValueError, IndexError, TypeError, ConfigError) as err:   # safety net: peer input never crashes
+            raise ProtocolError(proto.bounded(f"{msg.TYPE} of run {msg.run_id}: {err}", 512)) from None
     if isinstance(msg, proto.Reset):
         return events.Finish(msg.run_id)
     return None
