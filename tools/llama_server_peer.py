@@ -12,10 +12,11 @@ import json
 import logging
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from testbed.client import healthy_within   # the same /health poll the testbed's client does
 
 log = logging.getLogger("llama_server_peer")
 
@@ -60,17 +61,12 @@ class LlamaServer:
                 self.proc.wait()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode} while loading {self.gguf}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
+        proc = self.proc
+        assert proc is not None
+        if healthy_within(self.url, READY_TIMEOUT_S, gone=lambda: proc.poll() is not None):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited {proc.returncode} while loading {self.gguf}")
         raise RuntimeError(f"llama-server was not ready within {READY_TIMEOUT_S:.0f} s")
 
     def complete(self, ids: list[int], max_new: int) -> dict:

@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 WARM_UP = "Say hi."
@@ -51,17 +52,24 @@ def _post(url: str, body: dict, timeout_s: float) -> dict:
         return json.loads(resp.read())
 
 
-def llama_ready(url: str, timeout_s: float) -> None:
+def healthy_within(url: str, timeout_s: float, gone: Callable[[], bool] = lambda: False) -> bool:
+    """Poll a llama-server's /health until it answers 200 (True), or `timeout_s` passes or `gone()` says
+    the server has exited (False)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not gone():
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
                 if resp.status == 200:
-                    return
+                    return True
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(0.5)
-    raise SystemExit(f"llama-server at {url} was not ready within {timeout_s:.0f} s")
+        time.sleep(0.3)
+    return False
+
+
+def llama_ready(url: str, timeout_s: float) -> None:
+    if not healthy_within(url, timeout_s):
+        raise SystemExit(f"llama-server at {url} was not ready within {timeout_s:.0f} s")
 
 
 def llama_prompts(url: str, cases: list[dict], max_new: int) -> None:
