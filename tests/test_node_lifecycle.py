@@ -74,7 +74,7 @@ class FakePort(EnginePort, OutPort):
         self.context = context   # the scheduler's clock and load, as every engine gets them
         return self.engine_
 
-    def accept(self, engine, msg):
+    def accept(self, msg):
         return msg
 
     def text_stream(self, sink):

@@ -42,7 +42,7 @@ def run_in_turn(handlers: list[Callable[[], list]]) -> list:
 
 class Scheduler:
     """`make_engine(request, context)` builds a request's engine (a `Head`) that reads the scheduler's load
-    through `context` (engine/engine_context.py; the time goes with each call); `accept(engine, item)` turns
+    through `context` (engine/engine_context.py; the time goes with each call); `accept(item)` turns
     what came back from the pipeline into its event (None: dropped; the daemon decodes wire segments there);
     `kv_budget()` is the tightest stage's budget now (None: no limit known). `batcher`: node 0's
     `DraftBatcher`, whose `run_step` runs a step's handlers side by side (`run_handlers` overrides it).
@@ -51,7 +51,7 @@ class Scheduler:
 
     def __init__(self, make_engine: Callable[[Request, EngineContext], RequestEngine], limits: Limits = Limits(),
                  kv_budget: Callable[[], KvBudget | None] = lambda: None,
-                 accept: Callable[..., object] = lambda engine, item: item,
+                 accept: Callable[..., object] = lambda item: item,
                  batcher=None, run_handlers: Handlers | None = None, contain_errors: bool = True,
                  keep_ended_engines: bool = False) -> None:
         """`keep_ended_engines`: the simulator inspects the engines of ended requests (its reports and
@@ -342,7 +342,7 @@ class Scheduler:
             return None
         while req.work:
             follow_up, item = req.work.popleft()
-            event = item if follow_up else self.accept(req.engine, item)
+            event = item if follow_up else self.accept(item)
             if event is not None:
                 return event
         return None

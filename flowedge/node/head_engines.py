@@ -176,7 +176,7 @@ class HeadEngines:
         cfg = self.in_force.base_config
         return ReturnPlan(cfg.hidden_size, cfg.vocab_size)
 
-    def accept(self, engine, msg: proto.Segment):
+    def accept(self, msg: proto.Segment):
         """A routed segment (checked on arrival: node/run_router.py) as its engine's event, in the compute
         dtype; None: dropped and counted."""
         try:

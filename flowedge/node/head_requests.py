@@ -50,7 +50,7 @@ class EnginePort(Protocol):
     """What the head computes with (the head's `HeadEngines`)."""
 
     def prepare(self, msg: proto.PromptRequest) -> Prepared: ...
-    def accept(self, engine, msg: proto.Segment): ...   # a routed segment -> engine event, or None (dropped)
+    def accept(self, msg: proto.Segment): ...   # a routed segment -> engine event, or None (dropped)
     def kv_budget(self) -> KvBudget | None: ...   # the tightest stage's KV tokens (None: no limit known)
     def kv_need(self, prepared: Prepared, max_new_tokens: int) -> int: ...
     def engine(self, strategy: str, context: EngineContext): ...   # one request's engine (engine_context.py)
