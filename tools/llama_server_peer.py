@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -18,16 +17,12 @@ from pathlib import Path
 
 from testbed.client import healthy_within   # the same /health poll the testbed's client does
 
+from flowedge.transport.addresses import free_port_run
+
 log = logging.getLogger("llama_server_peer")
 
 READY_TIMEOUT_S = 120.0
 ANSWER_TIMEOUT_S = 1800.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LlamaServer:
@@ -35,7 +30,7 @@ class LlamaServer:
 
     def __init__(self, bin_dir: Path, gguf: Path, threads: int, context: int = 2048) -> None:
         self.bin_dir, self.gguf, self.threads, self.context = Path(bin_dir), Path(gguf), threads, context
-        self.port = free_port()
+        self.port = free_port_run(1)
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 

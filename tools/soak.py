@@ -42,15 +42,9 @@ from soak_standby import Standby
 from flowedge.client.sync_client import wait_ready
 from flowedge.errors import ConfigError
 from flowedge.launch import local_cluster
+from flowedge.transport.addresses import free_port_run
 
 log = logging.getLogger("soak")
-
-
-def free_port(span: int = 1) -> int:
-    """A port p with p .. p + span - 1 all free: the head binds two, a standby the third."""
-    from flowedge.transport.addresses import free_port_run
-
-    return free_port_run(span)
 
 
 class Processes:
@@ -191,7 +185,7 @@ def start(args: ClusterOptions, home: Path) -> Processes:
         from flowedge.models.tiny import make_tiny_pair
 
         model, draft = map(str, make_tiny_pair(home / "tiny-pair"))
-    port = args.port or free_port(span=3)
+    port = args.port or free_port_run(3)
     standby_addr = f"127.0.0.1:{port + 2}" if args.standby else ""
     spec = local_cluster.LocalClusterSpec(nodes=args.nodes, model=model, draft=draft, port=port,
                                           threads=1, recovery_s=args.recovery, standby_addr=standby_addr)
@@ -203,7 +197,7 @@ def start(args: ClusterOptions, home: Path) -> Processes:
             standby.start()
             standby.wait_following(600)
         heads = ",".join(standby.heads) if standby else spec.addr
-        listen = f"127.0.0.1:{args.http_port or free_port()}"
+        listen = f"127.0.0.1:{args.http_port or free_port_run(1)}"
         with open(cluster.run_dir / "http.log", "ab") as logf:
             http = subprocess.Popen([sys.executable, "-m", "flowedge", "http", "--listen", listen,
                                      "--head", heads, *args.http_args],

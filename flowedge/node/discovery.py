@@ -23,6 +23,7 @@ import ifaddr
 from zeroconf import ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from flowedge.node.head_search import FoundHead
+from flowedge.transport.addresses import is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ SETTLE_S = 1.5            # after the first head answers, how long to listen for
 def lan_addresses(host: str) -> list[str]:
     """The IPv4 addresses a head bound to `host` can be reached at: that one, or every non-loopback
     interface address for a wildcard bind; [] for loopback."""
-    if host not in ("0.0.0.0", "*", ""):
+    if not is_wildcard(host):
         try:
             ip = ipaddress.ip_address(socket.gethostbyname(host))
         except (OSError, ValueError):

@@ -20,7 +20,7 @@ import threading
 import time
 
 from flowedge.node.node_config import NodeConfig, flowedge_home
-from flowedge.transport.addresses import split_addr, tcp
+from flowedge.transport.addresses import is_wildcard, split_addr, tcp
 from flowedge.node.fencing import TermGuard, next_term
 from flowedge.node.head_node import HeadNode
 from flowedge.node.data_port import reachable_ip
@@ -208,6 +208,6 @@ def announced(listen: str, head: str) -> str:
     (`0.0.0.0:5555`, a head's usual address, which a rejoining head keeps) this host's address on the
     head's network, so that the head's status and its deposition probe name a reachable address."""
     host, port = split_addr(listen)
-    if host not in ("0.0.0.0", "*", ""):
+    if not is_wildcard(host):
         return listen
     return f"{reachable_ip(split_addr(head)[0])}:{port}"

@@ -5,6 +5,9 @@ link, so that the client (which imports only transport and errors) needs nothing
 """
 from __future__ import annotations
 
+import random
+import socket
+
 from flowedge.errors import ConfigError
 
 DEFAULT_PORT = 5555          # head: control + clients (ROUTER); port + 1: pipeline return (PULL)
@@ -34,6 +37,11 @@ def head_addresses(addr: str) -> list[str]:
     return heads
 
 
+def is_wildcard(host: str) -> bool:
+    """A bind to every interface (`0.0.0.0`, `*`, or no host): not an address a peer can dial."""
+    return host in ("0.0.0.0", "*", "")
+
+
 def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
@@ -46,13 +54,10 @@ def free_port_run(span: int = 1, host: str = "127.0.0.1") -> int:
     again, between the pick and the listener's bind, as the source port of any outgoing connection, and a
     cluster's own nodes connect to each other all the time; seen as "Address already in use" at a standby's
     start."""
-    import random
-    import socket
-
     low, _ = _ephemeral_range()
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low - span)
-        if all(_bindable(host, port + k, socket) for k in range(span)):
+        if all(_bindable(host, port + k) for k in range(span)):
             return port
     raise RuntimeError(f"no {span} free ports in a row below {low} on {host}")
 
@@ -66,7 +71,7 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999   # Linux's default
 
 
-def _bindable(host: str, port: int, socket) -> bool:
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind((host, port))
