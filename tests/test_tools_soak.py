@@ -167,7 +167,7 @@ def test_a_short_soak_with_every_fault_loses_and_spoils_nothing(tmp_path):
                            "--head-kill-every", "25", "--stage-kill-every", "15", "--chaos-every", "8",
                            "--warmup", "5", "--sample-every", "2", "--json", str(out), "--home", str(tmp_path)],
                           capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:] + _trouble(tmp_path)
     fig = json.loads(out.read_text())
     chaos = fig["chaos"]
     assert chaos.get("stage-kill", 0) >= 2 and chaos.get("head-kill", 0) >= 1 and chaos.get("chaos"), fig["faults"]
@@ -180,6 +180,17 @@ def test_a_short_soak_with_every_fault_loses_and_spoils_nothing(tmp_path):
     assert fig["requests"] >= 30 and fig["answered_ok"] >= fig["sent"] - fig["clear_errors"], seen
     assert {"head", "standby", "stage-1", "stage-2", "http"} <= set(fig["processes"]), fig["processes"]
     assert all("fds_pct_per_h" in p for p in fig["processes"].values() if "rss_mb_per_h" in p), fig["processes"]
+
+
+def _trouble(home: Path, limit: int = 6000) -> str:
+    """The nodes' errors and tracebacks from a soak's logs: a failure in CI is explained by its own output."""
+    out = []
+    for log in sorted(home.glob("run/*/*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        picked = [i for i, line in enumerate(lines) if " ERROR " in line or "Traceback" in line or " 500 " in line]
+        shown = sorted({j for i in picked for j in range(i, min(i + 12, len(lines)))})
+        out += [f"--- {log.name}"] + [lines[j] for j in shown]
+    return "\n" + "\n".join(out)[-limit:]
 
 
 def test_a_stream_that_ends_with_an_error_is_a_clear_error_not_a_wrong_answer(monkeypatch):

@@ -116,7 +116,8 @@ class Load:
             with Client(self.addr, timeout_s=120) as c:
                 self.refs["zmq", i] = c.generate(p, max_new_tokens=MAX_NEW)["token_ids"]
             r = httpx.post(f"{self.base}/v1/completions", json=self._body(i, False), timeout=120)
-            r.raise_for_status()
+            if r.status_code != 200:   # the body says why (an "internal error" names the exception)
+                raise RuntimeError(f"the reference answer to prompt {i} over HTTP: {r.status_code} {r.text[:2000]}")
             self.refs["http", i] = r.json()["choices"][0]["text"]
 
     def run(self, stop: threading.Event) -> list[threading.Thread]:

@@ -21,6 +21,7 @@ from flowedge.transport.codec import Message
 from flowedge.transport.link import Endpoint, Event, Inbound, Kind, PeerEvent
 from flowedge.transport.memory_link import MemoryNetwork
 from flowedge.transport.security import load_keys, secure_client, warn_insecure
+from flowedge.transport.zmq_link import monitor_of
 
 
 class AsyncDealer(ABC):
@@ -55,7 +56,7 @@ class ZmqAsyncDealer(AsyncDealer):
 
     def __init__(self, sock: zmq.asyncio.Socket, address: str = "") -> None:
         self.sock, self.address = sock, address
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = monitor_of(sock, zmq.EVENT_DISCONNECTED)
         self.poller = zmq.asyncio.Poller()
         for s in (self.sock, self.monitor):
             self.poller.register(s, zmq.POLLIN)

@@ -13,12 +13,13 @@ HANDSHAKE_FAILED. A DEALER's monitor says when its connection to the server clos
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -35,8 +36,19 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+_MONITOR_NUMBERS = itertools.count()
+_Socket = TypeVar("_Socket", bound=zmq.Socket)
+
+
 def tcp(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
+
+
+def monitor_of(sock: _Socket, events: int) -> _Socket:
+    """`sock`'s monitor on an inproc address no other socket ever had. pyzmq's default names it after the
+    socket's file descriptor, which a new socket reuses while libzmq still holds the closed one's address:
+    "Address already in use" for the new socket (seen as an HTTP 500 when the API opened a connection)."""
+    return sock.get_monitor_socket(events, f"inproc://flowedge-monitor-{next(_MONITOR_NUMBERS)}")
 
 
 class ZmqEndpoint(Endpoint):
@@ -111,7 +123,7 @@ class ZmqRouter(ZmqEndpoint):
     monitor: zmq.Socket   # always there: its peer events
 
     def __init__(self, sock: zmq.Socket, address: str) -> None:
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        monitor = monitor_of(sock, _HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         super().__init__(Kind.ROUTER, sock, address, monitor)
         self.connections = ConnectionTracker()
 
@@ -183,7 +195,7 @@ class ZmqLink(Link):
             raise LinkError(f"{kind.value} endpoints listen; they do not connect")
         sock = self._socket(kind)
         self.security.client(sock)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if kind is Kind.DEALER else None
+        monitor = monitor_of(sock, zmq.EVENT_DISCONNECTED) if kind is Kind.DEALER else None
         sock.connect(address)
         return self._keep(ZmqEndpoint(kind, sock, address, monitor))
 
