@@ -35,11 +35,17 @@ arm-cross:
 demo: setup
 	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
 
+# The suite in two passes: most tests on TEST_WORKERS pytest-xdist workers (a file per worker at a time,
+# tests/conftest.py), then the `serial` ones alone, as their timing assertions expect a box of their own.
+TEST_WORKERS ?= 2
 test: setup browser arm-cross
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=20; \
+		parallel=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=10; \
+		serial=$$?; [ $$parallel = 0 ] && [ $$serial = 0 ]
 
 test-fast: setup browser arm-cross
-	$(PY) -m pytest -q -p no:cacheprovider -m "not real_model"
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup -m "not real_model"
 
 bench: setup
 	$(FLOWEDGE) bench --dataset mt-bench --dataset humaneval --samples 10 --max-new-tokens 128 \

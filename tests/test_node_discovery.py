@@ -30,6 +30,7 @@ from flowedge.transport.link import Inbound, Kind, port_of
 from flowedge.transport.zmq_link import ZmqLink
 
 LAB = f"lab.{discovery.SERVICE_TYPE}"
+pytestmark = pytest.mark.serial   # mDNS on this host's LAN: no other worker announcing meanwhile (Makefile)
 
 
 def _lan_ip() -> str:

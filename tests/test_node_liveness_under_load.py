@@ -21,6 +21,8 @@ from flowedge.node.beating import BeatingWorker
 
 STAGE_TIMEOUT_S = 0.3   # 3 heartbeats of 100 ms: the steps below take several times longer
 
+pytestmark = pytest.mark.serial   # judged against the clock: run alone (Makefile)
+
 
 def test_beats_go_on_while_the_work_runs_and_its_result_or_error_comes_back():
     worker = BeatingWorker("test")

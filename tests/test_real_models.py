@@ -76,34 +76,14 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
         assert all(p == head.prefix_at_version[v] for v, p in st.history)
 
 
-def test_local_cluster_of_real_processes_matches_greedy(real_pair, references, tmp_path):
-    """`flowedge up` on the real pair (3 processes, W4A16 stages, float32 wire) + a streamed prompt == plain
-    greedy of the same W4A16 model."""
-    from cluster_helpers import free_port_pair, logs, start_cluster
-
-    from flowedge.client.sync_client import Client
-    from flowedge.launch.local_cluster import LocalClusterSpec
-
-    spec = LocalClusterSpec(nodes=3, port=free_port_pair(), wire_dtype="float32", tree_nodes=24,
-                            stage_timeout_s=120.0)
-    cluster = start_cluster(spec)
-    try:
-        with Client(spec.addr, timeout_s=600) as client:
-            pieces = list(client.stream(PROMPTS[0], max_new_tokens=24, strategy="flowspec"))
-            assert client.last_result["token_ids"] == references[0], logs(cluster.run_dir)
-            assert "".join(pieces) == client.last_result["text"]
-            assert client.generate(PROMPTS[2], max_new_tokens=24, strategy="ar-pp")["token_ids"] == references[2]
-    finally:
-        cluster.stop()
-
-
 DEFAULT_PROMPTS = PROMPTS + ["List three uses of a Raspberry Pi at home."]
 
 
 def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded):
-    """`flowedge up` with the *default* settings (float32 wire, `auto`), 4 prompts x 64 tokens one at a
-    time and 3 at once: every answer equals plain greedy decoding of the same W4A16 model in one process. Rows are
-    row-invariant through every kernel, so neither the strategy nor the load changes a token."""
+    """`flowedge up` with the *default* settings (3 processes, W4A16 stages, float32 wire, `auto`), 4 prompts x
+    64 tokens one at a time (the first streamed) and then all at once, each with another strategy (3 run, the
+    4th queues behind them): every answer equals plain greedy decoding of the same W4A16 model in one process.
+    Rows are row-invariant through every kernel, so neither the strategy nor the load changes a token."""
     import threading
 
     from cluster_helpers import free_port_pair, logs, start_cluster
@@ -124,21 +104,25 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
     cluster = start_cluster(spec)
     try:
         with Client(spec.addr, timeout_s=600) as client:       # one at a time, the default strategy
-            alone = [client.generate(p, max_new_tokens=64)["token_ids"] for p in DEFAULT_PROMPTS]
+            pieces = list(client.stream(DEFAULT_PROMPTS[0], max_new_tokens=64))
+            alone = [client.last_result["token_ids"]]
+            assert "".join(pieces) == client.last_result["text"]
+            alone += [client.generate(p, max_new_tokens=64)["token_ids"] for p in DEFAULT_PROMPTS[1:]]
         assert alone == refs, logs(cluster.run_dir)
-        for strategy in ("auto", "flowspec"):                  # 3 running at once (the 4th queued behind them)
-            together: dict[int, list[int]] = {}
+        strategies = ("auto", "flowspec", "ar-pp", "flowspec")
+        together: dict[int, list[int]] = {}
 
-            def ask(i: int) -> None:
-                with Client(spec.addr, timeout_s=600) as client:
-                    together[i] = client.generate(DEFAULT_PROMPTS[i], max_new_tokens=64, strategy=strategy)["token_ids"]
+        def ask(i: int) -> None:
+            with Client(spec.addr, timeout_s=600) as client:
+                together[i] = client.generate(DEFAULT_PROMPTS[i], max_new_tokens=64,
+                                              strategy=strategies[i])["token_ids"]
 
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(DEFAULT_PROMPTS))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=900)
-            answers = [together.get(i) for i in range(len(DEFAULT_PROMPTS))]
-            assert answers == refs, (strategy, logs(cluster.run_dir))
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(DEFAULT_PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=900)
+        answers = [together.get(i) for i in range(len(DEFAULT_PROMPTS))]
+        assert answers == refs, (strategies, logs(cluster.run_dir))
     finally:
         cluster.stop()

@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import fairness_drill  # noqa: E402
 from flowedge.errors import Busy  # noqa: E402
+
+pytestmark = pytest.mark.serial   # judged against the clock: run alone (Makefile)
+
 
 def test_a_non_answer_is_counted_by_its_error_not_taken_for_an_answer():
     import httpx

@@ -157,6 +157,7 @@ def test_the_standby_config_is_the_heads_with_the_standby_keys(tmp_path):
                    "failover_s": soak_standby.FAILOVER_S, "stages": 2, "layers": [2, 2]}
 
 
+@pytest.mark.serial   # spurious errors are judged against the clock: run alone (Makefile)
 def test_a_short_soak_with_every_fault_loses_and_spoils_nothing(tmp_path):
     """The soak CI can afford, with every fault the hour-long one has: a tiny cluster with a standby head under
     HTTP and ZeroMQ load for 60 s, a stage kill -9'ed every 15 s (restarted), quick chaos every 8 s, and the
