@@ -77,11 +77,12 @@ def test_pipelined_flowspec_matches_greedy(real_pair, encoded, references):
 
 
 DEFAULT_PROMPTS = PROMPTS + ["List three uses of a Raspberry Pi at home."]
+ANSWER_TOKENS = 32   # long enough for a kernel that is not row-invariant to show; each costs 8 of them
 
 
 def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded):
     """`flowedge up` with the *default* settings (3 processes, W4A16 stages, float32 wire, `auto`), 4 prompts x
-    64 tokens one at a time (the first streamed) and then all at once, each with another strategy (3 run, the
+    32 tokens one at a time (the first streamed) and then all at once, each with another strategy (3 run, the
     4th queues behind them): every answer equals plain greedy decoding of the same W4A16 model in one process.
     Rows are row-invariant through every kernel, so neither the strategy nor the load changes a token."""
     import threading
@@ -96,7 +97,7 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
 
     tok = load_tokenizer(real_pair[0])
     model = StageModel.load(real_pair[0])
-    refs = [generate_ar_staged(model, encode_prompt(tok, p, chat=True), 64, SamplingParams()).token_ids
+    refs = [generate_ar_staged(model, encode_prompt(tok, p, chat=True), ANSWER_TOKENS, SamplingParams()).token_ids
             for p in DEFAULT_PROMPTS]
     del model
     spec = LocalClusterSpec(nodes=3, port=free_port_pair(), stage_timeout_s=120.0, max_concurrent=3)
@@ -104,17 +105,17 @@ def test_default_cluster_answers_equal_ar_alone_and_together(real_pair, encoded)
     cluster = start_cluster(spec)
     try:
         with Client(spec.addr, timeout_s=600) as client:       # one at a time, the default strategy
-            pieces = list(client.stream(DEFAULT_PROMPTS[0], max_new_tokens=64))
+            pieces = list(client.stream(DEFAULT_PROMPTS[0], max_new_tokens=ANSWER_TOKENS))
             alone = [client.last_result["token_ids"]]
             assert "".join(pieces) == client.last_result["text"]
-            alone += [client.generate(p, max_new_tokens=64)["token_ids"] for p in DEFAULT_PROMPTS[1:]]
+            alone += [client.generate(p, max_new_tokens=ANSWER_TOKENS)["token_ids"] for p in DEFAULT_PROMPTS[1:]]
         assert alone == refs, logs(cluster.run_dir)
         strategies = ("auto", "flowspec", "ar-pp", "flowspec")
         together: dict[int, list[int]] = {}
 
         def ask(i: int) -> None:
             with Client(spec.addr, timeout_s=600) as client:
-                together[i] = client.generate(DEFAULT_PROMPTS[i], max_new_tokens=64,
+                together[i] = client.generate(DEFAULT_PROMPTS[i], max_new_tokens=ANSWER_TOKENS,
                                               strategy=strategies[i])["token_ids"]
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(DEFAULT_PROMPTS))]

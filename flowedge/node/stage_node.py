@@ -31,7 +31,8 @@ from flowedge.errors import FlowedgeError, PeerUnreachable, ProtocolError, Rejoi
 from flowedge.models.shards import Manifest
 from flowedge.models.stage import StageModel, StageParts
 from flowedge.node import model_check, shard_fetch, wire
-from flowedge.node.node_base import HELLO_MAX_WAIT_S, HELLO_TIMEOUT_S, NodeBase, NodeParts
+from flowedge.node import node_base
+from flowedge.node.node_base import HELLO_MAX_WAIT_S, NodeBase, NodeParts
 from flowedge.node.node_config import NodeConfig
 from flowedge.node.stage_inbox import StageInbox, plan_for
 from flowedge.transport import protocol as proto
@@ -71,7 +72,7 @@ class StageNode(NodeBase):
         self.phase = f"joining the head at {self.config.head}"
         log.info("waiting for the head at %s to answer (HELLO, waiting %g s for an answer, then twice as long "
                  "each time up to %g s; start it with `flowedge serve` or `flowedge up`)", self.config.head,
-                 HELLO_TIMEOUT_S, HELLO_MAX_WAIT_S)
+                 node_base.HELLO_TIMEOUT_S, HELLO_MAX_WAIT_S)   # the wait `_hello` uses, read at the call
         welcome = self._hello(lambda: {"data_addr": self.data_addr, "want_stage": self._slot(),
                                        "cached_shards": shard_fetch.cached_shas(self.home),
                                        **model_check.held(self.model_sha256)})
