@@ -35,9 +35,12 @@ arm-cross:
 demo: setup
 	$(FLOWEDGE) up --nodes 3 --prompt "$(PROMPT)"
 
-# The suite in two passes: most tests on TEST_WORKERS pytest-xdist workers (a file per worker at a time,
-# tests/conftest.py), then the `serial` ones alone, as their timing assertions expect a box of their own.
-TEST_WORKERS ?= 2
+# The suite in two passes: most tests, then the `serial` ones alone, as their timing assertions expect a box of
+# their own. TEST_WORKERS=2 runs the first pass on two pytest-xdist workers (a file per worker at a time,
+# tests/conftest.py): 27 min instead of 36 on a 2-vCPU Xeon, but in one of two such runs two tests with
+# deadlines (the dashboard's streaming page, the drafter's job cache) missed them beside the real pair's
+# cluster, so the default stays one process (0: no workers) until they hold under that load.
+TEST_WORKERS ?= 0
 test: setup browser arm-cross
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=20; \
 		parallel=$$?; \

@@ -28,9 +28,7 @@ def tiny_head(tiny_pair, tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs two workers): a file's tests stay on one
     worker, so a module's cluster fixture starts once; every test on the real pair shares one worker, so one
-    fetch and conversion into the shared model cache runs at a time, and they go first: the longest group."""
+    fetch and conversion into the shared model cache runs at a time."""
     for item in items:
         group = "real-pair" if item.get_closest_marker("real_model") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    # the longest group first (the workers take groups in this order), so that no worker is left alone with it
-    items.sort(key=lambda item: not item.get_closest_marker("real_model"))
