@@ -26,7 +26,7 @@ def tiny_head(tiny_pair, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `--dist loadgroup` (`make test` runs two workers): a file's tests stay on one
+    """Groups for pytest-xdist's `--dist loadgroup` (`make test TEST_WORKERS=2`): a file's tests stay on one
     worker, so a module's cluster fixture starts once; every test on the real pair shares one worker, so one
     fetch and conversion into the shared model cache runs at a time."""
     for item in items:
